@@ -1,0 +1,347 @@
+"""Fleet hybrid parallel on CPU processes over gloo: every Paddle internal we replace, in one place.
+
+Stock Paddle 3.3.1 fleet assumes NCCL: its tensor-parallel ops have no CPU kernels, its pipeline
+p2p uses calc-stream variants gloo lacks, and its gloo groups collide in one shared store. Each
+patch below names the failing upstream call it replaces. `apply()` is idempotent, is called by
+`paddle_pp.topology` only when the device is CPU, and fails loudly if an internal it replaces has
+moved (a different Paddle version). Nothing here runs on GPU, where NCCL and stock fleet run.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from typing import Any
+
+import paddle
+import paddle.distributed as dist
+from paddle.autograd import PyLayer
+
+TARGET_PADDLE_VERSION = "3.3.1"
+
+_applied = False
+_group_stores: list[Any] = []  # per-group TCPStores must outlive their process groups
+
+
+class CPUBackendError(RuntimeError):
+    """A Paddle internal that the CPU backend replaces is missing."""
+
+
+def _require(module: Any, name: str) -> Any:
+    if not hasattr(module, name):
+        raise CPUBackendError(
+            f"paddle {paddle.__version__} has no {module.__name__}.{name}, which paddle_pp's CPU backend "
+            f"replaces (written for paddle {TARGET_PADDLE_VERSION}); install paddlepaddle=={TARGET_PADDLE_VERSION} "
+            "for CPU runs, or run on GPU where no patch is applied."
+        )
+    return getattr(module, name)
+
+
+def _replace(module: Any, name: str, value: Any) -> None:
+    _require(module, name)
+    setattr(module, name, value)
+
+
+def _group_or_default(group: Any) -> Any:
+    from paddle.distributed import collective
+
+    return collective._get_default_group() if group is None else group
+
+
+# ---------------------------------------------------------------- tensor-parallel ops (mp_ops)
+
+class _CopyToParallel(PyLayer):
+    """Identity forward, all-reduce backward: replaces `_C_ops.c_identity` (no CPU kernel)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, dy):
+        dy = dy.clone()
+        dist.all_reduce(dy, group=ctx.group)
+        return dy
+
+
+class _ReduceFromParallel(PyLayer):
+    """All-reduce forward, identity backward: replaces `all_reduce_on_calc_stream` + `c_identity` grad."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy
+
+
+def _gather_last_axis(x, group):
+    parts: list = []
+    dist.all_gather(parts, x, group=group)
+    return paddle.concat(parts, axis=-1)
+
+
+def _own_slice_last_axis(x, group):
+    width = x.shape[-1] // group.nranks
+    return x[..., group.rank * width:(group.rank + 1) * width].clone()
+
+
+class _SplitLastAxis(PyLayer):
+    """Keep this rank's slice forward, all-gather backward: replaces `_C_ops.c_split` (no CPU kernel)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _own_slice_last_axis(x, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _gather_last_axis(dy, ctx.group)
+
+
+class _GatherLastAxis(PyLayer):
+    """All-gather forward, own slice backward: replaces `_C_ops.c_concat` (no CPU kernel)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_last_axis(x, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _own_slice_last_axis(dy, ctx.group)
+
+
+class _VocabParallelCrossEntropy(PyLayer):
+    """Softmax cross-entropy over vocab-split logits: replaces `_C_ops.c_softmax_with_cross_entropy`.
+
+    Max and sum of exponentials are all-reduced so every rank sees the full-vocab normaliser; the
+    target logit comes from the rank whose slice holds it. Gradient: softmax - onehot, locally.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, label, group, ignore_index):
+        local_vocab = logits.shape[-1]
+        start = group.rank * local_vocab
+        row_max = logits.max(axis=-1, keepdim=True)
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - row_max
+        exp = paddle.exp(shifted)
+        denom = exp.sum(axis=-1, keepdim=True)
+        dist.all_reduce(denom, group=group)
+
+        local_label = label.astype("int64") - start
+        owned = paddle.logical_and(local_label >= 0, local_label < local_vocab)
+        safe_index = paddle.where(owned, local_label, paddle.zeros_like(local_label))
+        target = paddle.take_along_axis(shifted, safe_index, axis=-1) * owned.astype(logits.dtype)
+        dist.all_reduce(target, group=group)
+
+        kept = (label != ignore_index).astype(logits.dtype)
+        loss = (paddle.log(denom) - target) * kept
+        softmax = exp / denom
+        ctx.save_for_backward(softmax, safe_index, owned.astype(logits.dtype), kept)
+        ctx.mark_non_differentiable(softmax)
+        return loss, softmax
+
+    @staticmethod
+    def backward(ctx, dloss, _dsoftmax=None):
+        softmax, safe_index, owned, kept = ctx.saved_tensor()
+        onehot = paddle.nn.functional.one_hot(safe_index.squeeze(-1), softmax.shape[-1]).astype(softmax.dtype)
+        grad = (softmax - onehot * owned) * (dloss * kept)
+        return grad, None
+
+
+def _c_identity(tensor, group=None, skip_c_identity_dynamic=False):
+    if group is not None and not group.is_member():
+        return None
+    if skip_c_identity_dynamic:
+        return tensor
+    return _CopyToParallel.apply(tensor, _group_or_default(group))
+
+
+def _mp_allreduce(tensor, op=None, group=None, use_calc_stream=True, use_model_parallel=True,
+                  skip_c_identity_dynamic=False):
+    if group is not None and not group.is_member():
+        return None
+    if op is not None and op != dist.ReduceOp.SUM:
+        raise ValueError(f"_mp_allreduce supports only ReduceOp.SUM, got {op}")
+    return _ReduceFromParallel.apply(tensor, _group_or_default(group))
+
+
+def _c_split(tensor, group=None):
+    if group is not None and not group.is_member():
+        return None
+    return _SplitLastAxis.apply(tensor, _group_or_default(group))
+
+
+def _c_concat(tensor, group=None):
+    if group is not None and not group.is_member():
+        return None
+    return _GatherLastAxis.apply(tensor, _group_or_default(group))
+
+
+def _c_softmax_with_cross_entropy(logits, label, group=None, return_softmax=False, ignore_index=-100):
+    if group is not None and not group.is_member():
+        return None
+    if len(label.shape) == len(logits.shape) - 1:
+        label = label.unsqueeze(-1)
+    loss, softmax = _VocabParallelCrossEntropy.apply(logits, label, _group_or_default(group), ignore_index)
+    return (loss, softmax) if return_softmax else loss
+
+
+_TP_OPS = {
+    "_c_identity": _c_identity,
+    "_mp_allreduce": _mp_allreduce,
+    "_c_split": _c_split,
+    "_c_concat": _c_concat,
+    "_c_softmax_with_cross_entropy": _c_softmax_with_cross_entropy,
+}
+
+
+def _patch_tp_ops() -> None:
+    from paddle.distributed import collective
+    from paddle.distributed.fleet.layers.mpu import mp_ops
+
+    for name, replacement in _TP_OPS.items():
+        _replace(mp_ops, name, replacement)  # mp_layers calls them as mp_ops.<name>
+        _replace(collective, name, replacement)  # re-exported aliases (PaddleNLP's parallel_matmul uses these)
+
+
+# ---------------------------------------------------------------- device id and input broadcast
+
+def _patch_device_id() -> None:
+    """`PipelineLayer.__init__` reads `ParallelEnv().device_id`; `_device_id` is never set on CPU."""
+    from paddle.distributed import parallel
+
+    _require(parallel.ParallelEnv, "device_id")
+    parallel.ParallelEnv.device_id = property(lambda self: getattr(self, "_device_id", 0))
+
+
+def _broadcast_input_data(hcg, *inputs, **kwargs):
+    """`hybrid_parallel_util.broadcast_input_data` asserts a GPU/XPU device; the broadcast itself works on gloo."""
+    from paddle.distributed.fleet.utils import hybrid_parallel_util as util
+
+    place = paddle.CPUPlace()
+    if inputs:
+        inputs = util._broadcast_nested_data(hcg, "cpu", place, inputs)
+    if kwargs:
+        kwargs = util._broadcast_nested_data(hcg, "cpu", place, kwargs)
+    return inputs, kwargs
+
+
+def _patch_input_broadcast() -> None:
+    from paddle.distributed.fleet.meta_parallel import tensor_parallel
+    from paddle.distributed.fleet.utils import hybrid_parallel_util
+
+    _require(hybrid_parallel_util, "_broadcast_nested_data")
+    _replace(hybrid_parallel_util, "broadcast_input_data", _broadcast_input_data)
+    _replace(tensor_parallel, "broadcast_input_data", _broadcast_input_data)  # imported by name there
+
+
+# ---------------------------------------------------------------- pipeline p2p
+
+def _batch_send_recv(p2p_op_list) -> None:
+    """Replaces `p2p_communication.batch_send_recv_on_calc_stream`: gloo has no `send_on_calc_stream`.
+
+    All sends and receives of one batch are posted asynchronously, then all are waited on, which is
+    what NCCL's grouped p2p guarantees: no ordering of the peers' posts can deadlock.
+    """
+    from paddle.distributed.fleet.meta_parallel.pp_utils import p2p_communication as p2p
+
+    tasks = []
+    for op in p2p_op_list:
+        process_group = op.group.process_group
+        peer = op.group.get_group_rank(op.peer)
+        if op.op is p2p._send_on_calc_stream:
+            tasks.append(process_group.send(op.tensor, peer, False))
+        else:
+            tasks.append(process_group.recv(op.tensor, peer, False))
+    for task in tasks:
+        task.wait()
+
+
+def _patch_pipeline_p2p() -> None:
+    from paddle.distributed.fleet.meta_parallel.pp_utils import p2p_communication
+
+    _require(p2p_communication, "_send_on_calc_stream")
+    _replace(p2p_communication, "batch_send_recv_on_calc_stream", _batch_send_recv)
+
+
+# ---------------------------------------------------------------- gloo group creation
+
+def _endpoint_host() -> str:
+    endpoint = os.environ.get("PADDLE_CURRENT_ENDPOINT", "127.0.0.1:0")
+    return endpoint.rsplit(":", 1)[0]
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _make_new_process_group_impl(upstream):
+    """Replaces `collective._new_process_group_impl` for gloo sub-groups.
+
+    `ProcessGroupGloo`'s constructor rendezvouses on the store it is given without a key prefix,
+    so overlapping groups on the one global store overwrite each other's keys (hangs, "Connection
+    refused", "sizeof(impl_) == bytes.size()"). Each sub-group gets its own TCPStore: its rank 0
+    publishes a free port on the global store, then serves it; the members connect as clients.
+    """
+    from paddle.base import core
+
+    def new_process_group_impl(backend, store, rank, world_size, group_name, pg_options, group_id=0,
+                               nccl_comm_init_option=0, nccl_config=None):
+        if backend != "gloo" or group_id == 0:
+            return upstream(backend, store, rank, world_size, group_name, pg_options, group_id,
+                            nccl_comm_init_option, nccl_config)
+        key = f"paddle_pp/gloo_group_store/{group_id}"
+        if rank == 0:
+            host = _endpoint_host()
+            port = _free_port(host)
+            store.set(key, f"{host}:{port}".encode())
+            group_store = core.TCPStore(host, port, True, world_size, 900)
+        else:
+            host, port = bytes(store.get(key)).decode().rsplit(":", 1)
+            group_store = core.TCPStore(host, int(port), False, world_size, 900)
+        _group_stores.append(group_store)
+        return core.ProcessGroupGloo.create(group_store, rank, world_size, group_id)
+
+    return new_process_group_impl
+
+
+def _patch_group_creation() -> None:
+    from paddle.distributed import collective
+
+    upstream = _require(collective, "_new_process_group_impl")
+    _replace(collective, "_new_process_group_impl", _make_new_process_group_impl(upstream))
+
+
+# ---------------------------------------------------------------- entry point
+
+def apply() -> None:
+    """Install every patch once; a no-op on the second call."""
+    global _applied
+    if _applied:
+        return
+    if paddle.__version__ != TARGET_PADDLE_VERSION:
+        warnings.warn(
+            f"paddle_pp's CPU backend was written for paddle {TARGET_PADDLE_VERSION}, found {paddle.__version__}; "
+            "hybrid-parallel CPU runs are verified only on the target version.",
+            stacklevel=2,
+        )
+    _patch_device_id()
+    _patch_input_broadcast()
+    _patch_tp_ops()
+    _patch_pipeline_p2p()
+    _patch_group_creation()
+    _applied = True
+
+
+def is_applied() -> bool:
+    return _applied

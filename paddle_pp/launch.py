@@ -1,0 +1,124 @@
+"""Start real multi-process jobs through `paddle.distributed.launch` and collect one JSON result per rank.
+
+Tests and tools use this instead of mocks: every layout claim is proven by processes that talk
+over gloo exactly as a cluster's do over NCCL. A hard timeout kills the whole process group, and
+any failure reports the tail of every worker's log, so a hang or a crash is diagnosable from CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+RESULT_DIR_ENV = "PADDLE_PP_RESULT_DIR"
+LOG_TAIL_CHARS = 4000
+
+
+class LaunchError(RuntimeError):
+    """A launched job failed, timed out, or a rank wrote no result."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def write_result(payload: dict[str, Any]) -> None:
+    """Called inside a worker: store this rank's JSON result where `launch` collects it."""
+    result_dir = os.environ.get(RESULT_DIR_ENV)
+    if not result_dir:
+        return
+    rank = int(os.environ.get("PADDLE_TRAINER_ID", "0"))
+    path = Path(result_dir) / f"rank{rank}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload))
+    os.replace(tmp, path)
+
+
+def _tail(path: Path) -> str:
+    text = path.read_text(errors="replace") if path.exists() else "(no log)"
+    return text[-LOG_TAIL_CHARS:]
+
+
+def _logs_report(log_dirs: Sequence[Path], launcher_output: str) -> str:
+    parts = [f"--- launcher output (tail) ---\n{launcher_output[-LOG_TAIL_CHARS:]}"]
+    for log_dir in log_dirs:
+        for log in sorted(log_dir.glob("workerlog.*")):
+            parts.append(f"--- {log} (tail) ---\n{_tail(log)}")
+    return "\n".join(parts)
+
+
+def launch(
+    script: str | os.PathLike,
+    nproc: int,
+    args: Sequence[str] = (),
+    *,
+    work_dir: str | os.PathLike,
+    timeout: float = 300.0,
+    nnodes: int = 1,
+    env: dict[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    """Run `script` on `nnodes` x `nproc` ranks on this machine and return each rank's result, by rank.
+
+    With `nnodes > 1`, one launcher per node is started with `--master 127.0.0.1:PORT --nnodes`,
+    exactly as a user starts a multi-node job, so the multi-node rendezvous path is exercised.
+    """
+    work_dir = Path(work_dir)
+    result_dir = work_dir / "results"
+    result_dir.mkdir(parents=True, exist_ok=True)
+    run_env = {**os.environ, **(env or {}), RESULT_DIR_ENV: str(result_dir), "PYTHONUNBUFFERED": "1"}
+    run_env.pop("PADDLE_TRAINER_ID", None)
+    master = f"127.0.0.1:{free_port()}"
+    log_dirs = [work_dir / f"log_node{node}" for node in range(nnodes)]
+    procs = []
+    for node, log_dir in enumerate(log_dirs):
+        cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc),
+               "--log_dir", str(log_dir)]
+        if nnodes > 1:
+            cmd += ["--master", master, "--nnodes", str(nnodes), "--rank", str(node)]
+        cmd += [str(script), *map(str, args)]
+        procs.append(subprocess.Popen(cmd, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, start_new_session=True))
+    outputs, failures = _wait_all(procs, timeout)
+    if failures:
+        raise LaunchError(f"{'; '.join(failures)}\n{_logs_report(log_dirs, ''.join(outputs))}")
+    results = []
+    for rank in range(nproc * nnodes):
+        path = result_dir / f"rank{rank}.json"
+        if not path.exists():
+            raise LaunchError(f"rank {rank} wrote no result\n{_logs_report(log_dirs, ''.join(outputs))}")
+        results.append(json.loads(path.read_text()))
+    return results
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float) -> tuple[list[str], list[str]]:
+    """Wait for every launcher under one deadline; on expiry kill all of them, not just the late one."""
+    deadline = time.monotonic() + timeout
+    outputs, failures = [], []
+    for node, proc in enumerate(procs):
+        try:
+            out, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                _kill_group(other)
+            out, _ = proc.communicate()
+            failures.append(f"node {node} timed out after {timeout:.0f}s")
+        outputs.append(out or "")
+        if proc.returncode != 0 and not any(f.startswith(f"node {node} ") for f in failures):
+            failures.append(f"node {node} exited with code {proc.returncode}")
+    return outputs, failures
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,207 @@
+"""The parallel layout: one dataclass that owns the degrees, validates them and describes fleet.
+
+Validation is pure Python and runs before Paddle creates any communicator, so a bad layout fails
+in milliseconds on every rank with the same message instead of hanging in a rendezvous.
+Flag names and semantics follow PaddleNLP's `TrainingArguments`, so users' launch scripts carry over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from typing import Sequence
+
+SHARDING_STAGES = ("stage1", "stage2", "stage3")
+
+# PaddleNLP's two rank orders (outermost first); "mp" is innermost so TP peers share a node.
+TOPO_ORDERS = {
+    "pp_first": ["dp", "pp", "sharding", "sep", "mp"],
+    "sharding_first": ["dp", "sharding", "pp", "sep", "mp"],
+}
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot run; the message names the flag and the fix."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Degrees of the 4D layout; `dp` is derived as world / (tp * pp * sharding).
+
+    `sharding_parallel_degree=-1` means "all data-parallel ranks that tp and pp leave", as in
+    PaddleNLP; it is resolved in `__post_init__`, so every other field is concrete.
+    """
+
+    world_size: int
+    tensor_parallel_degree: int = 1
+    pipeline_parallel_degree: int = 1
+    sharding_parallel_degree: int = 1
+    sharding: str = ""
+    virtual_pp_degree: int = 1
+    hybrid_parallel_topo_order: str = "pp_first"
+    device: str = "cpu"
+    dp: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._check_positive()
+        stage = self.sharding_stage
+        if stage and stage not in SHARDING_STAGES:
+            raise LayoutError(
+                f"--sharding {self.sharding!r} is not a sharding stage; use one of {', '.join(SHARDING_STAGES)}."
+            )
+        if self.sharding_parallel_degree == -1:
+            rest = self.world_size // (self.tensor_parallel_degree * self.pipeline_parallel_degree)
+            object.__setattr__(self, "sharding_parallel_degree", rest if stage else 1)
+        if self.sharding_parallel_degree > 1 and not stage:
+            raise LayoutError(
+                f"--sharding_parallel_degree {self.sharding_parallel_degree} needs --sharding stage1 "
+                "(or stage2/stage3); without it the ranks would silently run plain data parallel."
+            )
+        product = self.tensor_parallel_degree * self.pipeline_parallel_degree * self.sharding_parallel_degree
+        if self.world_size % product:
+            raise LayoutError(
+                f"--tensor_parallel_degree {self.tensor_parallel_degree} x --pipeline_parallel_degree "
+                f"{self.pipeline_parallel_degree} x --sharding_parallel_degree {self.sharding_parallel_degree} "
+                f"= {product} does not divide the world size {self.world_size}; launch a multiple of "
+                f"{product} processes or lower a degree."
+            )
+        object.__setattr__(self, "dp", self.world_size // product)
+        if stage in ("stage2", "stage3") and self.pipeline_parallel_degree > 1:
+            raise LayoutError(
+                f"--sharding {stage} cannot be combined with --pipeline_parallel_degree "
+                f"{self.pipeline_parallel_degree} (Paddle supports only stage1 inside a pipeline); "
+                "use --sharding stage1."
+            )
+        if stage in ("stage2", "stage3") and self.device == "cpu" and self.sharding_parallel_degree > 1:
+            raise LayoutError(
+                f"--sharding {stage} runs through paddle.distributed.sharding.group_sharded_parallel, "
+                "which supports only GPU/XPU devices; on CPU use --sharding stage1."
+            )
+        if self.virtual_pp_degree > 1 and self.pipeline_parallel_degree == 1:
+            raise LayoutError(
+                f"--virtual_pp_degree {self.virtual_pp_degree} needs --pipeline_parallel_degree > 1 "
+                "(virtual stages interleave real ones)."
+            )
+        if self.hybrid_parallel_topo_order not in TOPO_ORDERS:
+            raise LayoutError(
+                f"--hybrid_parallel_topo_order {self.hybrid_parallel_topo_order!r} is unknown; "
+                f"use one of {', '.join(TOPO_ORDERS)}."
+            )
+
+    def _check_positive(self) -> None:
+        if self.world_size < 1:
+            raise LayoutError(f"world size {self.world_size} must be at least 1.")
+        degrees = {
+            "--tensor_parallel_degree": self.tensor_parallel_degree,
+            "--pipeline_parallel_degree": self.pipeline_parallel_degree,
+            "--virtual_pp_degree": self.virtual_pp_degree,
+        }
+        for flag, value in degrees.items():
+            if value < 1:
+                raise LayoutError(f"{flag} {value} must be a positive integer.")
+        if self.sharding_parallel_degree < 1 and self.sharding_parallel_degree != -1:
+            raise LayoutError(
+                f"--sharding_parallel_degree {self.sharding_parallel_degree} must be a positive integer "
+                "(or -1 for every data-parallel rank)."
+            )
+
+    @property
+    def tp(self) -> int:
+        return self.tensor_parallel_degree
+
+    @property
+    def pp(self) -> int:
+        return self.pipeline_parallel_degree
+
+    @property
+    def vpp(self) -> int:
+        return self.virtual_pp_degree
+
+    @property
+    def sharding_degree(self) -> int:
+        return self.sharding_parallel_degree
+
+    @property
+    def sharding_stage(self) -> str:
+        """The stage word of `--sharding` ("stage1 offload" -> "stage1"), or "" when unsharded."""
+        words = self.sharding.split()
+        return words[0] if words else ""
+
+    @property
+    def data_replicas(self) -> int:
+        """How many distinct batches one step reads: every dp and sharding rank sees its own data."""
+        return self.dp * self.sharding_degree
+
+    @property
+    def order(self) -> list[str]:
+        return list(TOPO_ORDERS[self.hybrid_parallel_topo_order])
+
+    def hybrid_configs(self) -> dict:
+        """Fleet's `strategy.hybrid_configs` for this layout."""
+        return {
+            "dp_degree": self.dp,
+            "mp_degree": self.tp,
+            "pp_degree": self.pp,
+            "sharding_degree": self.sharding_degree,
+            "order": self.order,
+        }
+
+    def describe(self) -> str:
+        text = f"dp{self.dp} x sharding{self.sharding_degree} x tp{self.tp} x pp{self.pp}"
+        if self.vpp > 1:
+            text += f" (vpp{self.vpp})"
+        return text
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, world_size: int | None = None, device: str | None = None) -> "Layout":
+        return cls(
+            world_size=world_size if world_size is not None else launched_world_size(),
+            tensor_parallel_degree=args.tensor_parallel_degree,
+            pipeline_parallel_degree=args.pipeline_parallel_degree,
+            sharding_parallel_degree=args.sharding_parallel_degree,
+            sharding=args.sharding,
+            virtual_pp_degree=args.virtual_pp_degree,
+            hybrid_parallel_topo_order=args.hybrid_parallel_topo_order,
+            device=device if device is not None else launched_device(),
+        )
+
+
+def launched_world_size() -> int:
+    """World size as `paddle.distributed.launch` exports it (1 for a plain `python` run)."""
+    return int(os.environ.get("PADDLE_TRAINERS_NUM", "1"))
+
+
+def launched_device() -> str:
+    """'gpu' when this Paddle build sees a CUDA device, else 'cpu' (the layout rules differ on CPU)."""
+    import paddle
+
+    return "gpu" if paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0 else "cpu"
+
+
+def add_layout_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Register the layout flags under their PaddleNLP names."""
+    group = parser.add_argument_group("parallel layout (dp is derived: world / (tp * pp * sharding))")
+    group.add_argument("--tensor_parallel_degree", type=int, default=1, help="tensor (model) parallel degree")
+    group.add_argument("--pipeline_parallel_degree", type=int, default=1, help="pipeline parallel degree")
+    group.add_argument(
+        "--sharding_parallel_degree", type=int, default=1,
+        help="ranks that shard optimizer state; -1 = every data-parallel rank (needs --sharding)",
+    )
+    group.add_argument(
+        "--sharding", type=str, default="",
+        help="ZeRO stage: stage1 (optimizer states; works everywhere), stage2/stage3 (GPU only, no pipeline)",
+    )
+    group.add_argument("--virtual_pp_degree", type=int, default=1, help="virtual stages per pipeline rank (interleaved 1F1B)")
+    group.add_argument(
+        "--hybrid_parallel_topo_order", type=str, default="pp_first", choices=sorted(TOPO_ORDERS),
+        help="rank order: pp_first = dp,pp,sharding,mp; sharding_first = dp,sharding,pp,mp",
+    )
+    return parser
+
+
+def parse_layout(argv: Sequence[str] | None = None, world_size: int | None = None, device: str | None = None) -> Layout:
+    """Parse only the layout flags (others are left for the caller) and validate them."""
+    parser = add_layout_args(argparse.ArgumentParser(add_help=False))
+    args, _ = parser.parse_known_args(argv)
+    return Layout.from_args(args, world_size=world_size, device=device)

@@ -1,0 +1,109 @@
+"""Turn a validated `Layout` into a running fleet: backend, strategy, groups and this rank's coordinates."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import paddle
+import paddle.distributed as dist
+from paddle.distributed import fleet
+
+from paddle_pp.layout import Layout
+
+
+@dataclass(frozen=True)
+class Topology:
+    """This rank's place in the layout and the communication group of every dimension."""
+
+    layout: Layout
+    hcg: Any
+    global_rank: int
+    dp_rank: int
+    sharding_rank: int
+    tp_rank: int
+    pp_rank: int
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.layout.pp - 1
+
+    @property
+    def data_replica_index(self) -> int:
+        """Which slice of each global batch this rank reads: dp and sharding ranks read different data."""
+        return self.dp_rank * self.layout.sharding_degree + self.sharding_rank
+
+    @property
+    def data_replica_count(self) -> int:
+        return self.layout.data_replicas
+
+    @property
+    def tp_group(self) -> Any:
+        return self.hcg.get_model_parallel_group()
+
+    @property
+    def pp_group(self) -> Any:
+        return self.hcg.get_pipe_parallel_group()
+
+    @property
+    def dp_group(self) -> Any:
+        return self.hcg.get_data_parallel_group()
+
+    @property
+    def sharding_group(self) -> Any:
+        return self.hcg.get_sharding_parallel_group()
+
+    def coordinates(self) -> dict[str, int]:
+        return {"dp": self.dp_rank, "sharding": self.sharding_rank, "tp": self.tp_rank, "pp": self.pp_rank}
+
+
+def build_strategy(layout: Layout, micro_batch_size: int = 1, accumulate_steps: int = 1) -> fleet.DistributedStrategy:
+    """Fleet strategy for `layout`; on CPU the pipeline avoids partial send/recv (an all-gather gloo lacks)."""
+    strategy = fleet.DistributedStrategy()
+    strategy.hybrid_configs = layout.hybrid_configs()
+    strategy.pipeline_configs = {
+        "micro_batch_size": micro_batch_size,
+        "accumulate_steps": accumulate_steps,
+        "enable_partial_send_recv": layout.device != "cpu",
+    }
+    return strategy
+
+
+def init_distributed(layout: Layout, micro_batch_size: int = 1, accumulate_steps: int = 1) -> Topology:
+    """Apply the CPU backend where needed, initialise fleet and return this rank's topology.
+
+    The world size fleet sees must be the one the layout was validated against, so a layout built
+    for another launch cannot reach a collective.
+    """
+    if layout.device == "cpu":
+        from paddle_pp.backends import cpu
+
+        cpu.apply()
+        paddle.set_device("cpu")
+    actual_world = dist.get_world_size() if dist.is_initialized() else _launched_world()
+    if actual_world != layout.world_size:
+        raise ValueError(
+            f"layout {layout.describe()} was validated for {layout.world_size} processes but this job "
+            f"has {actual_world}; pass the launcher's --nproc_per_node x --nnodes as the world size."
+        )
+    fleet.init(is_collective=True, strategy=build_strategy(layout, micro_batch_size, accumulate_steps))
+    hcg = fleet.get_hybrid_communicate_group()
+    return Topology(
+        layout=layout,
+        hcg=hcg,
+        global_rank=hcg.get_global_rank(),
+        dp_rank=hcg.get_data_parallel_rank(),
+        sharding_rank=hcg.get_sharding_parallel_rank(),
+        tp_rank=hcg.get_model_parallel_rank(),
+        pp_rank=hcg.get_stage_id(),
+    )
+
+
+def _launched_world() -> int:
+    from paddle_pp.layout import launched_world_size
+
+    return launched_world_size()

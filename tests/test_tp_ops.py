@@ -1,0 +1,63 @@
+"""Each CPU tensor-parallel op, forward and backward, equals the single-process computation (rtol 1e-6)."""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import pytest
+
+from tp_ops_worker import IGNORE_INDEX, make_case
+
+pytestmark = pytest.mark.multiproc
+
+RTOL = 1e-6
+ATOL = 1e-6  # absolute floor for entries that are sums of O(1) terms cancelling to near zero
+
+
+def _grad(fn, *arrays):
+    """Value of fn(*tensors) and the gradient of its first input, in one plain process."""
+    tensors = [paddle.to_tensor(a) for a in arrays]
+    tensors[0].stop_gradient = False
+    value, loss = fn(*tensors)
+    loss.backward()
+    return value.numpy(), tensors[0].grad.numpy()
+
+
+def reference(case: dict, tp: int, rank: int) -> dict[str, np.ndarray]:
+    def block(a, axis=-1):
+        return np.split(a, tp, axis=axis)[rank]
+
+    ref = {
+        "identity_fwd": case["x"], "identity_grad": case["grad_blocks"].sum(0),
+        "allreduce_fwd": case["parts"].sum(0), "allreduce_grad": case["grad_full"],
+        "split_fwd": block(case["x"]), "split_grad": case["grad_full"],
+        "concat_fwd": case["x"], "concat_grad": block(case["grad_full"]),
+    }
+    emb, emb_grad = _grad(
+        lambda table, ids, g: (lambda y: (y, (y * g).sum()))(paddle.nn.functional.embedding(ids, table)),
+        case["table"], case["ids"], case["grad_full"],
+    )
+    ref["embedding_fwd"], ref["embedding_grad"] = emb, block(emb_grad, axis=0)
+
+    def cross_entropy(logits, labels, weights):
+        loss = paddle.nn.functional.cross_entropy(
+            logits, labels.unsqueeze(-1), reduction="none", ignore_index=IGNORE_INDEX)
+        return loss, (loss * weights).sum()
+
+    ce, ce_grad = _grad(cross_entropy, case["logits"], case["labels"], case["loss_weights"])
+    ref["cross_entropy_fwd"], ref["cross_entropy_grad"] = ce, block(ce_grad)
+    return ref
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_ops_match_single_process(run_workers, tp):
+    results = run_workers("tp_ops_worker.py", tp, [str(tp)], timeout=180)
+    case = make_case(tp)
+    assert sorted(r["tp_rank"] for r in results) == list(range(tp))
+    for result in results:
+        expected = reference(case, tp, result["tp_rank"])
+        for key, want in expected.items():
+            np.testing.assert_allclose(
+                np.asarray(result[key]), want, rtol=RTOL, atol=ATOL,
+                err_msg=f"{key} on tp rank {result['tp_rank']} of {tp}",
+            )
