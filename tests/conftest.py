@@ -11,12 +11,22 @@ WORKERS = Path(__file__).parent / "workers"
 sys.path.insert(0, str(WORKERS))
 
 
+def _launcher(base: Path):
+    from paddle_pp.launch import launch
+
+    def run(script: str, nproc: int, args=(), timeout: float = 300.0, nnodes: int = 1, tag: str = "job"):
+        return launch(WORKERS / script, nproc, list(args), work_dir=base / tag, timeout=timeout, nnodes=nnodes)
+
+    return run
+
+
 @pytest.fixture
 def run_workers(tmp_path):
     """Launch a worker script in real processes and return the per-rank JSON results."""
-    from paddle_pp.launch import launch
+    return _launcher(tmp_path)
 
-    def _run(script: str, nproc: int, args=(), timeout: float = 300.0, nnodes: int = 1, tag: str = "job"):
-        return launch(WORKERS / script, nproc, list(args), work_dir=tmp_path / tag, timeout=timeout, nnodes=nnodes)
 
-    return _run
+@pytest.fixture(scope="module")
+def run_workers_module(tmp_path_factory):
+    """`run_workers` for module-scoped references shared by several tests."""
+    return _launcher(tmp_path_factory.mktemp("module_jobs"))

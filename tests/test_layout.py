@@ -1,0 +1,92 @@
+"""Layout validation: every invalid degree combination fails fast, naming the flag and the numbers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from paddle_pp.layout import Layout, LayoutError, parse_layout
+
+INVALID = [
+    # (flags, world size, device, words the message must contain)
+    (["--tensor_parallel_degree", "3"], 4, "cpu", ["--tensor_parallel_degree 3", "does not divide the world size 4"]),
+    (["--tensor_parallel_degree", "0"], 4, "cpu", ["--tensor_parallel_degree 0", "positive"]),
+    (["--pipeline_parallel_degree", "-2"], 4, "cpu", ["--pipeline_parallel_degree -2", "positive"]),
+    (["--sharding_parallel_degree", "0", "--sharding", "stage1"], 4, "cpu", ["--sharding_parallel_degree 0"]),
+    (["--virtual_pp_degree", "0"], 4, "cpu", ["--virtual_pp_degree 0", "positive"]),
+    (["--sharding_parallel_degree", "2"], 4, "cpu", ["--sharding_parallel_degree 2", "needs --sharding"]),
+    (["--sharding", "stage4"], 4, "cpu", ["--sharding 'stage4'", "stage1"]),
+    (["--sharding", "stage2", "--sharding_parallel_degree", "2", "--pipeline_parallel_degree", "2"], 4, "gpu",
+     ["--sharding stage2", "--pipeline_parallel_degree 2"]),
+    (["--sharding", "stage2", "--sharding_parallel_degree", "2"], 2, "cpu", ["--sharding stage2", "on CPU"]),
+    (["--virtual_pp_degree", "2"], 2, "cpu", ["--virtual_pp_degree 2", "--pipeline_parallel_degree"]),
+    (["--pipeline_parallel_degree", "2", "--sharding_parallel_degree", "2", "--sharding", "stage1",
+      "--tensor_parallel_degree", "2"], 12, "cpu", ["= 8 does not divide the world size 12"]),
+]
+
+
+@pytest.mark.parametrize("flags,world,device,words", INVALID, ids=[" ".join(c[0]) for c in INVALID])
+def test_invalid_layout_names_the_flag(flags, world, device, words):
+    with pytest.raises(LayoutError) as error:
+        parse_layout(flags, world_size=world, device=device)
+    for word in words:
+        assert word in str(error.value)
+
+
+def test_invalid_topo_order_rejected_by_dataclass():
+    with pytest.raises(LayoutError, match="--hybrid_parallel_topo_order 'mp_first'"):
+        Layout(world_size=2, hybrid_parallel_topo_order="mp_first")
+
+
+@pytest.mark.parametrize(
+    "flags,world,expected",
+    [
+        ([], 8, dict(dp=8, tp=1, pp=1, sharding_degree=1)),
+        (["--tensor_parallel_degree", "2", "--pipeline_parallel_degree", "2"], 8, dict(dp=2, tp=2, pp=2)),
+        (["--sharding", "stage1", "--sharding_parallel_degree", "-1", "--tensor_parallel_degree", "2"], 8,
+         dict(dp=1, sharding_degree=4)),
+        (["--sharding", "stage1 offload", "--sharding_parallel_degree", "2"], 8, dict(dp=4, sharding_degree=2)),
+        (["--tensor_parallel_degree", "2", "--pipeline_parallel_degree", "2", "--sharding", "stage1",
+          "--sharding_parallel_degree", "2"], 16, dict(dp=2, data_replicas=4)),
+    ],
+)
+def test_valid_layout_derives_data_parallel(flags, world, expected):
+    layout = parse_layout(flags, world_size=world, device="cpu")
+    for name, value in expected.items():
+        assert getattr(layout, name) == value, name
+
+
+def test_hybrid_configs_follow_topo_order():
+    layout = parse_layout(["--hybrid_parallel_topo_order", "sharding_first", "--sharding", "stage1",
+                           "--sharding_parallel_degree", "2"], world_size=4, device="cpu")
+    configs = layout.hybrid_configs()
+    assert configs["order"] == ["dp", "sharding", "pp", "sep", "mp"]
+    assert (configs["dp_degree"], configs["sharding_degree"], configs["mp_degree"], configs["pp_degree"]) == (2, 2, 1, 1)
+
+
+def test_launched_invalid_layout_fails_fast_on_every_rank(tmp_path):
+    """A real 2-rank launch with tp3 exits non-zero before any collective, with the message, in under 10 s."""
+    from paddle_pp.launch import LaunchError, launch
+
+    from conftest import WORKERS
+
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as error:
+        launch(WORKERS / "tiny_pipe_worker.py", 2, ["--tensor_parallel_degree", "3"], work_dir=tmp_path, timeout=60)
+    elapsed = time.monotonic() - start
+    assert "--tensor_parallel_degree 3" in str(error.value)
+    assert elapsed < 10, f"invalid layout took {elapsed:.1f}s to fail"
+
+
+def test_init_rejects_world_size_mismatch():
+    """A layout validated for 4 ranks must not reach fleet.init in a 1-process job."""
+    code = (
+        "from paddle_pp.layout import Layout; from paddle_pp.topology import init_distributed\n"
+        "init_distributed(Layout(world_size=4, tensor_parallel_degree=2))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "validated for 4 processes but this job has 1" in proc.stderr
