@@ -78,10 +78,16 @@ class Layout:
                 f"--sharding {stage} runs through paddle.distributed.sharding.group_sharded_parallel, "
                 "which supports only GPU/XPU devices; on CPU use --sharding stage1."
             )
-        if self.virtual_pp_degree > 1 and self.pipeline_parallel_degree == 1:
+        if self.virtual_pp_degree > 1 and self.pipeline_parallel_degree < 3:
             raise LayoutError(
-                f"--virtual_pp_degree {self.virtual_pp_degree} needs --pipeline_parallel_degree > 1 "
-                "(virtual stages interleave real ones)."
+                f"--virtual_pp_degree {self.virtual_pp_degree} needs --pipeline_parallel_degree >= 3, got "
+                f"{self.pipeline_parallel_degree} (Paddle's interleaved schedule asserts pp > 2); "
+                "drop --virtual_pp_degree or use more stages."
+            )
+        if self.virtual_pp_degree > 1 and self.device == "cpu":
+            raise LayoutError(
+                f"--virtual_pp_degree {self.virtual_pp_degree} is not supported on CPU yet: the interleaved "
+                "schedule's p2p meta exchange deadlocks over gloo; run it on GPU or drop --virtual_pp_degree."
             )
         if self.hybrid_parallel_topo_order not in TOPO_ORDERS:
             raise LayoutError(

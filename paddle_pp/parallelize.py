@@ -20,6 +20,8 @@ from paddle_pp.topology import Topology
 
 def wrap_model(model: paddle.nn.Layer, topo: Topology) -> paddle.nn.Layer:
     """The layout's model wrapper (pipeline schedule, TP input broadcast, DP gradient sync)."""
+    if topo.layout.world_size == 1:
+        return model  # fleet would wrap a plain Layer in NoPipelineParallel, which requires a PipelineLayer
     if (
         isinstance(model, PipelineLayer)
         and topo.layout.pp == 1

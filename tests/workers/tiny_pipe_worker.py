@@ -13,7 +13,6 @@ import sys
 
 import numpy as np
 import paddle
-import paddle.distributed as dist
 import paddle.nn.functional as F
 from paddle import nn
 from paddle.distributed import fleet
@@ -23,6 +22,7 @@ from paddle.distributed.fleet.meta_parallel import LayerDesc, PipelineLayer
 from paddle_pp.launch import write_result
 from paddle_pp.layout import add_layout_args, Layout
 from paddle_pp.parallelize import wrap_model, wrap_optimizer
+from paddle_pp.step import replica_slice, train_step
 from paddle_pp.topology import init_distributed
 
 VOCAB, HIDDEN, FFN, LAYERS, SEQ = 32, 8, 16, 4, 6
@@ -105,19 +105,8 @@ def global_batch(step: int) -> tuple[np.ndarray, np.ndarray]:
     return tokens[:, :-1].astype("int64"), tokens[:, 1:].astype("int64")
 
 
-def mean_over_replicas(value: paddle.Tensor, topo) -> float:
-    """Average a replica-local loss over dp and sharding ranks, so every rank reports the global loss."""
-    value = value.detach().clone()
-    for group, size in ((topo.dp_group, topo.layout.dp), (topo.sharding_group, topo.layout.sharding_degree)):
-        if size > 1:
-            dist.all_reduce(value, group=group)
-            value = value / size
-    return float(value)
-
-
 def train(layout: Layout, steps: int, accumulate_steps: int) -> dict:
-    local_batch = GLOBAL_BATCH // layout.data_replicas
-    micro_batch = local_batch // accumulate_steps
+    micro_batch = GLOBAL_BATCH // layout.data_replicas // accumulate_steps
     topo = init_distributed(layout, micro_batch_size=micro_batch, accumulate_steps=accumulate_steps)
     layers = [LayerDesc(Embed), *[LayerDesc(Block, i) for i in range(LAYERS)], LayerDesc(Head)]
     loss_fn = VocabLoss(layout.tp)
@@ -130,20 +119,9 @@ def train(layout: Layout, steps: int, accumulate_steps: int) -> dict:
     losses = []
     for step in range(steps):
         inputs, labels = global_batch(step)
-        lo = topo.data_replica_index * local_batch
-        x, y = paddle.to_tensor(inputs[lo:lo + local_batch]), paddle.to_tensor(labels[lo:lo + local_batch])
-        if layout.pp > 1:
-            loss = model.train_batch([x, y], optimizer)
-        else:
-            loss = paddle.zeros([])
-            for m in range(accumulate_steps):
-                part = slice(m * micro_batch, (m + 1) * micro_batch)
-                micro_loss = loss_fn(model(x[part]), y[part]) / accumulate_steps
-                micro_loss.backward()
-                loss += micro_loss.detach()
-            optimizer.step()
-            optimizer.clear_grad()
-        losses.append(mean_over_replicas(loss, topo))
+        rows = replica_slice(GLOBAL_BATCH, topo)
+        x, y = paddle.to_tensor(inputs[rows]), paddle.to_tensor(labels[rows])
+        losses.append(train_step(model, optimizer, loss_fn, x, y, topo, accumulate_steps))
     return {"losses": losses, "rank": topo.global_rank, "coords": topo.coordinates()}
 
 

@@ -1,0 +1,82 @@
+"""LLaMA cut into pipeline stages: the single-card layers registered under their single-card prefixes.
+
+Only hidden states flow between stages (rotary tables and the causal mask are rebuilt per layer),
+so nothing but the activation crosses a stage boundary and `state_dict()` speaks single-card names
+through `PipelinePretrainedModel`'s prefix mapping.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from paddle import nn
+from paddle.distributed import fleet
+from paddle.distributed.fleet.meta_parallel import LayerDesc, PipelineLayer
+from paddlenlp.transformers.model_utils import PipelinePretrainedModel
+
+from modeling.llama import tp_plan
+from modeling.llama.config import LlamaConfig
+from modeling.llama.modeling import (
+    LlamaDecoderLayer,
+    LlamaLMHead,
+    LlamaPretrainedModel,
+    LlamaPretrainingCriterion,
+    LlamaRMSNorm,
+    reject_tied_embeddings,
+    vocab_embedding,
+)
+from modeling.pipeline import stage_segments
+
+logger = logging.getLogger(__name__)
+
+
+class LlamaEmbeddingPipe(nn.Layer):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = vocab_embedding(config)
+
+    def forward(self, input_ids):
+        return self.embed_tokens(input_ids)
+
+
+class LlamaRMSNormPipe(nn.Layer):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.norm = LlamaRMSNorm(config)
+
+    def forward(self, hidden):
+        return self.norm(hidden)
+
+
+class LlamaForCausalLMPipe(PipelinePretrainedModel, PipelineLayer):
+    config_class = LlamaConfig
+    base_model_prefix = "llama"
+    _get_tensor_parallel_mappings = LlamaPretrainedModel._get_tensor_parallel_mappings
+    _init_weights = LlamaPretrainedModel._init_weights
+
+    def __init__(self, config: LlamaConfig):
+        # PipelinePretrainedModel.__init__ is skipped on purpose (diamond with PipelineLayer); the
+        # config and hooks it would set are set here.
+        self.config = config
+        hcg = fleet.get_hybrid_communicate_group()
+        config.tensor_parallel_degree = hcg.get_model_parallel_world_size()
+        config.tensor_parallel_rank = hcg.get_model_parallel_rank()
+        reject_tied_embeddings(config)
+        tp_plan.check_tensor_parallel(config, config.tensor_parallel_degree)
+
+        self.add_sequential_layer(LayerDesc(LlamaEmbeddingPipe, config=config), "llama")
+        for i in range(config.num_hidden_layers):
+            self.add_sequential_layer(LayerDesc(LlamaDecoderLayer, config=config), f"llama.layers.{i}")
+        self.add_sequential_layer(LayerDesc(LlamaRMSNormPipe, config=config), "llama")
+        self.add_sequential_layer(LayerDesc(LlamaLMHead, config=config), "lm_head")
+
+        pp, vpp = hcg.get_pipe_parallel_world_size(), config.virtual_pp_degree
+        PipelineLayer.__init__(
+            self,
+            layers=self.get_sequential_layers(),
+            loss_fn=LlamaPretrainingCriterion(config),
+            topology=hcg.topology(),
+            seg_method=stage_segments(config.num_hidden_layers, pp, vpp, "LlamaDecoderLayer"),
+            num_virtual_pipeline_stages=vpp,
+        )
+        self.apply(self._init_weights)

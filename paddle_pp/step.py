@@ -1,0 +1,61 @@
+"""One optimizer step or one evaluation over a global batch, the same call for every layout.
+
+The pipeline runs its own schedule (`train_batch`/`eval_batch`); otherwise micro-batches are
+accumulated here with the loss scaled by 1/accumulate_steps, which is what the pipeline's mean over
+micro-batches computes, so both paths give the single-card mean loss.
+"""
+
+from __future__ import annotations
+
+import paddle
+import paddle.distributed as dist
+
+from paddle_pp.topology import Topology
+
+
+def replica_slice(batch_size: int, topo: Topology) -> slice:
+    """This rank's rows of a global batch: dp x sharding replicas read disjoint, equal slices."""
+    if batch_size % topo.data_replica_count:
+        raise ValueError(f"global batch {batch_size} does not split over {topo.data_replica_count} data replicas")
+    local = batch_size // topo.data_replica_count
+    return slice(topo.data_replica_index * local, (topo.data_replica_index + 1) * local)
+
+
+def mean_over_replicas(value: paddle.Tensor, topo: Topology) -> float:
+    """Average a replica-local scalar over dp and sharding ranks, so every rank reports the global value."""
+    value = value.detach().astype("float32").reshape([])
+    for group, size in ((topo.dp_group, topo.layout.dp), (topo.sharding_group, topo.layout.sharding_degree)):
+        if size > 1:
+            value = value.clone()
+            dist.all_reduce(value, group=group)
+            value = value / size
+    return float(value)
+
+
+def train_step(model, optimizer, criterion, inputs, labels, topo: Topology, accumulate_steps: int) -> float:
+    """Forward, backward and update on this replica's slice; returns the global mean loss."""
+    if topo.layout.pp > 1:
+        loss = model.train_batch([inputs, labels], optimizer)
+        return mean_over_replicas(loss, topo)
+    micro = inputs.shape[0] // accumulate_steps
+    total = paddle.zeros([])
+    for m in range(accumulate_steps):
+        part = slice(m * micro, (m + 1) * micro)
+        loss = criterion(model(inputs[part]), labels[part]) / accumulate_steps
+        loss.backward()
+        total += loss.detach()
+    optimizer.step()
+    optimizer.clear_grad()
+    return mean_over_replicas(total, topo)
+
+
+def eval_loss(model, criterion, inputs, labels, topo: Topology) -> float:
+    """Mean loss without an update. The pipeline path must not run under `no_grad`: fleet caches the
+    first p2p meta (`p2p_cache_shape`), and a stop_gradient=True activation cached there makes every
+    later `train_batch` skip sending gradients back, hanging the first stage."""
+    if topo.layout.pp > 1:
+        loss = model.eval_batch([inputs, labels], compute_loss=True)
+        model.train()
+        return mean_over_replicas(loss, topo)
+    with paddle.no_grad():
+        return mean_over_replicas(criterion(model(inputs), labels), topo)

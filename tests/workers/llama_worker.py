@@ -1,0 +1,70 @@
+"""Loads one single-card LLaMA state into any layout, evaluates, trains a few AdamW steps, gathers back.
+
+The test writes the single-card weights (`--init`, .npz) and config (`--config`, JSON); rank 0
+writes the gathered single-card parameters after training to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+import paddle
+
+from modeling import build_causal_lm, split_axes
+from modeling.llama.config import LlamaConfig
+from modeling.state import gather_single_card_state, load_single_card_state
+from paddle_pp.launch import write_result
+from paddle_pp.layout import Layout, add_layout_args
+from paddle_pp.parallelize import wrap_model, wrap_optimizer
+from paddle_pp.step import eval_loss, replica_slice, train_step
+from paddle_pp.topology import init_distributed
+
+
+def global_batch(step: int, batch: int, seq: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    tokens = np.random.default_rng(2000 + step).integers(0, vocab, size=(batch, seq + 1))
+    return tokens[:, :-1].astype("int64"), tokens[:, 1:].astype("int64")
+
+
+def main(argv: list[str]) -> None:
+    parser = add_layout_args(argparse.ArgumentParser())
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--init", required=True)
+    parser.add_argument("--out", default="")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--global_batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=16)
+    parser.add_argument("--accumulate_steps", type=int, default=2)
+    args = parser.parse_args(argv)
+
+    layout = Layout.from_args(args)
+    micro = args.global_batch // layout.data_replicas // args.accumulate_steps
+    topo = init_distributed(layout, micro_batch_size=micro, accumulate_steps=args.accumulate_steps)
+    config = LlamaConfig(**json.loads(open(args.config).read()))
+    raw = build_causal_lm(config, topo)
+    axes = split_axes(config)
+    load_single_card_state(raw, dict(np.load(args.init)), axes, topo)
+    criterion = getattr(raw, "criterion", None)
+    optimizer = paddle.optimizer.AdamW(learning_rate=1e-3, parameters=raw.parameters(),
+                                       grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0))
+    model, optimizer = wrap_model(raw, topo), wrap_optimizer(optimizer)
+    rows = replica_slice(args.global_batch, topo)
+
+    def batch(step):
+        x, y = global_batch(step, args.global_batch, args.seq, config.vocab_size)
+        return paddle.to_tensor(x[rows]), paddle.to_tensor(y[rows])
+
+    evaluation = eval_loss(model, criterion, *batch(0), topo)
+    losses = [train_step(model, optimizer, criterion, *batch(step), topo, args.accumulate_steps)
+              for step in range(args.steps)]
+    state = gather_single_card_state(raw, axes, topo)
+    if topo.global_rank == 0 and args.out:
+        np.savez(args.out, **state)
+    write_result({"eval_loss": evaluation, "losses": losses, "rank": topo.global_rank,
+                  "param_names": sorted(state)})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
