@@ -9,7 +9,7 @@ import paddle
 import paddle.distributed as dist
 from paddle.distributed import fleet
 
-from paddle_pp.layout import Layout
+from paddle_pp.layout import Layout, launched_world_size
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def init_distributed(layout: Layout, micro_batch_size: int = 1, accumulate_steps
 
         cpu.apply()
         paddle.set_device("cpu")
-    actual_world = dist.get_world_size() if dist.is_initialized() else _launched_world()
+    actual_world = dist.get_world_size() if dist.is_initialized() else launched_world_size()
     if actual_world != layout.world_size:
         raise ValueError(
             f"layout {layout.describe()} was validated for {layout.world_size} processes but this job "
@@ -101,9 +101,3 @@ def init_distributed(layout: Layout, micro_batch_size: int = 1, accumulate_steps
         tp_rank=hcg.get_model_parallel_rank(),
         pp_rank=hcg.get_stage_id(),
     )
-
-
-def _launched_world() -> int:
-    from paddle_pp.layout import launched_world_size
-
-    return launched_world_size()
