@@ -341,7 +341,3 @@ def apply() -> None:
     _patch_pipeline_p2p()
     _patch_group_creation()
     _applied = True
-
-
-def is_applied() -> bool:
-    return _applied
