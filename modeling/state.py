@@ -6,7 +6,8 @@ pipeline model), so the model family's TP plan (name -> split axis) is all that 
 
 from __future__ import annotations
 
-from typing import Mapping
+import zlib
+from typing import Callable, Mapping
 
 import numpy as np
 import paddle.distributed as dist
@@ -15,20 +16,59 @@ from modeling.tp_utils import merge_tensors, split_tensor
 from paddle_pp.topology import Topology
 
 
-def load_single_card_state(model, full_state: Mapping[str, np.ndarray], axes: Mapping[str, int | None],
-                           topo: Topology) -> None:
-    """Set every local parameter to its tp slice of `full_state`; a missing or misshapen tensor is an error."""
+class TiedWeightError(RuntimeError):
+    """Copies of one tied weight on different pipeline stages that have drifted apart."""
+
+
+def _assign_slices(model, axes: Mapping[str, int | None], topo: Topology,
+                   full_tensor: Callable[[str, list[int]], np.ndarray]) -> None:
+    """Set every local parameter to its tp slice of `full_tensor(name, single_card_shape)`, one
+    tensor at a time, so at most one full tensor is held beyond the model itself."""
     for name, param in model.state_dict().items():
-        if name not in full_state:
-            raise KeyError(f"single-card state has no tensor {name!r} that this model needs")
-        local = split_tensor(np.asarray(full_state[name]), axes.get(name), topo.layout.tp, topo.tp_rank)
+        axis = axes.get(name)
+        full_shape = list(param.shape)
+        if axis is not None and topo.layout.tp > 1:
+            full_shape[axis] *= topo.layout.tp
+        local = split_tensor(np.asarray(full_tensor(name, full_shape)), axis, topo.layout.tp, topo.tp_rank)
         if list(local.shape) != list(param.shape):
             raise ValueError(f"{name}: slice shaped {list(local.shape)} does not fit parameter {list(param.shape)}")
         param.set_value(local.astype(np.float32) if local.dtype == np.float64 else local)
 
 
+def load_single_card_state(model, full_state: Mapping[str, np.ndarray], axes: Mapping[str, int | None],
+                           topo: Topology) -> None:
+    """Set every local parameter to its tp slice of `full_state`; a missing or misshapen tensor is an error."""
+
+    def lookup(name: str, _shape: list[int]) -> np.ndarray:
+        if name not in full_state:
+            raise KeyError(f"single-card state has no tensor {name!r} that this model needs")
+        return full_state[name]
+
+    _assign_slices(model, axes, topo, lookup)
+
+
+def init_single_card_weights(model, axes: Mapping[str, int | None], topo: Topology, seed: int, std: float) -> None:
+    """Initialise every parameter as the single-card model would be, whatever the layout.
+
+    Each tensor is drawn from its own generator keyed by (seed, single-card name): matrices from
+    N(0, std), biases zero, norm scales one. TP ranks slice the same full tensor and pipeline
+    stages draw only their own, so every layout starts from bit-identical weights (fleet's own
+    per-layer seeding differs between layouts)."""
+
+    def draw(name: str, shape: list[int]) -> np.ndarray:
+        if len(shape) >= 2:
+            rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+            return rng.normal(0.0, std, size=shape).astype(np.float32)
+        return np.zeros(shape, np.float32) if name.endswith(".bias") else np.ones(shape, np.float32)
+
+    _assign_slices(model, axes, topo, draw)
+
+
 def gather_single_card_state(model, axes: Mapping[str, int | None], topo: Topology) -> dict[str, np.ndarray]:
-    """The full single-card state dict, assembled on every rank (tests and tools; small models only)."""
+    """The full single-card state dict, assembled on every rank (tests and tools; small models only).
+
+    A weight held by several stages (a tied embedding) appears once, after checking the copies are
+    bit-identical."""
     local: dict[str, np.ndarray] = {}
     for name, param in model.state_dict().items():
         axis = axes.get(name)
@@ -42,4 +82,11 @@ def gather_single_card_state(model, axes: Mapping[str, int | None], topo: Topolo
         return local
     stages: list = []
     dist.all_gather_object(stages, local, group=topo.pp_group)
-    return {name: value for stage in stages for name, value in stage.items()}
+    merged: dict[str, np.ndarray] = {}
+    for stage in stages:
+        for name, value in stage.items():
+            if name in merged and not np.array_equal(merged[name], value):
+                raise TiedWeightError(f"{name}: the copies held by different pipeline stages differ "
+                                      f"(max |diff| {np.abs(merged[name] - value).max():.3g}); tied weights must stay identical")
+            merged[name] = value
+    return merged

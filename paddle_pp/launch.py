@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -43,16 +44,23 @@ def write_result(payload: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _tail(path: Path) -> str:
-    text = path.read_text(errors="replace") if path.exists() else "(no log)"
-    return text[-LOG_TAIL_CHARS:]
+ERROR_MARKERS = ("Error", "error:", "Traceback", "terminate called", "what():", "Check failed", "Aborted", "FATAL",
+                 "Fatal Python error", "File \"")
+FAILED_CONTAINER = re.compile(r"Container rank (\d+) status failed")
 
 
 def _logs_report(log_dirs: Sequence[Path], launcher_output: str) -> str:
+    """The launcher's tail, then every worker log: the ranks the launcher saw fail first, each
+    preceded by its lines that look like errors, so a truncated CI report still names the cause."""
+    failed = {int(rank) for rank in FAILED_CONTAINER.findall(launcher_output)}
+    logs = [log for log_dir in log_dirs for log in sorted(log_dir.glob("workerlog.*"))]
+    logs.sort(key=lambda log: int(log.suffix[1:]) not in failed)
     parts = [f"--- launcher output (tail) ---\n{launcher_output[-LOG_TAIL_CHARS:]}"]
-    for log_dir in log_dirs:
-        for log in sorted(log_dir.glob("workerlog.*")):
-            parts.append(f"--- {log} (tail) ---\n{_tail(log)}")
+    for log in logs:
+        text = log.read_text(errors="replace")
+        errors = [line for line in text.splitlines() if any(marker in line for marker in ERROR_MARKERS)]
+        summary = "\n".join(errors[-20:]) or "(no error lines)"
+        parts.append(f"--- {log}: error lines ---\n{summary}\n--- {log} (tail) ---\n{text[-LOG_TAIL_CHARS:]}")
     return "\n".join(parts)
 
 
@@ -74,7 +82,12 @@ def launch(
     work_dir = Path(work_dir)
     result_dir = work_dir / "results"
     result_dir.mkdir(parents=True, exist_ok=True)
-    run_env = {**os.environ, **(env or {}), RESULT_DIR_ENV: str(result_dir), "PYTHONUNBUFFERED": "1"}
+    # One math thread per rank unless told otherwise: N ranks each spawning a thread per core
+    # oversubscribe the CPU and stretch the waits between collectives.
+    threads = str(max(1, (os.cpu_count() or 1) // (nproc * nnodes)))
+    # PYTHONFAULTHANDLER: a rank killed by a signal (a C++ abort) still prints its Python stack.
+    run_env = {"OMP_NUM_THREADS": threads, **os.environ, **(env or {}), RESULT_DIR_ENV: str(result_dir),
+               "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
     run_env.pop("PADDLE_TRAINER_ID", None)
     master = f"127.0.0.1:{free_port()}"
     log_dirs = [work_dir / f"log_node{node}" for node in range(nnodes)]

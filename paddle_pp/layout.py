@@ -78,16 +78,16 @@ class Layout:
                 f"--sharding {stage} runs through paddle.distributed.sharding.group_sharded_parallel, "
                 "which supports only GPU/XPU devices; on CPU use --sharding stage1."
             )
-        if self.virtual_pp_degree > 1 and self.pipeline_parallel_degree < 3:
+        if self.virtual_pp_degree > 1 and self.pipeline_parallel_degree < 2:
             raise LayoutError(
-                f"--virtual_pp_degree {self.virtual_pp_degree} needs --pipeline_parallel_degree >= 3, got "
-                f"{self.pipeline_parallel_degree} (Paddle's interleaved schedule asserts pp > 2); "
-                "drop --virtual_pp_degree or use more stages."
+                f"--virtual_pp_degree {self.virtual_pp_degree} needs --pipeline_parallel_degree >= 2; "
+                "drop --virtual_pp_degree or add pipeline stages."
             )
-        if self.virtual_pp_degree > 1 and self.device == "cpu":
+        if self.virtual_pp_degree > 1 and self.pipeline_parallel_degree == 2 and self.device != "cpu":
             raise LayoutError(
-                f"--virtual_pp_degree {self.virtual_pp_degree} is not supported on CPU yet: the interleaved "
-                "schedule's p2p meta exchange deadlocks over gloo; run it on GPU or drop --virtual_pp_degree."
+                f"--virtual_pp_degree {self.virtual_pp_degree} with --pipeline_parallel_degree 2 is refused by "
+                "Paddle's interleaved schedule on GPU (it asserts pp > 2: NCCL could pair the two messages to "
+                "the single neighbour wrongly); use pp >= 3. The CPU backend routes them apart and allows it."
             )
         if self.hybrid_parallel_topo_order not in TOPO_ORDERS:
             raise LayoutError(

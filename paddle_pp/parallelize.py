@@ -15,13 +15,14 @@ from paddle.distributed import fleet
 from paddle.distributed.fleet.base.topology import ParallelMode
 from paddle.distributed.fleet.meta_parallel import PipelineLayer
 
-from paddle_pp.topology import Topology
+from paddle_pp.topology import Topology, align_ranks
 
 
 def wrap_model(model: paddle.nn.Layer, topo: Topology) -> paddle.nn.Layer:
     """The layout's model wrapper (pipeline schedule, TP input broadcast, DP gradient sync)."""
     if topo.layout.world_size == 1:
         return model  # fleet would wrap a plain Layer in NoPipelineParallel, which requires a PipelineLayer
+    align_ranks(topo)  # building stages takes unequal time; the wrappers start with broadcasts
     if (
         isinstance(model, PipelineLayer)
         and topo.layout.pp == 1

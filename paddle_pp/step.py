@@ -10,6 +10,7 @@ from __future__ import annotations
 import paddle
 import paddle.distributed as dist
 
+from paddle_pp.precision import autocast
 from paddle_pp.topology import Topology
 
 
@@ -32,19 +33,28 @@ def mean_over_replicas(value: paddle.Tensor, topo: Topology) -> float:
     return float(value)
 
 
-def train_step(model, optimizer, criterion, inputs, labels, topo: Topology, accumulate_steps: int) -> float:
-    """Forward, backward and update on this replica's slice; returns the global mean loss."""
+def train_step(model, optimizer, criterion, inputs, labels, topo: Topology, accumulate_steps: int,
+               compute_dtype: str | None = None, scaler=None) -> float:
+    """Forward, backward and update on this replica's slice; returns the global mean loss.
+
+    Middle pipeline stages pass `inputs = labels = None`: they only relay activations."""
     if topo.layout.pp > 1:
-        loss = model.train_batch([inputs, labels], optimizer)
+        with autocast(compute_dtype):
+            loss = model.train_batch([inputs, labels], optimizer, scaler=scaler)
         return mean_over_replicas(loss, topo)
     micro = inputs.shape[0] // accumulate_steps
     total = paddle.zeros([])
     for m in range(accumulate_steps):
         part = slice(m * micro, (m + 1) * micro)
-        loss = criterion(model(inputs[part]), labels[part]) / accumulate_steps
-        loss.backward()
-        total += loss.detach()
-    optimizer.step()
+        with autocast(compute_dtype):
+            loss = criterion(model(inputs[part]), labels[part]) / accumulate_steps
+        (scaler.scale(loss) if scaler else loss).backward()
+        total += loss.detach().astype("float32")
+    if scaler:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
     optimizer.clear_grad()
     return mean_over_replicas(total, topo)
 

@@ -92,6 +92,8 @@ def init_distributed(layout: Layout, micro_batch_size: int = 1, accumulate_steps
         )
     fleet.init(is_collective=True, strategy=build_strategy(layout, micro_batch_size, accumulate_steps))
     hcg = fleet.get_hybrid_communicate_group()
+    if layout.device == "cpu" and layout.pp > 1:
+        cpu.create_pipeline_edge_groups(hcg, wrap_around=layout.vpp > 1)
     return Topology(
         layout=layout,
         hcg=hcg,
@@ -101,3 +103,13 @@ def init_distributed(layout: Layout, micro_batch_size: int = 1, accumulate_steps
         tp_rank=hcg.get_model_parallel_rank(),
         pp_rank=hcg.get_stage_id(),
     )
+
+
+def align_ranks(topo: Topology) -> None:
+    """Wait until every rank gets here, before a collective that follows uneven per-rank work.
+
+    Only CPU needs it: gloo aborts any wait longer than 30 s, NCCL waits for minutes."""
+    if topo.layout.device == "cpu" and topo.layout.world_size > 1:
+        from paddle_pp.backends import cpu
+
+        cpu.store_barrier()

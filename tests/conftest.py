@@ -30,3 +30,15 @@ def run_workers(tmp_path):
 def run_workers_module(tmp_path_factory):
     """`run_workers` for module-scoped references shared by several tests."""
     return _launcher(tmp_path_factory.mktemp("module_jobs"))
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory):
+    """The shipped corpus tokenized once per session (runs then skip preprocessing)."""
+    from pretrain_case import CORPUS, TOKENIZER
+
+    from paddle_pp.data.tokens import preprocess
+
+    prefix = tmp_path_factory.mktemp("data") / "jargon"
+    preprocess(CORPUS, TOKENIZER, prefix)
+    return prefix

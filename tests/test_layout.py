@@ -22,9 +22,8 @@ INVALID = [
     (["--sharding", "stage2", "--sharding_parallel_degree", "2", "--pipeline_parallel_degree", "2"], 4, "gpu",
      ["--sharding stage2", "--pipeline_parallel_degree 2"]),
     (["--sharding", "stage2", "--sharding_parallel_degree", "2"], 2, "cpu", ["--sharding stage2", "on CPU"]),
-    (["--virtual_pp_degree", "2"], 2, "cpu", ["--virtual_pp_degree 2", "--pipeline_parallel_degree >= 3"]),
-    (["--virtual_pp_degree", "2", "--pipeline_parallel_degree", "2"], 2, "gpu", ["got 2", "pp > 2"]),
-    (["--virtual_pp_degree", "2", "--pipeline_parallel_degree", "4"], 4, "cpu", ["not supported on CPU yet"]),
+    (["--virtual_pp_degree", "2"], 2, "cpu", ["--virtual_pp_degree 2", "--pipeline_parallel_degree >= 2"]),
+    (["--virtual_pp_degree", "2", "--pipeline_parallel_degree", "2"], 2, "gpu", ["pipeline_parallel_degree 2", "pp > 2"]),
     (["--pipeline_parallel_degree", "2", "--sharding_parallel_degree", "2", "--sharding", "stage1",
       "--tensor_parallel_degree", "2"], 12, "cpu", ["= 8 does not divide the world size 12"]),
 ]

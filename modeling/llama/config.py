@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from paddlenlp.transformers.configuration_utils import PretrainedConfig
+from modeling.base import CausalLMConfig, ModelConfigError
 
 
-class LlamaConfig(PretrainedConfig):
+class LlamaConfig(CausalLMConfig):
     model_type = "llama"
 
     def __init__(
@@ -28,23 +28,19 @@ class LlamaConfig(PretrainedConfig):
         eos_token_id: int = 2,
         **kwargs,
     ):
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
         self.num_key_value_heads = num_key_value_heads or num_attention_heads
         self.rms_norm_eps = rms_norm_eps
         self.rope_theta = rope_theta
-        self.max_position_embeddings = max_position_embeddings
-        self.initializer_range = initializer_range
-        self.recompute = recompute
-        self.virtual_pp_degree = virtual_pp_degree
         super().__init__(
-            pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-            tie_word_embeddings=tie_word_embeddings, **kwargs,
+            vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+            num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+            max_position_embeddings=max_position_embeddings, initializer_range=initializer_range,
+            recompute=recompute, virtual_pp_degree=virtual_pp_degree, pad_token_id=pad_token_id,
+            bos_token_id=bos_token_id, eos_token_id=eos_token_id, tie_word_embeddings=tie_word_embeddings, **kwargs,
         )
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def validate(self) -> None:
+        super().validate()
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelConfigError(f"num_attention_heads={self.num_attention_heads} is not divisible by "
+                                   f"num_key_value_heads={self.num_key_value_heads} (GQA groups must be equal)")

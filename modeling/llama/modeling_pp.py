@@ -7,10 +7,7 @@ through `PipelinePretrainedModel`'s prefix mapping.
 
 from __future__ import annotations
 
-import logging
-
 from paddle import nn
-from paddle.distributed import fleet
 from paddle.distributed.fleet.meta_parallel import LayerDesc, PipelineLayer
 from paddlenlp.transformers.model_utils import PipelinePretrainedModel
 
@@ -20,14 +17,12 @@ from modeling.llama.modeling import (
     LlamaDecoderLayer,
     LlamaLMHead,
     LlamaPretrainedModel,
-    LlamaPretrainingCriterion,
     LlamaRMSNorm,
     reject_tied_embeddings,
-    vocab_embedding,
 )
-from modeling.pipeline import stage_segments
-
-logger = logging.getLogger(__name__)
+from modeling.loss import CausalLMCriterion
+from modeling.pipeline import bind_tensor_parallel, build_stages
+from modeling.tp_layers import vocab_embedding
 
 
 class LlamaEmbeddingPipe(nn.Layer):
@@ -55,12 +50,8 @@ class LlamaForCausalLMPipe(PipelinePretrainedModel, PipelineLayer):
     _init_weights = LlamaPretrainedModel._init_weights
 
     def __init__(self, config: LlamaConfig):
-        # PipelinePretrainedModel.__init__ is skipped on purpose (diamond with PipelineLayer); the
-        # config and hooks it would set are set here.
         self.config = config
-        hcg = fleet.get_hybrid_communicate_group()
-        config.tensor_parallel_degree = hcg.get_model_parallel_world_size()
-        config.tensor_parallel_rank = hcg.get_model_parallel_rank()
+        bind_tensor_parallel(config)
         reject_tied_embeddings(config)
         tp_plan.check_tensor_parallel(config, config.tensor_parallel_degree)
 
@@ -69,14 +60,4 @@ class LlamaForCausalLMPipe(PipelinePretrainedModel, PipelineLayer):
             self.add_sequential_layer(LayerDesc(LlamaDecoderLayer, config=config), f"llama.layers.{i}")
         self.add_sequential_layer(LayerDesc(LlamaRMSNormPipe, config=config), "llama")
         self.add_sequential_layer(LayerDesc(LlamaLMHead, config=config), "lm_head")
-
-        pp, vpp = hcg.get_pipe_parallel_world_size(), config.virtual_pp_degree
-        PipelineLayer.__init__(
-            self,
-            layers=self.get_sequential_layers(),
-            loss_fn=LlamaPretrainingCriterion(config),
-            topology=hcg.topology(),
-            seg_method=stage_segments(config.num_hidden_layers, pp, vpp, "LlamaDecoderLayer"),
-            num_virtual_pipeline_stages=vpp,
-        )
-        self.apply(self._init_weights)
+        build_stages(self, config, CausalLMCriterion(config), "LlamaDecoderLayer")

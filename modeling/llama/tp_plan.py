@@ -47,3 +47,8 @@ def split_axes(config: LlamaConfig) -> dict[str, int | None]:
         axes |= {f"llama.layers.{i}.{name}": axis for name, axis in _LAYER_AXES.items()}
     axes["lm_head.weight"] = COLUMN
     return axes
+
+
+def tied_groups(config: LlamaConfig) -> list[list[str]]:
+    """LLaMA keeps its head separate (tied LLaMA is refused by the models)."""
+    return []

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import paddle
@@ -245,31 +246,117 @@ def _patch_input_broadcast() -> None:
 
 # ---------------------------------------------------------------- pipeline p2p
 
-def _batch_send_recv(p2p_op_list) -> None:
-    """Replaces `p2p_communication.batch_send_recv_on_calc_stream`: gloo has no `send_on_calc_stream`.
+_edge_groups: dict[tuple[int, int, str], Any] = {}  # (src, dst, "fwd" | "bwd") -> 2-rank gloo group
+_p2p_threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="paddle_pp_p2p")  # one per edge direction
 
-    All sends and receives of one batch are posted asynchronously, then all are waited on, which is
-    what NCCL's grouped p2p guarantees: no ordering of the peers' posts can deadlock.
+
+def create_pipeline_edge_groups(hcg, wrap_around: bool) -> None:
+    """One 2-rank gloo group per pipeline edge and direction; every rank creates all, in one order.
+
+    Gloo tags each send and recv with its group's running op count, so p2p on the shared pipe
+    group pairs up only while both peers have done equally many ops on it: with pp >= 3 a middle
+    stage's send carries a later tag than the next stage's receive expects, and both wait until
+    gloo's 30 s timeout aborts them. A group that carries one direction between two ranks always
+    pairs the i-th send with the i-th receive. Activations ("fwd") and gradients ("bwd") get
+    separate groups, so with pp = 2, where both neighbours are one rank, they cannot cross.
+    `wrap_around` adds the last -> first stage edges the interleaved (virtual) schedule uses.
     """
+    for ranks in hcg.topology().get_comm_list("pipe"):
+        edges = len(ranks) if wrap_around else len(ranks) - 1
+        for i in range(edges):
+            a, b = ranks[i], ranks[(i + 1) % len(ranks)]
+            _edge_groups[(a, b, "fwd")] = dist.new_group([a, b])
+            _edge_groups[(b, a, "bwd")] = dist.new_group([a, b])
+
+
+def _edge(src: int, dst: int, direction: str) -> Any:
+    try:
+        return _edge_groups[(src, dst, direction)]
+    except KeyError:
+        raise CPUBackendError(
+            f"no pipeline p2p group {src}->{dst} ({direction}); paddle_pp.topology.init_distributed creates "
+            "them (with wrap-around edges only when --virtual_pp_degree > 1)") from None
+
+
+def _transfer(tensors, group, peer: int, send: bool) -> None:
+    """Blocking sends or receives of one edge, in order (their tags follow the group's op count)."""
+    process_group, peer_in_group = group.process_group, group.get_group_rank(peer)
+    for tensor in tensors if isinstance(tensors, (tuple, list)) else [tensors]:
+        (process_group.send if send else process_group.recv)(tensor, peer_in_group, True)
+
+
+def _pipeline_p2p(tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next, hcg) -> list:
+    """Replaces `p2p_communication._batched_p2p_ops` and `_p2p_ops` (NCCL calc-stream p2p on the
+    shared pipe group, which gloo lacks and whose tags diverge).
+
+    NCCL's grouped p2p posts every send and receive at once. Paddle's gloo send blocks until the
+    peer receives, even with sync_op=False, so one thread per edge runs its transfers (gloo
+    releases the GIL while it waits) and all are joined before returning; a gloo error surfaces
+    here as a Python exception rather than an abort."""
+    me, prev, nxt = hcg.get_global_rank(), hcg._get_p2p_prev_rank(), hcg._get_p2p_next_rank()
+    transfers = [
+        (tensor_send_next, (me, nxt, "fwd"), nxt, True),
+        (tensor_recv_prev, (prev, me, "fwd"), prev, False),
+        (tensor_send_prev, (me, prev, "bwd"), prev, True),
+        (tensor_recv_next, (nxt, me, "bwd"), nxt, False),
+    ]
+    futures = [_p2p_threads.submit(_transfer, tensors, _edge(*edge), peer, send)
+               for tensors, edge, peer, send in transfers if tensors is not None]
+    for future in futures:
+        future.result()
+    return []
+
+
+def _meta_on_edges(upstream_send, upstream_recv):
+    """`SendRecvMeta.send_meta/recv_meta` send shapes over the shared pipe group (same tag problem);
+    these route them over the edge group of the direction they describe."""
     from paddle.distributed.fleet.meta_parallel.pp_utils import p2p_communication as p2p
 
-    tasks = []
-    for op in p2p_op_list:
-        process_group = op.group.process_group
-        peer = op.group.get_group_rank(op.peer)
-        if op.op is p2p._send_on_calc_stream:
-            tasks.append(process_group.send(op.tensor, peer, False))
-        else:
-            tasks.append(process_group.recv(op.tensor, peer, False))
-    for task in tasks:
-        task.wait()
+    def send_meta(self, tensor, group, reverse=False, broadcast=False):
+        if not broadcast:
+            me = p2p._hcg.get_global_rank()
+            group = _edge(me, p2p._hcg._get_p2p_prev_rank(), "bwd") if reverse else \
+                _edge(me, p2p._hcg._get_p2p_next_rank(), "fwd")
+        return upstream_send(self, tensor, group, reverse, broadcast)
+
+    def recv_meta(self, group, reverse=False, broadcast=False):
+        if not broadcast:
+            me = p2p._hcg.get_global_rank()
+            group = _edge(p2p._hcg._get_p2p_next_rank(), me, "bwd") if reverse else \
+                _edge(p2p._hcg._get_p2p_prev_rank(), me, "fwd")
+        return upstream_recv(self, group, reverse, broadcast)
+
+    return send_meta, recv_meta
+
+
+def _interleave_sanity(needs_double_accumulation: bool):
+    """Replaces the interleaved schedules' `_check_sanity`. Paddle asserts pp > 2 there because with
+    NCCL two messages to the single neighbour of pp = 2 can meet the wrong receive; the edge groups
+    above rule that out on CPU. The other checks are kept as upstream has them."""
+
+    def check_sanity(self):
+        if not paddle.in_dynamic_mode():
+            raise AssertionError("virtual pipeline stage with interleave only supports eager dygraph mode")
+        if needs_double_accumulation and self.accumulate_steps < 2 * self.num_stages:
+            raise AssertionError(f"accumulate_steps ({self.accumulate_steps}) should be >= 2 * num_stages "
+                                 f"({self.num_stages}) for pipeline with interleave")
+
+    return check_sanity
 
 
 def _patch_pipeline_p2p() -> None:
+    from paddle.distributed.fleet.meta_parallel import pipeline_parallel
     from paddle.distributed.fleet.meta_parallel.pp_utils import p2p_communication
 
-    _require(p2p_communication, "_send_on_calc_stream")
-    _replace(p2p_communication, "batch_send_recv_on_calc_stream", _batch_send_recv)
+    _require(p2p_communication, "_batched_p2p_ops")
+    _replace(p2p_communication, "_batched_p2p_ops", _pipeline_p2p)
+    _replace(p2p_communication, "_p2p_ops", _pipeline_p2p)
+    meta = _require(p2p_communication, "SendRecvMeta")
+    send_meta, recv_meta = _meta_on_edges(meta.send_meta, meta.recv_meta)
+    meta.send_meta, meta.recv_meta = send_meta, recv_meta
+    for name, needs_double_accumulation in (("PipelineParallelWithInterleave", True),
+                                            ("PipelineParallelWithInterleaveFthenB", False)):
+        _require(pipeline_parallel, name)._check_sanity = _interleave_sanity(needs_double_accumulation)
 
 
 # ---------------------------------------------------------------- gloo group creation
@@ -320,6 +407,29 @@ def _patch_group_creation() -> None:
 
     upstream = _require(collective, "_new_process_group_impl")
     _replace(collective, "_new_process_group_impl", _make_new_process_group_impl(upstream))
+
+
+# ---------------------------------------------------------------- rank alignment
+
+_barriers_passed = 0
+
+
+def store_barrier() -> None:
+    """Hold every rank until all arrive, waiting on the global TCPStore (900 s timeout), not gloo.
+
+    Gloo gives every send, recv and collective a fixed 30 s timeout (gloo's kDefaultTimeout; Paddle
+    3.3.1 exposes no setting) and aborts the process when it expires. Ranks that reach a collective
+    after unequal work (building a stage, preprocessing data) on an oversubscribed CPU can wait
+    longer than that, so callers align them here first. Every rank must call it equally often."""
+    from paddle.base import core
+
+    global _barriers_passed
+    _barriers_passed += 1
+    store = core.create_or_get_global_tcp_store()
+    key = f"paddle_pp/barrier/{_barriers_passed}"
+    if store.add(key, 1) == dist.get_world_size():
+        store.set(f"{key}/open", b"1")
+    store.wait(f"{key}/open")
 
 
 # ---------------------------------------------------------------- entry point

@@ -48,7 +48,6 @@ def _block(array, rank, tp, axis=-1):
 
 
 def run(tp: int) -> dict[str, list]:
-    import paddle
     from paddle.distributed import collective
     from paddle.distributed.fleet.layers.mpu import mp_layers
 

@@ -1,20 +1,21 @@
-"""Loads one single-card LLaMA state into any layout, evaluates, trains a few AdamW steps, gathers back.
+"""Loads one single-card model state into any layout, evaluates, trains a few steps, gathers back.
 
-The test writes the single-card weights (`--init`, .npz) and config (`--config`, JSON); rank 0
-writes the gathered single-card parameters after training to `--out`.
+The test writes the single-card weights (`--init`, .npz) and an HF-style config with "model_type"
+(`--config`, JSON); rank 0 writes the gathered single-card parameters after training to `--out`.
+`--optimizer sgd` makes global-norm clipping visible in the update (AdamW is nearly invariant to it).
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import sys
 
 import numpy as np
 import paddle
 
-from modeling import build_causal_lm, split_axes
-from modeling.llama.config import LlamaConfig
+from modeling import build_causal_lm, config_from_dict, split_axes
 from modeling.state import gather_single_card_state, load_single_card_state
 from paddle_pp.launch import write_result
 from paddle_pp.layout import Layout, add_layout_args
@@ -29,6 +30,10 @@ def global_batch(step: int, batch: int, seq: int, vocab: int) -> tuple[np.ndarra
 
 
 def main(argv: list[str]) -> None:
+    # Python's stack dump instead of Paddle's C++ handler: a rare silent SIGABRT seen in CI must
+    # leave a trace of where every thread was.
+    paddle.disable_signal_handler()
+    faulthandler.enable(all_threads=True)
     parser = add_layout_args(argparse.ArgumentParser())
     parser.add_argument("--config", required=True)
     parser.add_argument("--init", required=True)
@@ -37,18 +42,23 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--global_batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--accumulate_steps", type=int, default=2)
+    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    parser.add_argument("--clip_norm", type=float, default=1.0)
     args = parser.parse_args(argv)
 
     layout = Layout.from_args(args)
     micro = args.global_batch // layout.data_replicas // args.accumulate_steps
     topo = init_distributed(layout, micro_batch_size=micro, accumulate_steps=args.accumulate_steps)
-    config = LlamaConfig(**json.loads(open(args.config).read()))
+    config = config_from_dict(json.loads(open(args.config).read()))
     raw = build_causal_lm(config, topo)
     axes = split_axes(config)
     load_single_card_state(raw, dict(np.load(args.init)), axes, topo)
     criterion = getattr(raw, "criterion", None)
-    optimizer = paddle.optimizer.AdamW(learning_rate=1e-3, parameters=raw.parameters(),
-                                       grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0))
+    clip = paddle.nn.ClipGradByGlobalNorm(args.clip_norm)
+    if args.optimizer == "sgd":
+        optimizer = paddle.optimizer.SGD(learning_rate=0.5, parameters=raw.parameters(), grad_clip=clip)
+    else:
+        optimizer = paddle.optimizer.AdamW(learning_rate=1e-3, parameters=raw.parameters(), grad_clip=clip)
     model, optimizer = wrap_model(raw, topo), wrap_optimizer(optimizer)
     rows = replica_slice(args.global_batch, topo)
 

@@ -1,0 +1,97 @@
+"""Making a save durable and atomic, finding the newest complete one, and rotating old ones.
+
+A save is written into a hidden temporary folder; once every file is fsynced, the folder is
+renamed to `checkpoint-<step>` (atomic on POSIX), the parent folder is fsynced, and only then does
+the `latest` marker (itself replaced atomically) name it. A crash at any point leaves either the
+old checkpoint as latest or the new one complete; a temporary folder is never mistaken for one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+from checkpoint.format import CHECKPOINT_PREFIX, LATEST_FILE, CheckpointError, checkpoint_dir_name
+
+TEMP_PREFIX = ".tmp-"
+STEP_DIR = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temp_dir(output_dir: Path, step: int) -> Path:
+    return Path(output_dir) / f"{TEMP_PREFIX}{checkpoint_dir_name(step)}"
+
+
+def commit(output_dir: Path, step: int) -> Path:
+    """Rename the fully written temporary folder into place and point `latest` at it."""
+    output_dir = Path(output_dir)
+    staged, final = temp_dir(output_dir, step), output_dir / checkpoint_dir_name(step)
+    fsync_dir(staged)
+    if final.exists():  # a re-save of the same step (e.g. after resuming): replace it whole
+        shutil.rmtree(final)
+    os.replace(staged, final)
+    fsync_dir(output_dir)
+    marker = output_dir / f".{LATEST_FILE}.tmp"
+    marker.write_text(final.name + "\n")
+    fsync_file(marker)
+    os.replace(marker, output_dir / LATEST_FILE)
+    fsync_dir(output_dir)
+    return final
+
+
+def committed_steps(output_dir: Path) -> list[int]:
+    return sorted(int(m.group(1)) for p in Path(output_dir).iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir())
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    """The checkpoint `latest` names, warning about any save that never committed."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return None
+    for stale in output_dir.glob(f"{TEMP_PREFIX}{CHECKPOINT_PREFIX}*"):
+        warnings.warn(f"ignoring {stale}: a save that never committed (the process stopped while writing it)",
+                      stacklevel=2)
+    marker = output_dir / LATEST_FILE
+    if not marker.is_file():
+        return None
+    folder = output_dir / marker.read_text().strip()
+    if not folder.is_dir():
+        raise CheckpointError(f"{marker} names {folder.name}, which does not exist")
+    return folder
+
+
+def rotate(output_dir: Path, keep: int) -> list[Path]:
+    """Delete the oldest committed checkpoints beyond `keep`, never the one `latest` names."""
+    if keep <= 0:
+        return []
+    latest = latest_checkpoint(output_dir)
+    removed = []
+    for step in committed_steps(output_dir)[:-keep]:
+        folder = Path(output_dir) / checkpoint_dir_name(step)
+        if latest is not None and folder.resolve() == latest.resolve():
+            continue
+        shutil.rmtree(folder)
+        removed.append(folder)
+    return removed
+
+
+def clear_stale_temp(output_dir: Path, step: int) -> None:
+    """Remove a leftover temporary folder of the same step from a crashed earlier attempt."""
+    staged = temp_dir(output_dir, step)
+    if staged.exists():
+        shutil.rmtree(staged)

@@ -1,0 +1,59 @@
+"""File names, index layout and version policy of the unified checkpoint (docs/checkpoint-format.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+FORMAT_VERSION = 1
+MODEL, OPTIMIZER = "model", "optimizer"
+CONFIG_FILE = "config.json"
+TRAINER_STATE_FILE = "trainer_state.json"
+LATEST_FILE = "latest"
+CHECKPOINT_PREFIX = "checkpoint-"
+STATE_SEPARATOR = "/"  # optimizer keys are "<parameter name>/<state name>"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete, corrupted, or does not fit the model."""
+
+
+def index_name(kind: str) -> str:
+    return f"{kind}.safetensors.index.json"
+
+
+def shard_name(kind: str, number: int, total: int) -> str:
+    """Hugging Face shard names: model-00001-of-00004.safetensors."""
+    return f"{kind}-{number:05d}-of-{total:05d}.safetensors"
+
+
+def checkpoint_dir_name(step: int) -> str:
+    return f"{CHECKPOINT_PREFIX}{step}"
+
+
+def read_index(folder: Path, kind: str) -> dict:
+    """The index of `kind` in `folder`, refusing versions this reader does not know.
+
+    Version policy: a reader accepts every version up to its own (older ones are upgraded on read
+    when the format changes) and refuses a newer one, naming both, rather than guess."""
+    path = Path(folder) / index_name(kind)
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: {folder} is not a complete unified checkpoint")
+    try:
+        index = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path} is not valid JSON ({err}); the checkpoint is corrupted") from err
+    version = index.get("metadata", {}).get("format_version")
+    if not isinstance(version, int):
+        raise CheckpointError(f"{path} has no metadata.format_version: not written by paddle-pp")
+    if version > FORMAT_VERSION:
+        raise CheckpointError(f"{path} has format version {version}, newer than this reader's {FORMAT_VERSION}; "
+                              "upgrade paddle-pp to read it")
+    return index
+
+
+def write_json_durably(path: Path, payload: dict) -> None:
+    from checkpoint.commit import fsync_file
+
+    Path(path).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    fsync_file(path)

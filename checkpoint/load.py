@@ -1,0 +1,123 @@
+"""Loading a unified checkpoint under any layout: each rank reads only its own slices.
+
+A parameter's TP slice is cut out of the single-card tensor with `safe_open(...).get_slice`, so no
+rank reads more than it holds. Optimizer states are created first (Paddle makes them lazily) and
+filled for the parameters this rank updates under the *new* sharding degree, which re-partitions
+them. Every file a rank reads is checked against the SHA-256 in the index first.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import paddle.distributed as dist
+
+from checkpoint.format import (
+    CONFIG_FILE, MODEL, OPTIMIZER, STATE_SEPARATOR, TRAINER_STATE_FILE, CheckpointError, index_name, read_index,
+)
+from checkpoint.optimizer_state import ensure_states, states_by_parameter
+from checkpoint.shards import ShardReader, file_sha256
+from paddle_pp.topology import Topology
+
+ARCHITECTURE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                       "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+                       "tie_word_embeddings")
+
+
+def check_compatible(folder: Path, config) -> None:
+    """Before any process group exists: the folder is a complete checkpoint of this architecture."""
+    folder = Path(folder)
+    read_index(folder, MODEL)
+    if not (folder / TRAINER_STATE_FILE).is_file():
+        raise CheckpointError(f"{folder / TRAINER_STATE_FILE} is missing: not a complete training checkpoint")
+    saved = json.loads((folder / CONFIG_FILE).read_text())
+    ours = config.to_dict()
+    for name in ARCHITECTURE_FIELDS:
+        if name in saved or name in ours:
+            if saved.get(name) != ours.get(name):
+                raise CheckpointError(f"checkpoint {folder} is from another model: {name} is {saved.get(name)!r} "
+                                      f"there and {ours.get(name)!r} here; resume with the checkpoint's model flags "
+                                      "or start a new output_dir")
+
+
+class _Files:
+    """Readers for the shards of one kind, verified once each on first use."""
+
+    def __init__(self, folder: Path, kind: str, verify: bool):
+        self.folder, self.verify = folder, verify
+        self.index = read_index(folder, kind)
+        self.meta = self.index["metadata"]
+        self.readers: dict[str, ShardReader] = {}
+
+    def reader(self, name: str) -> ShardReader:
+        fname = self.index["weight_map"].get(name)
+        if fname is None:
+            raise CheckpointError(f"checkpoint {self.folder} has no tensor {name!r}: it was saved from a different "
+                                  f"model ({self.meta.get('model_type', 'unknown type')})")
+        if fname not in self.readers:
+            path = self.folder / fname
+            expected = self.meta["files"][fname]
+            if not path.is_file():
+                raise CheckpointError(f"{path} is missing from the checkpoint")
+            if path.stat().st_size != expected["size"]:
+                raise CheckpointError(f"{path} is {path.stat().st_size} bytes, the index says {expected['size']}: "
+                                      "the file is truncated; restore it or resume from an older checkpoint")
+            if self.verify and file_sha256(path) != expected["sha256"]:
+                raise CheckpointError(f"{path} fails its SHA-256 check: the file is corrupted; restore it or "
+                                      "resume from an older checkpoint")
+            self.readers[fname] = ShardReader(path)
+        return self.readers[fname]
+
+    def read_slice(self, name: str, local_shape: list[int], axis: int | None, topo: Topology) -> np.ndarray:
+        full = list(local_shape)
+        if axis is not None and topo.layout.tp > 1:
+            full[axis] *= topo.layout.tp
+        saved = self.meta["tensors"].get(name, {}).get("shape")
+        if saved != full:
+            raise CheckpointError(f"{name}: the checkpoint holds shape {saved}, this model needs {full} (single-card "
+                                  f"shapes); it was saved from a different model configuration")
+        split = axis is not None and topo.layout.tp > 1
+        return self.reader(name).read(name, axis if split else None, topo.layout.tp, topo.tp_rank)
+
+
+def _load_model(files: _Files, model, axes: dict, topo: Topology) -> None:
+    for name, param in model.state_dict().items():
+        array = files.read_slice(name, list(param.shape), axes.get(name), topo)
+        param.set_value(array.astype(str(param.dtype).removeprefix("paddle.")))
+
+
+def _load_optimizer(files: _Files, model, optimizer, axes: dict, topo: Topology) -> None:
+    ensure_states(optimizer)
+    by_param = states_by_parameter(optimizer)
+    for name, param in model.state_dict().items():
+        for state_name, tensor in by_param.get(param.name, {}).items():
+            like_param = list(tensor.shape) == list(param.shape)
+            key = f"{name}{STATE_SEPARATOR}{state_name}"
+            array = files.read_slice(key, list(tensor.shape), axes.get(name) if like_param else None, topo)
+            tensor.set_value(array.reshape(tensor.shape))
+
+
+def load_checkpoint(folder: Path, model, optimizer, topo: Topology, axes: dict, verify: bool = True) -> dict:
+    """Fill `model` (and `optimizer`, when given and saved) from `folder`; returns the trainer state.
+
+    A failure on any rank is raised on every rank (after an all-reduce of the outcome), so no rank
+    walks on into a collective that the failed one will never join."""
+    folder = Path(folder)
+    error: Exception | None = None
+    try:
+        _load_model(_Files(folder, MODEL, verify), model, axes, topo)
+        if optimizer is not None and (folder / index_name(OPTIMIZER)).is_file():
+            _load_optimizer(_Files(folder, OPTIMIZER, verify), model, optimizer, axes, topo)
+    except (CheckpointError, OSError, ValueError) as err:
+        error = err
+    if topo.layout.world_size > 1:
+        outcomes: list = []
+        dist.all_gather_object(outcomes, None if error is None else str(error))
+        failures = [(rank, msg) for rank, msg in enumerate(outcomes) if msg is not None]
+        if failures and error is None:
+            error = CheckpointError(f"loading {folder} failed on rank {failures[0][0]}: {failures[0][1]}")
+    if error is not None:
+        raise error if isinstance(error, CheckpointError) else CheckpointError(str(error))
+    return json.loads((folder / TRAINER_STATE_FILE).read_text())

@@ -1,0 +1,258 @@
+"""Saving from any layout: each tensor written once, by one rank, as a single-card tensor.
+
+Who writes what: a tensor belongs to the lowest pipeline stage that holds it (a tied embedding
+held by the first and last stage is written once), and only the first data replica (dp rank 0)
+writes. Within a stage, model tensors are spread over the tp x sharding ranks of that replica
+and optimizer states over the tp ranks of the sharding rank that updates them; a tensor split by
+TP is all-gathered over its tp group and written by the one owner. Shard headers are written from
+the planned shapes before any data, so a synchronous save streams one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+
+from checkpoint import commit as commits
+from checkpoint.format import (
+    CONFIG_FILE, FORMAT_VERSION, MODEL, OPTIMIZER, STATE_SEPARATOR, TRAINER_STATE_FILE, index_name, shard_name,
+    write_json_durably,
+)
+from checkpoint.optimizer_state import states_by_parameter
+from checkpoint.shards import TensorSpec, write_shard
+from modeling import tied_groups
+from paddle_pp.topology import Topology
+
+
+@dataclass
+class _Entry:
+    """One tensor to save: its local tensor, TP axis, and whether this rank writes it."""
+
+    name: str
+    local: paddle.Tensor
+    axis: int | None
+    gather: bool  # this rank's tp group takes part in assembling it
+    mine: bool  # this rank writes it
+
+
+@dataclass
+class _Shard:
+    kind: str
+    specs: list[TensorSpec] = field(default_factory=list)
+    entries: list[_Entry] = field(default_factory=list)
+
+
+def _gather_objects(obj, group, size: int) -> list:
+    if size == 1:
+        return [obj]
+    out: list = []
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _full_shape(tensor: paddle.Tensor, axis: int | None, tp: int) -> tuple[int, ...]:
+    shape = list(tensor.shape)
+    if axis is not None and tp > 1:
+        shape[axis] *= tp
+    return tuple(shape)
+
+
+def _owned_names(state: dict, topo: Topology) -> list[str]:
+    """Names this stage writes: those no lower stage also holds (tied weights go to the first)."""
+    names = sorted(state)
+    stages = _gather_objects(names, topo.pp_group, topo.layout.pp)
+    earlier = {n for stage in stages[:topo.pp_rank] for n in stage}
+    return [n for n in names if n not in earlier]
+
+
+def _model_shard(model, axes: dict, topo: Topology) -> _Shard:
+    state = model.state_dict()
+    tp, writers = topo.layout.tp, topo.layout.tp * topo.layout.sharding_degree
+    shard = _Shard(MODEL)
+    for i, name in enumerate(_owned_names(state, topo)):
+        slot = i % writers
+        gather = topo.dp_rank == 0 and topo.sharding_rank == slot // tp
+        entry = _Entry(name, state[name], axes.get(name), gather, gather and topo.tp_rank == slot % tp)
+        shard.entries.append(entry)
+        if entry.mine:
+            shard.specs.append(TensorSpec(name, np.dtype("float32"), _full_shape(entry.local, entry.axis, tp)))
+    return shard
+
+
+def _optimizer_shard(model, optimizer, axes: dict, topo: Topology) -> _Shard:
+    state = model.state_dict()
+    owned = set(_owned_names(state, topo))
+    by_param = states_by_parameter(optimizer)
+    tp = topo.layout.tp
+    keyed = {}
+    for name in owned:
+        param = state[name]
+        for state_name, tensor in by_param.get(param.name, {}).items():
+            like_param = list(tensor.shape) == list(param.shape)
+            keyed[f"{name}{STATE_SEPARATOR}{state_name}"] = (tensor, axes.get(name) if like_param else None)
+    counts = _gather_objects(len(keyed), topo.tp_group, tp)
+    if len(set(counts)) > 1:
+        raise RuntimeError(f"tp ranks hold different numbers of optimizer states {counts}; cannot merge them")
+    shard = _Shard(OPTIMIZER)
+    for i, key in enumerate(sorted(keyed)):
+        tensor, axis = keyed[key]
+        entry = _Entry(key, tensor, axis, topo.dp_rank == 0, topo.dp_rank == 0 and topo.tp_rank == i % tp)
+        shard.entries.append(entry)
+        if entry.mine:
+            dtype = np.dtype(str(tensor.dtype).removeprefix("paddle."))
+            shard.specs.append(TensorSpec(key, dtype, _full_shape(tensor, axis, tp)))
+    return shard
+
+
+def _assembled(shard: _Shard, topo: Topology, cast: str | None) -> Iterator[np.ndarray]:
+    """Drive every gather of the shard's entries in order; yield the tensors this rank writes."""
+    for entry in shard.entries:
+        if not entry.gather:
+            continue
+        local = entry.local.detach()
+        if entry.axis is not None and topo.layout.tp > 1:
+            parts: list = []
+            dist.all_gather(parts, local, group=topo.tp_group)
+            full = np.concatenate([p.astype("float32").numpy() if cast else p.numpy() for p in parts], axis=entry.axis)
+        else:
+            full = local.astype("float32").numpy() if cast else local.numpy()
+        if entry.mine:
+            yield full
+
+
+@dataclass
+class PendingSave:
+    """A save whose shard files are being written; `finish()` commits it on every rank."""
+
+    output_dir: Path
+    step: int
+    topo: Topology
+    layout_info: dict
+    plans: dict
+    extra: dict
+    keep: int
+    thread: threading.Thread | None = None
+    results: dict = field(default_factory=dict)
+    error: list = field(default_factory=list)
+
+    def files_written(self) -> bool:
+        return self.thread is None or not self.thread.is_alive()
+
+    def finish(self) -> Path | None:
+        """Wait for this rank's files, exchange their checksums, and let rank 0 commit."""
+        if self.thread is not None:
+            self.thread.join()
+        failed = _gather_objects(bool(self.error), None, self.topo.layout.world_size)
+        if any(failed):
+            raise RuntimeError(f"writing checkpoint-{self.step} failed on ranks "
+                               f"{[r for r, f in enumerate(failed) if f]}: {self.error}")
+        everyone = _gather_objects(self.results, None, self.topo.layout.world_size)
+        final = None
+        if self.topo.global_rank == 0:
+            final = _commit(self, everyone)
+        _gather_objects(None, None, self.topo.layout.world_size)  # nobody returns before the commit
+        return final
+
+
+def _commit(pending: PendingSave, everyone: list[dict]) -> Path:
+    staged = commits.temp_dir(pending.output_dir, pending.step)
+    for kind in (MODEL, OPTIMIZER):
+        files, tensors, weight_map, total = {}, {}, {}, 0
+        for result in everyone:
+            if kind not in result:
+                continue
+            fname, sha, size, specs = result[kind]
+            files[fname] = {"sha256": sha, "size": size}
+            for name, meta in specs.items():
+                tensors[name], weight_map[name] = meta, fname
+                total += int(np.prod(meta["shape"], dtype=np.int64)) * np.dtype(meta["dtype"]).itemsize
+        metadata = {"format_version": FORMAT_VERSION, "total_size": total, "saving_layout": pending.layout_info,
+                    "files": files, "tensors": tensors, **pending.extra.get(f"{kind}_metadata", {})}
+        write_json_durably(staged / index_name(kind), {"metadata": metadata, "weight_map": weight_map})
+    for name, payload in pending.extra["json_files"].items():
+        write_json_durably(staged / name, payload)
+    for source in pending.extra["copy_files"]:
+        shutil.copyfile(source, staged / Path(source).name)
+        commits.fsync_file(staged / Path(source).name)
+    final = commits.commit(pending.output_dir, pending.step)
+    commits.rotate(pending.output_dir, pending.keep)
+    return final
+
+
+def save_checkpoint(output_dir: Path, step: int, model, optimizer, topo: Topology, axes: dict, *,
+                    config, trainer_state: dict, tokenizer_dir: Path | None = None, keep: int = 0,
+                    asynchronous: bool = False) -> PendingSave:
+    """Write checkpoint-<step> under `output_dir`. Synchronous saves return committed; asynchronous
+    ones return once host copies are taken, with a `PendingSave` to `finish()` later."""
+    output_dir = Path(output_dir)
+    if topo.global_rank == 0:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        commits.clear_stale_temp(output_dir, step)
+        commits.temp_dir(output_dir, step).mkdir()
+    _gather_objects(None, None, topo.layout.world_size)  # the folder exists before anyone writes
+    shards = [_model_shard(model, axes, topo)]
+    if optimizer is not None:
+        shards.append(_optimizer_shard(model, optimizer, axes, topo))
+    counts = _gather_objects({s.kind: bool(s.specs) for s in shards}, None, topo.layout.world_size)
+    plans = {}
+    for shard in shards:
+        writers = [rank for rank, c in enumerate(counts) if c.get(shard.kind)]
+        if shard.specs:
+            plans[shard.kind] = (shard_name(shard.kind, writers.index(topo.global_rank) + 1, len(writers)), shard)
+        else:
+            plans[shard.kind] = (None, shard)
+    layout = topo.layout
+    layout_info = {"describe": layout.describe(), "world_size": layout.world_size, "tensor_parallel_degree": layout.tp,
+                   "pipeline_parallel_degree": layout.pp, "sharding_parallel_degree": layout.sharding_degree,
+                   "data_parallel_degree": layout.dp, "virtual_pp_degree": layout.vpp}
+    config_dict = config.to_dict()  # single-card form: the layout that saved it is in the index
+    config_dict.update(tensor_parallel_degree=1, tensor_parallel_rank=0, virtual_pp_degree=1)
+    config_dict["architectures"] = [f"{type(model).__name__.replace('Pipe', '')}"]
+    tied = tied_groups(config)
+    extra = {"json_files": {CONFIG_FILE: config_dict,
+                            TRAINER_STATE_FILE: {"format_version": FORMAT_VERSION, "saving_layout": layout_info,
+                                                 **trainer_state}},
+             "copy_files": [str(Path(tokenizer_dir) / "tokenizer.model")] if tokenizer_dir else [],
+             "model_metadata": {"model_type": config.model_type, "tied": tied}}
+    pending = PendingSave(output_dir, step, topo, layout_info, plans, extra, keep)
+    staged = commits.temp_dir(output_dir, step)
+
+    def write(kind: str, fname: str | None, shard: _Shard, arrays) -> None:
+        if fname is None:
+            for _ in arrays:
+                pass
+            return
+        sha, size = write_shard(staged / fname, shard.specs, arrays, {"format": "np"})
+        pending.results[kind] = (fname, sha, size, {s.name: {"dtype": str(s.dtype), "shape": list(s.shape),
+                                                             "tp_axis": _axis_of(shard, s.name)} for s in shard.specs})
+
+    if asynchronous:
+        copies = {kind: (fname, shard, list(_assembled(shard, topo, "float32" if kind == MODEL else None)))
+                  for kind, (fname, shard) in plans.items()}
+
+        def background():
+            try:
+                for kind, (fname, shard, arrays) in copies.items():
+                    write(kind, fname, shard, arrays)
+            except Exception as err:  # reported by finish() on every rank
+                pending.error.append(repr(err))
+
+        pending.thread = threading.Thread(target=background, name=f"checkpoint-{step}-writer", daemon=False)
+        pending.thread.start()
+        return pending
+    for kind, (fname, shard) in plans.items():
+        write(kind, fname, shard, _assembled(shard, topo, "float32" if kind == MODEL else None))
+    pending.finish()
+    return pending
+
+
+def _axis_of(shard: _Shard, name: str) -> int | None:
+    return next(e.axis for e in shard.entries if e.name == name)
+

@@ -1,0 +1,31 @@
+"""Next-token loss shared by every model family: mean over counted labels, vocab-parallel under TP."""
+
+from __future__ import annotations
+
+import paddle.nn.functional as F
+from paddle import nn
+from paddle.distributed.fleet.layers.mpu import mp_layers
+
+from modeling.tp_layers import tp_degree
+
+IGNORE_INDEX = -100
+
+
+class CausalLMCriterion(nn.Layer):
+    """Mean cross-entropy over labels that are not IGNORE_INDEX.
+
+    Under TP the logits stay split by vocabulary and `ParallelCrossEntropy` reduces across ranks,
+    so the full logits are never gathered."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.parallel = mp_layers.ParallelCrossEntropy(ignore_index=IGNORE_INDEX) if tp_degree(config) > 1 else None
+
+    def forward(self, logits, labels):
+        logits = logits.astype("float32")
+        if self.parallel is not None:
+            token_loss = self.parallel(logits, labels.unsqueeze(-1))
+        else:
+            token_loss = F.cross_entropy(logits, labels.unsqueeze(-1), reduction="none", ignore_index=IGNORE_INDEX)
+        counted = (labels != IGNORE_INDEX).astype("float32").unsqueeze(-1)
+        return (token_loss * counted).sum() / counted.sum().clip(min=1.0)

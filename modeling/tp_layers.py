@@ -1,0 +1,46 @@
+"""Layers that become fleet's tensor-parallel layers when tp > 1 and plain Paddle layers otherwise.
+
+Model files call these instead of choosing between the two, so a model reads like its single-card
+form and the split follows from `config.tensor_parallel_degree` alone.
+"""
+
+from __future__ import annotations
+
+import paddle
+from paddle import nn
+from paddle.distributed import fleet
+from paddle.distributed.fleet.layers.mpu import mp_layers
+
+
+def tp_degree(config) -> int:
+    return max(config.tensor_parallel_degree, 1)
+
+
+def column_linear(config, in_features: int, out_features: int, bias: bool = False) -> nn.Layer:
+    """Output features split over tp ranks; the output stays split for the matching row linear."""
+    if tp_degree(config) > 1:
+        return mp_layers.ColumnParallelLinear(in_features, out_features, has_bias=bias, gather_output=False)
+    return nn.Linear(in_features, out_features, bias_attr=None if bias else False)
+
+
+def row_linear(config, in_features: int, out_features: int, bias: bool = False) -> nn.Layer:
+    """Input features split over tp ranks; partial outputs are all-reduced (bias added once)."""
+    if tp_degree(config) > 1:
+        return mp_layers.RowParallelLinear(in_features, out_features, has_bias=bias, input_is_parallel=True)
+    return nn.Linear(in_features, out_features, bias_attr=None if bias else False)
+
+
+def vocab_embedding(config) -> nn.Layer:
+    """Vocabulary rows split over tp ranks; lookups outside a rank's rows are zero, then all-reduced."""
+    if tp_degree(config) > 1:
+        return mp_layers.VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+    return nn.Embedding(config.vocab_size, config.hidden_size)
+
+
+def vocab_logits(hidden: paddle.Tensor, weight: paddle.Tensor, tp: int, transpose_y: bool) -> paddle.Tensor:
+    """Logits over this rank's vocabulary slice. Under TP the input is an identity whose backward
+    all-reduces, since every rank's slice of the vocabulary contributes to the hidden-state gradient."""
+    if tp > 1:
+        hidden = paddle.distributed.collective._c_identity(
+            hidden, group=fleet.get_hybrid_communicate_group().get_model_parallel_group())
+    return paddle.matmul(hidden, weight, transpose_y=transpose_y)

@@ -1,0 +1,1 @@
+"""Pretraining data: a SentencePiece tokenizer, token ids in a memory-mapped file, a resumable sampler."""

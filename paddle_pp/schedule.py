@@ -1,0 +1,28 @@
+"""Learning-rate schedule: linear warmup to the peak, then cosine decay to `min_learning_rate`."""
+
+from __future__ import annotations
+
+import math
+
+from paddle.optimizer.lr import LRScheduler
+
+
+class ScheduleError(ValueError):
+    """Warmup and total steps that do not form a schedule."""
+
+
+class WarmupCosine(LRScheduler):
+    """`last_epoch` counts optimizer steps, so `state_dict()` resumes the schedule exactly."""
+
+    def __init__(self, learning_rate: float, warmup_steps: int, max_steps: int, min_learning_rate: float = 0.0):
+        if not 0 <= warmup_steps <= max_steps:
+            raise ScheduleError(f"--warmup_steps {warmup_steps} must lie in [0, --max_steps {max_steps}]")
+        self.warmup_steps, self.max_steps, self.min_learning_rate = warmup_steps, max_steps, min_learning_rate
+        super().__init__(learning_rate=learning_rate)
+
+    def get_lr(self) -> float:
+        step = self.last_epoch
+        if step < self.warmup_steps:
+            return self.base_lr * (step + 1) / self.warmup_steps
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.max_steps - self.warmup_steps))
+        return self.min_learning_rate + 0.5 * (self.base_lr - self.min_learning_rate) * (1 + math.cos(math.pi * progress))

@@ -1,0 +1,224 @@
+"""Unified checkpoint: resume across layouts, crash safety, integrity, interoperability.
+
+Resume matrix: 10 steps under layout A, save, 10 more under layout B; steps 11-20 equal an
+uninterrupted single-card run within 1e-5 (fp32). Same-layout resume is bitwise equal.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import paddle
+import pytest
+from parity import assert_same_logits
+from pretrain_case import MODEL, PP2, REPO, SCRIPT, SHARDING2, TP2, pretrain
+
+from checkpoint.commit import latest_checkpoint, rotate
+from checkpoint.format import CheckpointError
+from checkpoint.shards import ShardReader
+from checkpoint.verify import verify_checkpoint
+
+RESUME_TOL = 1e-5
+HALF = ["--exit_after_steps", "10", "--save_steps", "10"]
+GPT = ["--model_type", "gpt", "--num_key_value_heads", "0"]
+FOUR_D = TP2 + PP2 + SHARDING2
+LAYOUTS = {  # name: (nproc, flags)
+    "single": (1, []),
+    "4d": (16, FOUR_D),
+    "tp2pp2": (4, TP2 + PP2),
+    "dp2_sharding2": (4, SHARDING2),
+    "pp2": (2, PP2),
+    "pp2_vpp2": (2, PP2 + ["--virtual_pp_degree", "2"]),
+}
+MATRIX = [("single", "4d"), ("4d", "single"), ("tp2pp2", "dp2_sharding2"), ("pp2", "pp2_vpp2")]
+
+
+@pytest.fixture(scope="module")
+def runs(run_workers_module, data_cache, tmp_path_factory):
+    """Launch each named run once: 'full:<model>' (20 steps), 'first:<model>:<A>' (10 steps and a
+    save), 'resumed:<model>:<A>:<B>' (10 more steps under B from A's checkpoint)."""
+
+    @functools.cache
+    def get(key: str):
+        kind, model, *layouts = key.split(":")
+        flags = GPT if model == "gpt" else []
+        if kind == "full":
+            out = tmp_path_factory.mktemp("full")
+            return pretrain(run_workers_module, data_cache, out, 1, flags, key.replace(":", "_")), out
+        if kind == "first":
+            nproc, layout = LAYOUTS[layouts[0]]
+            out = tmp_path_factory.mktemp("first")
+            return pretrain(run_workers_module, data_cache, out, nproc, [*flags, *layout, *HALF],
+                            key.replace(":", "_")), out
+        _, first_out = get(f"first:{model}:{layouts[0]}")
+        nproc, layout = LAYOUTS[layouts[1]]
+        out = tmp_path_factory.mktemp("resumed")
+        return pretrain(run_workers_module, data_cache, out, nproc,
+                        [*flags, *layout, "--resume_from_checkpoint", str(first_out / "checkpoint-10")],
+                        key.replace(":", "_")), out
+
+    return get
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("saved_as, resumed_as", MATRIX, ids=[f"{a}->{b}" for a, b in MATRIX])
+def test_resume_under_another_layout_continues_the_single_card_run(runs, saved_as, resumed_as):
+    (full, *_), _ = runs("full:llama")
+    results, _ = runs(f"resumed:llama:{saved_as}:{resumed_as}")
+    np.testing.assert_allclose(results[0]["losses"], full["losses"][10:], rtol=RESUME_TOL)
+
+
+@pytest.mark.multiproc
+def test_tied_gpt_saved_from_pp2_resumes_on_one_card(runs):
+    (full, *_), _ = runs("full:gpt")
+    (resumed, *_), _ = runs("resumed:gpt:pp2:single")
+    np.testing.assert_allclose(resumed["losses"], full["losses"][10:], rtol=RESUME_TOL)
+    index = json.loads((runs("first:gpt:pp2")[1] / "checkpoint-10" / "model.safetensors.index.json").read_text())
+    assert "gpt.embeddings.word_embeddings.weight" in index["weight_map"] and "lm_head.weight" not in index["weight_map"]
+    assert index["metadata"]["tied"] == [["gpt.embeddings.word_embeddings.weight", "lm_head.weight"]]
+
+
+@pytest.mark.multiproc
+def test_same_layout_resume_is_bitwise_equal(runs):
+    (full, *_), _ = runs("full:llama")
+    (resumed, *_), _ = runs("resumed:llama:single:single")
+    assert resumed["losses"] == full["losses"][10:]
+
+
+@pytest.mark.multiproc
+def test_index_records_layout_checksums_and_split_axes(runs):
+    _, out = runs("first:llama:4d")
+    folder = out / "checkpoint-10"
+    assert latest_checkpoint(out) == folder
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    meta = index["metadata"]
+    assert meta["saving_layout"]["world_size"] == 16 and meta["format_version"] == 1
+    assert set(meta["files"]) == set(index["weight_map"].values())
+    assert meta["tensors"]["llama.layers.0.self_attn.q_proj.weight"]["tp_axis"] == 1
+    assert meta["tensors"]["llama.layers.0.self_attn.o_proj.weight"]["tp_axis"] == 0
+    assert meta["tensors"]["llama.norm.weight"]["tp_axis"] is None
+    optimizer = json.loads((folder / "optimizer.safetensors.index.json").read_text())
+    assert {k.split("/")[1] for k in optimizer["weight_map"]} == {"moment1", "moment2", "beta1_pow_acc", "beta2_pow_acc"}
+    assert len(meta["files"]) > 1, "the 4D save must spread its writing over several ranks"
+    assert verify_checkpoint(folder) == []
+
+
+@pytest.mark.multiproc
+def test_paddlenlp_from_pretrained_gives_our_logits(runs):
+    import paddlenlp.transformers as nlp
+
+    from modeling.llama.config import LlamaConfig
+    from modeling.llama.modeling import LlamaForCausalLM
+
+    folder = runs("first:llama:tp2pp2")[1] / "checkpoint-10"
+    theirs = nlp.LlamaForCausalLM.from_pretrained(str(folder))
+    config = json.loads((folder / "config.json").read_text())
+    ours = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "architectures"}))
+    state = {}
+    for shard in sorted(folder.glob("model-*.safetensors")):
+        reader = ShardReader(shard)
+        state |= {name: paddle.to_tensor(reader.read(name)) for name in reader.names}
+    missing, unexpected = ours.set_state_dict(state)
+    assert not missing and not unexpected
+    assert_same_logits(ours, theirs, config["vocab_size"], seed=5)
+
+
+def _single_card(tmp_path: Path, *flags: str, script: Path = SCRIPT) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(script), *MODEL, "--warmup_steps", "2", "--data_cache", str(tmp_path / "cache"), *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+
+
+def _losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sigkill_mid_save_keeps_the_last_good_checkpoint(tmp_path):
+    out = tmp_path / "out"
+    short = ["--max_steps", "4", "--save_steps", "2", "--output_dir", str(out)]
+    killed = _single_card(tmp_path, *short, script=REPO / "tests" / "workers" / "killed_save_worker.py")
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert (out / "latest").read_text().strip() == "checkpoint-2"
+    assert (out / ".tmp-checkpoint-4").is_dir() and not (out / "checkpoint-4").exists()
+    with pytest.warns(UserWarning, match="never committed"):
+        assert latest_checkpoint(out) == out / "checkpoint-2"
+    resumed = _single_card(tmp_path, *short, "--resume_from_checkpoint", "latest")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    reference = _single_card(tmp_path, "--max_steps", "4", "--output_dir", str(tmp_path / "ref"))
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    assert _losses(out)[-2:] == _losses(tmp_path / "ref")[2:], "resumed steps 3-4 must equal the uninterrupted run"
+    assert (out / "latest").read_text().strip() == "checkpoint-4"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A single-card run saving at step 3, synchronously and asynchronously (two output dirs)."""
+    base = tmp_path_factory.mktemp("saved")
+    for name, extra in (("sync", []), ("async", ["--async_save"])):
+        done = _single_card(base, "--max_steps", "3", "--save_steps", "3", "--output_dir", str(base / name), *extra)
+        assert done.returncode == 0, done.stderr[-2000:]
+    return base
+
+
+def test_async_save_writes_the_same_bytes_as_sync(saved):
+    sync, async_ = saved / "sync" / "checkpoint-3", saved / "async" / "checkpoint-3"
+    shards = sorted(p.name for p in sync.glob("*.safetensors"))
+    assert shards == sorted(p.name for p in async_.glob("*.safetensors")) and shards
+    for name in shards:
+        assert (sync / name).read_bytes() == (async_ / name).read_bytes(), name
+    assert (async_ / ".." / "latest").read_text().strip() == "checkpoint-3"
+
+
+def _copy(folder: Path, target: Path) -> Path:
+    import shutil
+
+    shutil.copytree(folder, target)
+    return target
+
+
+def test_flipped_byte_fails_verification_and_resume_naming_the_file(saved, tmp_path):
+    folder = _copy(saved / "sync" / "checkpoint-3", tmp_path / "checkpoint-3")
+    shard = folder / "model-00001-of-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x01
+    shard.write_bytes(bytes(data))
+    problems = verify_checkpoint(folder)
+    assert len(problems) == 1 and shard.name in problems[0] and "SHA-256" in problems[0]
+    tool = subprocess.run([sys.executable, str(REPO / "tools" / "verify_checkpoint.py"), str(folder)],
+                          capture_output=True, text=True, timeout=60)
+    assert tool.returncode == 1 and shard.name in tool.stdout
+    resumed = _single_card(tmp_path, "--max_steps", "4", "--output_dir", str(tmp_path / "out"),
+                           "--resume_from_checkpoint", str(folder))
+    assert resumed.returncode == 2 and shard.name in resumed.stderr and "SHA-256" in resumed.stderr
+
+
+def test_truncated_shard_fails_clearly(saved, tmp_path):
+    folder = _copy(saved / "sync" / "checkpoint-3", tmp_path / "checkpoint-3")
+    shard = folder / "optimizer-00001-of-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    assert any("truncated" in p and shard.name in p for p in verify_checkpoint(folder))
+    with pytest.raises(CheckpointError, match="truncated|not a readable"):
+        ShardReader(shard)
+
+
+def test_checkpoint_of_another_model_fails_before_training(saved, tmp_path):
+    resumed = _single_card(tmp_path, "--hidden_size", "32", "--output_dir", str(tmp_path / "out"),
+                           "--resume_from_checkpoint", str(saved / "sync" / "checkpoint-3"))
+    assert resumed.returncode == 2
+    assert "hidden_size is 64 there and 32 here" in resumed.stderr
+
+
+def test_rotation_never_deletes_the_latest(tmp_path):
+    from checkpoint.commit import commit, temp_dir
+
+    for step in (1, 2, 3):
+        temp_dir(tmp_path, step).mkdir()
+        commit(tmp_path, step)
+    (tmp_path / "latest").write_text("checkpoint-1\n")  # e.g. a resume pointed latest at an older one
+    removed = rotate(tmp_path, keep=1)
+    assert sorted(p.name for p in removed) == ["checkpoint-2"]
+    assert (tmp_path / "checkpoint-1").is_dir() and (tmp_path / "checkpoint-3").is_dir()

@@ -1,0 +1,112 @@
+"""run_pretrain.py as users run it: real launches, every layout on the loss curve of single card.
+
+20 steps from the same initial weights (drawn per single-card name, whatever the layout) and the
+same data order: tp2 x pp2 (also with --recompute), dp2 x sharding2 x tp2 x pp2 and pp4 match
+single card within 1e-4 relative; a 2-node launch equals the same layout on one node exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from pretrain_case import MODEL, PP2, REPO, SCRIPT, SHARDING2, TP2, pretrain
+
+from paddle_pp.arguments import parse_args
+from paddle_pp.precision import PrecisionError
+from paddle_pp.trainer import Pretrainer, TrainingConfigError
+
+LOSS_RTOL = 1e-4
+LAYOUTS = {
+    "single": (1, 1, []),
+    "tp2pp2": (4, 1, TP2 + PP2),
+    "dp2_sharding2_tp2_pp2": (16, 1, TP2 + PP2 + SHARDING2),
+    "tp2pp2_recompute": (4, 1, TP2 + PP2 + ["--recompute"]),
+    "pp4": (4, 1, ["--pipeline_parallel_degree", "4"]),
+    "dp2pp2": (4, 1, PP2),
+    "dp2pp2_two_nodes": (2, 2, PP2),
+}
+
+
+@pytest.fixture(scope="module")
+def trained(run_workers_module, data_cache, tmp_path_factory):
+    """Each layout trains once per module: (per-rank results, rank 0's output dir)."""
+
+    @functools.cache
+    def get(name):
+        nproc, nnodes, flags = LAYOUTS[name]
+        out = tmp_path_factory.mktemp(name)
+        return pretrain(run_workers_module, data_cache, out, nproc, flags, name, nnodes), out
+
+    return get
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["tp2pp2", "dp2_sharding2_tp2_pp2", "pp4", "tp2pp2_recompute"])
+def test_layout_loss_curve_matches_single_card(trained, name):
+    (reference, *_), _ = trained("single")
+    results, _ = trained(name)
+    assert len({tuple(r["losses"]) for r in results}) == 1, f"{name}: ranks report different losses"
+    np.testing.assert_allclose(results[0]["losses"], reference["losses"], rtol=LOSS_RTOL)
+    np.testing.assert_allclose(results[0]["eval_loss"], reference["eval_loss"], rtol=LOSS_RTOL)
+
+
+@pytest.mark.multiproc
+def test_middle_pipeline_stages_build_no_dataset(trained):
+    results, _ = trained("pp4")
+    built = {r["stage"]: r["dataset_built"] for r in results}
+    assert built == {0: True, 1: False, 2: False, 3: True}
+
+
+@pytest.mark.multiproc
+def test_two_node_launch_equals_one_node(trained):
+    """Two launchers joined by --master/--nnodes 2 form one dp2 x pp2 job, identical to one node's."""
+    one, _ = trained("dp2pp2")
+    two, _ = trained("dp2pp2_two_nodes")
+    assert len(two) == 4
+    assert two[0]["losses"] == one[0]["losses"]
+
+
+@pytest.mark.multiproc
+def test_single_card_run_writes_metrics_and_plot(trained):
+    (result, *_), out = trained("single")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 21))
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "elapsed_s"} <= set(records[0])
+    assert [r["step"] for r in records if "eval_loss" in r] == [10, 20]
+    assert records[-1]["loss"] < records[0]["loss"] - 1.0, "20 steps must visibly lower the loss"
+    assert max(r["lr"] for r in records) == pytest.approx(3e-3)
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("flags, error, message", [
+    (["--bf16"], PrecisionError, "needs a GPU"),
+    (["--fp16", "--bf16"], PrecisionError, "exclusive"),
+    (["--global_batch_size", "7", "--per_device_train_batch_size", "2"], TrainingConfigError, "not divisible"),
+    (["--num_attention_heads", "5"], ValueError, "num_attention_heads"),
+])
+def test_bad_requests_fail_before_any_process_group(flags, error, message):
+    with pytest.raises(error, match=message):
+        Pretrainer(parse_args([*MODEL, *flags]))
+
+
+def test_cli_reports_missing_tokenizer_and_exits_nonzero(tmp_path):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--tokenizer_dir", str(tmp_path)], capture_output=True,
+                          text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 2
+    assert "no tokenizer" in done.stderr and "train_tokenizer.py" in done.stderr
+
+
+def test_yaml_config_is_overridden_by_flags(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("max_steps: 7\nlearning_rate: 0.01\n")
+    args = parse_args(["--config", str(config), "--max_steps", "9"])
+    assert (args.max_steps, args.learning_rate) == (9, 0.01)
+    config.write_text("max_stepz: 7\n")
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(config)])
