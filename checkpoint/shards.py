@@ -105,6 +105,9 @@ class ShardReader:
             raise CheckpointError(f"{self.path} holds {actual} bytes but its header describes {expected}: "
                                   "the file is truncated or was overwritten")
 
+    def shape(self, name: str) -> list[int]:
+        return list(self._file.get_slice(name).get_shape())
+
     def read(self, name: str, axis: int | None = None, parts: int = 1, part: int = 0) -> np.ndarray:
         """The whole tensor, or its `part`-th of `parts` equal pieces along `axis`."""
         if name not in self.names:

@@ -53,6 +53,11 @@ def split_axes(config) -> dict:
     return _family(config)[2].split_axes(config)
 
 
+def single_card_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Every parameter's single-card shape, from the config alone."""
+    return _family(config)[2].single_card_shapes(config)
+
+
 def tied_groups(config) -> list[list[str]]:
     """Names that denote one tensor, the stored name first (e.g. GPT's head is its word embedding)."""
     return _family(config)[2].tied_groups(config)

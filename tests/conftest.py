@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -15,7 +16,8 @@ def _launcher(base: Path):
     from paddle_pp.launch import launch
 
     def run(script: str, nproc: int, args=(), timeout: float = 300.0, nnodes: int = 1, tag: str = "job"):
-        return launch(WORKERS / script, nproc, list(args), work_dir=base / tag, timeout=timeout, nnodes=nnodes)
+        return launch(WORKERS / script, nproc, list(args), work_dir=base / tag, timeout=timeout, nnodes=nnodes,
+                      retries_on_silent_abort=1)
 
     return run
 
@@ -42,3 +44,19 @@ def data_cache(tmp_path_factory):
     prefix = tmp_path_factory.mktemp("data") / "jargon"
     preprocess(CORPUS, TOKENIZER, prefix)
     return prefix
+
+
+@pytest.fixture(scope="session")
+def pretrain_run(tmp_path_factory, data_cache):
+    """run_pretrain.py launched once per (tag, ranks, flags) for the whole session, so trainer and
+    checkpoint tests share their most expensive runs: (per-rank results, output dir)."""
+    from pretrain_case import pretrain
+
+    launcher = _launcher(tmp_path_factory.mktemp("pretrain_jobs"))
+
+    @functools.cache
+    def run(tag: str, nproc: int, flags: tuple[str, ...], nnodes: int = 1):
+        out = tmp_path_factory.mktemp(tag)
+        return pretrain(launcher, data_cache, out, nproc, list(flags), tag, nnodes), out
+
+    return run

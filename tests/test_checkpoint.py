@@ -6,7 +6,6 @@ uninterrupted single-card run within 1e-5 (fp32). Same-layout resume is bitwise 
 
 from __future__ import annotations
 
-import functools
 import json
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import numpy as np
 import paddle
 import pytest
 from parity import assert_same_logits
-from pretrain_case import MODEL, PP2, REPO, SCRIPT, SHARDING2, TP2, pretrain
+from pretrain_case import FOUR_D_SAVING, MODEL, PP2, REPO, SCRIPT, SHARDING2, TP2
 
 from checkpoint.commit import latest_checkpoint, rotate
 from checkpoint.format import CheckpointError
@@ -26,10 +25,9 @@ from checkpoint.verify import verify_checkpoint
 RESUME_TOL = 1e-5
 HALF = ["--exit_after_steps", "10", "--save_steps", "10"]
 GPT = ["--model_type", "gpt", "--num_key_value_heads", "0"]
-FOUR_D = TP2 + PP2 + SHARDING2
 LAYOUTS = {  # name: (nproc, flags)
     "single": (1, []),
-    "4d": (16, FOUR_D),
+    "4d": (16, list(FOUR_D_SAVING[2])),
     "tp2pp2": (4, TP2 + PP2),
     "dp2_sharding2": (4, SHARDING2),
     "pp2": (2, PP2),
@@ -39,28 +37,26 @@ MATRIX = [("single", "4d"), ("4d", "single"), ("tp2pp2", "dp2_sharding2"), ("pp2
 
 
 @pytest.fixture(scope="module")
-def runs(run_workers_module, data_cache, tmp_path_factory):
-    """Launch each named run once: 'full:<model>' (20 steps), 'first:<model>:<A>' (10 steps and a
-    save), 'resumed:<model>:<A>:<B>' (10 more steps under B from A's checkpoint)."""
+def runs(pretrain_run):
+    """'full:<model>' (20 steps on one card), 'first:<model>:<A>' (10 steps under A and a save; for
+    the 4D layout, the trainer suite's 20-step 4D run, which saves at step 10 too) and
+    'resumed:<model>:<A>:<B>' (steps 11-20 under B from A's step-10 checkpoint)."""
 
-    @functools.cache
     def get(key: str):
         kind, model, *layouts = key.split(":")
-        flags = GPT if model == "gpt" else []
+        flags = tuple(GPT if model == "gpt" else [])
+        tag = key.replace(":", "_")
         if kind == "full":
-            out = tmp_path_factory.mktemp("full")
-            return pretrain(run_workers_module, data_cache, out, 1, flags, key.replace(":", "_")), out
+            return pretrain_run("single" if model == "llama" else tag, 1, flags)  # "single": the trainer suite's
         if kind == "first":
+            if model == "llama" and layouts[0] == "4d":
+                return pretrain_run(*FOUR_D_SAVING)
             nproc, layout = LAYOUTS[layouts[0]]
-            out = tmp_path_factory.mktemp("first")
-            return pretrain(run_workers_module, data_cache, out, nproc, [*flags, *layout, *HALF],
-                            key.replace(":", "_")), out
+            return pretrain_run(tag, nproc, flags + tuple(layout + HALF))
         _, first_out = get(f"first:{model}:{layouts[0]}")
         nproc, layout = LAYOUTS[layouts[1]]
-        out = tmp_path_factory.mktemp("resumed")
-        return pretrain(run_workers_module, data_cache, out, nproc,
-                        [*flags, *layout, "--resume_from_checkpoint", str(first_out / "checkpoint-10")],
-                        key.replace(":", "_")), out
+        return pretrain_run(tag, nproc, flags + tuple(layout + ["--resume_from_checkpoint",
+                                                                 str(first_out / "checkpoint-10")]))
 
     return get
 
@@ -94,7 +90,7 @@ def test_same_layout_resume_is_bitwise_equal(runs):
 def test_index_records_layout_checksums_and_split_axes(runs):
     _, out = runs("first:llama:4d")
     folder = out / "checkpoint-10"
-    assert latest_checkpoint(out) == folder
+    assert latest_checkpoint(out) == out / "checkpoint-20"
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     meta = index["metadata"]
     assert meta["saving_layout"]["world_size"] == 16 and meta["format_version"] == 1

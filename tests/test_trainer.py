@@ -7,7 +7,6 @@ single card within 1e-4 relative; a 2-node launch equals the same layout on one 
 
 from __future__ import annotations
 
-import functools
 
 import json
 import subprocess
@@ -15,7 +14,7 @@ import sys
 
 import numpy as np
 import pytest
-from pretrain_case import MODEL, PP2, REPO, SCRIPT, SHARDING2, TP2, pretrain
+from pretrain_case import FOUR_D_SAVING, MODEL, PP2, REPO, SCRIPT, TP2
 
 from paddle_pp.arguments import parse_args
 from paddle_pp.precision import PrecisionError
@@ -25,7 +24,6 @@ LOSS_RTOL = 1e-4
 LAYOUTS = {
     "single": (1, 1, []),
     "tp2pp2": (4, 1, TP2 + PP2),
-    "dp2_sharding2_tp2_pp2": (16, 1, TP2 + PP2 + SHARDING2),
     "tp2pp2_recompute": (4, 1, TP2 + PP2 + ["--recompute"]),
     "pp4": (4, 1, ["--pipeline_parallel_degree", "4"]),
     "dp2pp2": (4, 1, PP2),
@@ -34,14 +32,14 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def trained(run_workers_module, data_cache, tmp_path_factory):
-    """Each layout trains once per module: (per-rank results, rank 0's output dir)."""
+def trained(pretrain_run):
+    """(per-rank results, rank 0's output dir) of a named layout's 20-step run."""
 
-    @functools.cache
     def get(name):
+        if name == "dp2_sharding2_tp2_pp2":
+            return pretrain_run(*FOUR_D_SAVING)
         nproc, nnodes, flags = LAYOUTS[name]
-        out = tmp_path_factory.mktemp(name)
-        return pretrain(run_workers_module, data_cache, out, nproc, flags, name, nnodes), out
+        return pretrain_run(name, nproc, tuple(flags), nnodes)
 
     return get
 

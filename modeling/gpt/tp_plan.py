@@ -62,3 +62,17 @@ def split_axes(config: GPTConfig) -> dict[str, int | None]:
 def tied_groups(config: GPTConfig) -> list[list[str]]:
     """The head is the word embedding; PaddleNLP's GPTForCausalLM also names it lm_head.weight."""
     return [[WORD_EMBEDDING, "lm_head.weight"]]
+
+
+def single_card_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter's single-card shape, computed from the config (no model is built)."""
+    h, i = config.hidden_size, config.intermediate_size
+    layer = {"self_attn.q_proj.weight": (h, h), "self_attn.k_proj.weight": (h, h), "self_attn.v_proj.weight": (h, h),
+             "self_attn.out_proj.weight": (h, h), "linear1.weight": (h, i), "linear2.weight": (i, h)}
+    layer |= {name.replace("weight", "bias"): (shape[1],) for name, shape in layer.items()}
+    layer |= {f"{norm}.{p}": (h,) for norm in ("norm1", "norm2") for p in ("weight", "bias")}
+    shapes = {WORD_EMBEDDING: (config.vocab_size, h), "gpt.embeddings.position_embeddings.weight":
+              (config.max_position_embeddings, h), "gpt.decoder.norm.weight": (h,), "gpt.decoder.norm.bias": (h,)}
+    for n in range(config.num_hidden_layers):
+        shapes |= {f"gpt.decoder.layers.{n}.{name}": shape for name, shape in layer.items()}
+    return shapes

@@ -52,3 +52,16 @@ def split_axes(config: LlamaConfig) -> dict[str, int | None]:
 def tied_groups(config: LlamaConfig) -> list[list[str]]:
     """LLaMA keeps its head separate (tied LLaMA is refused by the models)."""
     return []
+
+
+def single_card_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter's single-card shape, computed from the config (no model is built)."""
+    h, i, v, kv = config.hidden_size, config.intermediate_size, config.vocab_size, \
+        config.num_key_value_heads * config.head_dim
+    layer = {"self_attn.q_proj.weight": (h, h), "self_attn.k_proj.weight": (h, kv), "self_attn.v_proj.weight": (h, kv),
+             "self_attn.o_proj.weight": (h, h), "mlp.gate_proj.weight": (h, i), "mlp.up_proj.weight": (h, i),
+             "mlp.down_proj.weight": (i, h), "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+    shapes = {"llama.embed_tokens.weight": (v, h), "llama.norm.weight": (h,), "lm_head.weight": (h, v)}
+    for n in range(config.num_hidden_layers):
+        shapes |= {f"llama.layers.{n}.{name}": shape for name, shape in layer.items()}
+    return shapes

@@ -19,3 +19,7 @@ def pretrain(run, data_cache: Path, out: Path, nproc: int, flags: list, tag: str
     """Launch run_pretrain.py on nnodes x nproc ranks writing into `out`; per-rank results."""
     return run(SCRIPT, nproc, [*MODEL, *flags, "--data_cache", data_cache, "--output_dir", out], timeout=400,
                nnodes=nnodes, tag=tag)
+
+# The 16-rank run both suites need: the trainer compares its 20 steps with single card, the
+# checkpoint tests resume its step-10 checkpoint on one card.
+FOUR_D_SAVING = ("4d_saving", 16, tuple(TP2 + PP2 + SHARDING2 + ["--save_steps", "10"]))

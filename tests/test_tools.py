@@ -1,0 +1,116 @@
+"""tools/: each command line over its library function, on a checkpoint a real run wrote."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pretrain_case import MODEL, REPO, SCRIPT
+
+from checkpoint.hf import export_hf, import_hf
+from checkpoint.reshard import load_config, plan_layout, rechunk
+from checkpoint.shards import ShardReader
+from checkpoint.verify import verify_checkpoint
+from modeling import single_card_shapes, split_axes
+from paddle_pp.layout import Layout, LayoutError
+
+TOOLS = REPO / "tools"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, data_cache):
+    out = tmp_path_factory.mktemp("run")
+    done = subprocess.run([sys.executable, str(SCRIPT), *MODEL, "--max_steps", "2", "--warmup_steps", "1",
+                           "--save_steps", "2", "--data_cache", str(data_cache), "--output_dir", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return out / "checkpoint-2"
+
+
+def _tensors(folder: Path) -> dict[str, np.ndarray]:
+    tensors = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        reader = ShardReader(shard)
+        tensors |= {name: reader.read(name) for name in reader.names}
+    return tensors
+
+
+def test_plan_sizes_every_rank_and_covers_the_model(checkpoint):
+    config = load_config(checkpoint)
+    layout = Layout(world_size=8, tensor_parallel_degree=2, pipeline_parallel_degree=2, sharding_parallel_degree=2,
+                    sharding="stage1", device="gpu")
+    shares = plan_layout(config, layout)
+    assert {(s.stage, s.tp_rank) for s in shares} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    axes = split_axes(config)
+    held = sum(int(np.prod(shape)) * (1 if axes[name] is not None else 2)  # replicated: on both tp ranks
+               for name, shape in single_card_shapes(config).items())
+    assert sum(s.parameters for s in shares) == held
+    assert all(s.optimizer_bytes == s.parameters * 8 // 2 for s in shares), "AdamW states are sharded over 2"
+    tool = subprocess.run([sys.executable, str(TOOLS / "reshard.py"), "plan", "--checkpoint", str(checkpoint),
+                           "--world_size", "8", "--tensor_parallel_degree", "2", "--pipeline_parallel_degree", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert tool.returncode == 0 and "valid" in tool.stdout, tool.stderr[-1000:]
+
+
+def test_plan_refuses_an_invalid_layout(checkpoint):
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        plan_layout(load_config(checkpoint), Layout(world_size=4, tensor_parallel_degree=4, device="gpu"))
+    with pytest.raises(LayoutError):
+        Layout(world_size=6, tensor_parallel_degree=4, device="gpu")
+    tool = subprocess.run([sys.executable, str(TOOLS / "reshard.py"), "plan", "--checkpoint", str(checkpoint),
+                           "--world_size", "3", "--pipeline_parallel_degree", "3"], capture_output=True, text=True,
+                          timeout=120)
+    assert tool.returncode == 1 and "num_hidden_layers=4" in tool.stderr
+
+
+def test_rechunk_keeps_every_tensor_and_verifies(checkpoint, tmp_path):
+    target = rechunk(checkpoint, tmp_path / "small", max_shard_bytes=256 << 10)
+    assert len(list(target.glob("model-*.safetensors"))) > 2
+    assert verify_checkpoint(target) == []
+    before, after = _tensors(checkpoint), _tensors(target)
+    assert before.keys() == after.keys()
+    for name, value in before.items():
+        assert np.array_equal(value, after[name]), name
+    assert json.loads((target / "trainer_state.json").read_text())["step"] == 2
+
+
+def test_hf_export_import_round_trip(checkpoint, tmp_path):
+    exported = export_hf(checkpoint, tmp_path / "hf")
+    hf_config = json.loads((exported / "config.json").read_text())
+    assert hf_config["architectures"] == ["LlamaForCausalLM"] and hf_config["num_key_value_heads"] == 2
+    hf = _tensors(exported)
+    ours = {name: value for name, value in _tensors(checkpoint).items() if "/" not in name}
+    assert hf["model.layers.0.self_attn.k_proj.weight"].shape == ours["llama.layers.0.self_attn.k_proj.weight"].shape[::-1]
+    back = _tensors(import_hf(exported, tmp_path / "back"))
+    assert back.keys() == ours.keys()
+    for name, value in ours.items():
+        assert np.array_equal(value, back[name]), name
+
+
+def test_transformers_loads_the_export_with_our_logits(checkpoint, tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import paddle
+
+    from modeling.llama.modeling import LlamaForCausalLM
+
+    exported = export_hf(checkpoint, tmp_path / "hf")
+    theirs = transformers.LlamaForCausalLM.from_pretrained(str(exported)).eval()
+    config = load_config(checkpoint)
+    ours = LlamaForCausalLM(config)
+    ours.set_state_dict({k: paddle.to_tensor(v) for k, v in _tensors(checkpoint).items() if "/" not in k})
+    ours.eval()
+    ids = np.random.default_rng(3).integers(0, config.vocab_size, size=(2, 16))
+    with torch.no_grad():
+        expected = theirs(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(ours(paddle.to_tensor(ids)).numpy(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_verify_tool_passes_a_sound_checkpoint(checkpoint):
+    tool = subprocess.run([sys.executable, str(TOOLS / "verify_checkpoint.py"), str(checkpoint)],
+                          capture_output=True, text=True, timeout=60)
+    assert tool.returncode == 0 and "OK" in tool.stdout

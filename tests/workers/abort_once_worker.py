@@ -1,0 +1,20 @@
+"""Rank 1 dies of SIGABRT without a word on the first attempt (marker file absent), as the rare
+gloo crash does; every later attempt succeeds. `--raise` fails with a Python error instead."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from paddle_pp.launch import write_result  # noqa: E402
+
+marker, rank = Path(sys.argv[1]), int(os.environ.get("PADDLE_TRAINER_ID", "0"))
+if "--raise" in sys.argv:
+    raise RuntimeError("a real bug")
+if rank == 1 and not marker.exists():
+    marker.touch()
+    os.abort()
+write_result({"rank": rank})

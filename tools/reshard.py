@@ -1,0 +1,62 @@
+"""Offline layout tools for unified checkpoints (one process, no launcher).
+
+  plan   (--checkpoint DIR | --config config.json) + layout flags: is the layout valid, and what
+         does each rank hold (parameters, bytes of weights, grads and optimizer states)?
+  rechunk SOURCE TARGET --max_shard_mb N: rewrite a checkpoint with another shard size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from checkpoint.format import CheckpointError  # noqa: E402
+from checkpoint.reshard import load_config, plan_layout, rechunk  # noqa: E402
+from modeling import config_from_dict  # noqa: E402
+from paddle_pp.layout import Layout, LayoutError, add_layout_args  # noqa: E402
+
+
+def _plan(args) -> int:
+    config = load_config(args.checkpoint) if args.checkpoint else config_from_dict(json.loads(args.config.read_text()))
+    layout = Layout.from_args(args, world_size=args.world_size, device=args.device)
+    shares = plan_layout(config, layout, compute_bytes=2 if args.bf16 else 4)
+    print(f"layout {layout.describe()} on {layout.world_size} ranks: valid")
+    print(f"{'stage':>5} {'tp':>3} {'params':>12} {'weights MB':>11} {'grads MB':>9} {'optim MB':>9} {'total MB':>9}")
+    for s in shares:
+        print(f"{s.stage:>5} {s.tp_rank:>3} {s.parameters:>12,} {s.weight_bytes / 2**20:>11.1f} "
+              f"{s.grad_bytes / 2**20:>9.1f} {s.optimizer_bytes / 2**20:>9.1f} {s.total_bytes / 2**20:>9.1f}")
+    print("(every dp/sharding rank at a (stage, tp) holds the same; activations not included)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    plan = add_layout_args(commands.add_parser("plan", help="validate a layout and size each rank"))
+    source = plan.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", type=Path)
+    source.add_argument("--config", type=Path, help="a config.json with model_type")
+    plan.add_argument("--world_size", type=int, required=True)
+    plan.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
+    plan.add_argument("--bf16", action="store_true", help="size for bf16 compute with fp32 master weights")
+    chunk = commands.add_parser("rechunk", help="rewrite a checkpoint with another shard size")
+    chunk.add_argument("source", type=Path)
+    chunk.add_argument("target", type=Path)
+    chunk.add_argument("--max_shard_mb", type=float, required=True)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "plan":
+            return _plan(args)
+        print(f"wrote {rechunk(args.source, args.target, int(args.max_shard_mb * 2**20))}")
+        return 0
+    except (LayoutError, CheckpointError, ValueError) as err:
+        print(f"reshard.py: error: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
