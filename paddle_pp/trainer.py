@@ -148,7 +148,9 @@ class Pretrainer:
         """A unified checkpoint of this step; with --async_save the files are written in the background."""
         self.finish_pending_save()
         trainer_state = {"step": self.step, "consumed_samples": self.consumed_samples, "seed": self.args.seed,
-                         "lr_scheduler": self.schedule.state_dict(), "max_steps": self.args.max_steps}
+                         "lr_scheduler": self.schedule.state_dict(), "max_steps": self.args.max_steps,
+                         "global_batch_size": self.batches.global_batch,
+                         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(self.args).items()}}
         self.pending_save = save_checkpoint(
             Path(self.args.output_dir), self.step, self.raw_model, self.optimizer, self.topo, self.axes,
             config=self.config, trainer_state=trainer_state, tokenizer_dir=self.args.tokenizer_dir,

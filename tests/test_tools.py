@@ -24,8 +24,9 @@ TOOLS = REPO / "tools"
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, data_cache):
     out = tmp_path_factory.mktemp("run")
-    done = subprocess.run([sys.executable, str(SCRIPT), *MODEL, "--max_steps", "2", "--warmup_steps", "1",
-                           "--save_steps", "2", "--data_cache", str(data_cache), "--output_dir", str(out)],
+    done = subprocess.run([sys.executable, str(SCRIPT), *MODEL, "--max_steps", "6", "--warmup_steps", "1",
+                           "--exit_after_steps", "2", "--save_steps", "2", "--data_cache", str(data_cache),
+                           "--output_dir", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
     return out / "checkpoint-2"
@@ -114,3 +115,16 @@ def test_verify_tool_passes_a_sound_checkpoint(checkpoint):
     tool = subprocess.run([sys.executable, str(TOOLS / "verify_checkpoint.py"), str(checkpoint)],
                           capture_output=True, text=True, timeout=60)
     assert tool.returncode == 0 and "OK" in tool.stdout
+
+
+@pytest.mark.multiproc
+def test_check_alignment_passes_tp2_and_fails_a_tampered_layout(checkpoint, tmp_path):
+    from paddle_pp.alignment import check_alignment, plot_alignment
+
+    report = check_alignment(checkpoint, ["--tensor_parallel_degree", "2"], 2, steps=2, work_dir=tmp_path / "tp2")
+    assert report.steps == [3, 4] and report.aligned, report.table()
+    assert len(report.tensor_diffs) == len(single_card_shapes(load_config(checkpoint)))
+    assert plot_alignment(report, tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
+    tampered = check_alignment(checkpoint, ["--tensor_parallel_degree", "2", "--learning_rate", "0.01"], 2,
+                               steps=2, work_dir=tmp_path / "tampered")
+    assert not tampered.aligned and tampered.worst_tensor_rel > 1e-3
