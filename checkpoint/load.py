@@ -3,12 +3,14 @@
 A parameter's TP slice is cut out of the single-card tensor with `safe_open(...).get_slice`, so no
 rank reads more than it holds. Optimizer states are created first (Paddle makes them lazily) and
 filled for the parameters this rank updates under the *new* sharding degree, which re-partitions
-them. Every file a rank reads is checked against the SHA-256 in the index first.
+them. Every file a rank reads is checked against the SHA-256 in the index before the load returns;
+a mismatch fails the load (and so the run) before any training step.
 """
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -43,13 +45,21 @@ def check_compatible(folder: Path, config) -> None:
 
 
 class _Files:
-    """Readers for the shards of one kind, verified once each on first use."""
+    """Readers for the shards of one kind. Each file's SHA-256 is computed on a helper thread while
+    its slices are read (one pass of extra reading, overlapped); `check()` waits for the verdicts."""
 
-    def __init__(self, folder: Path, kind: str, verify: bool):
-        self.folder, self.verify = folder, verify
+    def __init__(self, folder: Path, kind: str, verify: bool, hasher: ThreadPoolExecutor):
+        self.folder, self.verify, self.hasher = folder, verify, hasher
         self.index = read_index(folder, kind)
         self.meta = self.index["metadata"]
         self.readers: dict[str, ShardReader] = {}
+        self.digests: dict[Path, Future] = {}
+
+    def check(self) -> None:
+        for path, digest in self.digests.items():
+            if digest.result() != self.meta["files"][path.name]["sha256"]:
+                raise CheckpointError(f"{path} fails its SHA-256 check: the file is corrupted; restore it or "
+                                      "resume from an older checkpoint")
 
     def reader(self, name: str) -> ShardReader:
         fname = self.index["weight_map"].get(name)
@@ -64,9 +74,8 @@ class _Files:
             if path.stat().st_size != expected["size"]:
                 raise CheckpointError(f"{path} is {path.stat().st_size} bytes, the index says {expected['size']}: "
                                       "the file is truncated; restore it or resume from an older checkpoint")
-            if self.verify and file_sha256(path) != expected["sha256"]:
-                raise CheckpointError(f"{path} fails its SHA-256 check: the file is corrupted; restore it or "
-                                      "resume from an older checkpoint")
+            if self.verify:
+                self.digests[path] = self.hasher.submit(file_sha256, path)
             self.readers[fname] = ShardReader(path)
         return self.readers[fname]
 
@@ -107,9 +116,14 @@ def load_checkpoint(folder: Path, model, optimizer, topo: Topology, axes: dict, 
     folder = Path(folder)
     error: Exception | None = None
     try:
-        _load_model(_Files(folder, MODEL, verify), model, axes, topo)
-        if optimizer is not None and (folder / index_name(OPTIMIZER)).is_file():
-            _load_optimizer(_Files(folder, OPTIMIZER, verify), model, optimizer, axes, topo)
+        with ThreadPoolExecutor(max_workers=1) as hasher:
+            files = [_Files(folder, MODEL, verify, hasher)]
+            _load_model(files[0], model, axes, topo)
+            if optimizer is not None and (folder / index_name(OPTIMIZER)).is_file():
+                files.append(_Files(folder, OPTIMIZER, verify, hasher))
+                _load_optimizer(files[1], model, optimizer, axes, topo)
+            for kind in files:
+                kind.check()
     except (CheckpointError, OSError, ValueError) as err:
         error = err
     if topo.layout.world_size > 1:

@@ -120,11 +120,18 @@ def _assembled(shard: _Shard, topo: Topology, cast: str | None) -> Iterator[np.n
         if entry.axis is not None and topo.layout.tp > 1:
             parts: list = []
             dist.all_gather(parts, local, group=topo.tp_group)
-            full = np.concatenate([p.astype("float32").numpy() if cast else p.numpy() for p in parts], axis=entry.axis)
+            full = np.concatenate([_host(p, cast) for p in parts], axis=entry.axis)
         else:
-            full = local.astype("float32").numpy() if cast else local.numpy()
+            full = _host(local, cast)
         if entry.mine:
             yield full
+
+
+def _host(tensor: paddle.Tensor, cast: str | None) -> np.ndarray:
+    """A host copy, cast only when the dtype differs (a same-dtype cast would copy twice)."""
+    if cast and str(tensor.dtype).removeprefix("paddle.") != cast:
+        tensor = tensor.astype(cast)
+    return tensor.numpy()
 
 
 @dataclass

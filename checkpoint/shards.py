@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -48,22 +49,30 @@ def _header(specs: list[TensorSpec], metadata: dict[str, str]) -> bytes:
 
 def write_shard(path: Path, specs: list[TensorSpec], tensors: Iterable[np.ndarray],
                 metadata: dict[str, str] | None = None) -> tuple[str, int]:
-    """Write `tensors` (in the order of `specs`) to `path`, fsync it; returns (sha256, size)."""
+    """Write `tensors` (in the order of `specs`) to `path`, fsync it; returns (sha256, size).
+
+    Each tensor is hashed on a helper thread while it is written (hashlib releases the GIL), so
+    the checksum costs no extra pass over the data."""
     digest, size = hashlib.sha256(), 0
-    with open(path, "wb") as handle:
+    with open(path, "wb") as handle, ThreadPoolExecutor(max_workers=1) as hasher:
         head = _header(specs, metadata or {})
         handle.write(head)
         digest.update(head)
         size += len(head)
+        hashing = None
         for spec, array in zip(specs, tensors, strict=True):
             array = np.ascontiguousarray(array)
             if array.dtype != spec.dtype or tuple(array.shape) != spec.shape:
                 raise CheckpointError(f"{spec.name}: got {array.dtype}{list(array.shape)}, planned "
                                       f"{spec.dtype}{list(spec.shape)}")
             data = array.view(np.uint8).reshape(-1).data if array.size else b""
+            if hashing is not None:
+                hashing.result()
+            hashing = hasher.submit(digest.update, data)
             handle.write(data)
-            digest.update(data)
             size += array.nbytes
+        if hashing is not None:
+            hashing.result()
         handle.flush()
         os.fsync(handle.fileno())
     return digest.hexdigest(), size
