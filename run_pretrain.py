@@ -7,6 +7,7 @@ import sys
 
 from paddle_pp.arguments import parse_args
 from paddle_pp.launch import write_result
+from paddle_pp.topology import end_job
 from paddle_pp.trainer import USER_ERRORS, Pretrainer
 
 
@@ -18,9 +19,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     history = trainer.train()
     write_result({"rank": trainer.topo.global_rank, "losses": [r["loss"] for r in history],
-                  "eval_loss": history[-1].get("eval_loss"), "dataset_built": trainer.data is not None,
-                  "stage": trainer.topo.pp_rank})
-    return 0
+                  "eval_loss": history[-1].get("eval_loss") if history else None,
+                  "dataset_built": trainer.data is not None, "stage": trainer.topo.pp_rank})
+    return end_job(trainer.topo)
 
 
 if __name__ == "__main__":

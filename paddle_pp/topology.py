@@ -113,3 +113,13 @@ def align_ranks(topo: Topology) -> None:
         from paddle_pp.backends import cpu
 
         cpu.store_barrier()
+
+
+def end_job(topo: Topology, code: int = 0) -> int:
+    """The process's last call once its results are written. On a multi-rank CPU job it does not
+    return: ranks align and exit without C++ teardown (see `backends.cpu.exit_process`)."""
+    if topo.layout.device == "cpu" and topo.layout.world_size > 1:
+        from paddle_pp.backends import cpu
+
+        cpu.exit_process(code)
+    return code

@@ -21,7 +21,7 @@ from paddle_pp.launch import write_result
 from paddle_pp.layout import Layout, add_layout_args
 from paddle_pp.parallelize import wrap_model, wrap_optimizer
 from paddle_pp.step import eval_loss, replica_slice, train_step
-from paddle_pp.topology import init_distributed
+from paddle_pp.topology import end_job, init_distributed
 
 
 def global_batch(step: int, batch: int, seq: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
@@ -74,6 +74,7 @@ def main(argv: list[str]) -> None:
         np.savez(args.out, **state)
     write_result({"eval_loss": evaluation, "losses": losses, "rank": topo.global_rank,
                   "param_names": sorted(state)})
+    end_job(topo)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from paddle_pp.launch import write_result
 from paddle_pp.layout import add_layout_args, Layout
 from paddle_pp.parallelize import wrap_model, wrap_optimizer
 from paddle_pp.step import replica_slice, train_step
-from paddle_pp.topology import init_distributed
+from paddle_pp.topology import Topology, end_job, init_distributed
 
 VOCAB, HIDDEN, FFN, LAYERS, SEQ = 32, 8, 16, 4, 6
 GLOBAL_BATCH = 8
@@ -105,7 +105,7 @@ def global_batch(step: int) -> tuple[np.ndarray, np.ndarray]:
     return tokens[:, :-1].astype("int64"), tokens[:, 1:].astype("int64")
 
 
-def train(layout: Layout, steps: int, accumulate_steps: int) -> dict:
+def train(layout: Layout, steps: int, accumulate_steps: int) -> tuple[dict, Topology]:
     micro_batch = GLOBAL_BATCH // layout.data_replicas // accumulate_steps
     topo = init_distributed(layout, micro_batch_size=micro_batch, accumulate_steps=accumulate_steps)
     layers = [LayerDesc(Embed), *[LayerDesc(Block, i) for i in range(LAYERS)], LayerDesc(Head)]
@@ -122,7 +122,7 @@ def train(layout: Layout, steps: int, accumulate_steps: int) -> dict:
         rows = replica_slice(GLOBAL_BATCH, topo)
         x, y = paddle.to_tensor(inputs[rows]), paddle.to_tensor(labels[rows])
         losses.append(train_step(model, optimizer, loss_fn, x, y, topo, accumulate_steps))
-    return {"losses": losses, "rank": topo.global_rank, "coords": topo.coordinates()}
+    return {"losses": losses, "rank": topo.global_rank, "coords": topo.coordinates()}, topo
 
 
 def main(argv: list[str]) -> None:
@@ -130,10 +130,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--accumulate_steps", type=int, default=2)
     args = parser.parse_args(argv)
-    result = train(Layout.from_args(args), args.steps, args.accumulate_steps)
+    result, topo = train(Layout.from_args(args), args.steps, args.accumulate_steps)
     if result["rank"] == 0:
         print("losses:", " ".join(f"{loss:.6f}" for loss in result["losses"]))
     write_result(result)
+    end_job(topo)
 
 
 if __name__ == "__main__":
