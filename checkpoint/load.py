@@ -21,6 +21,7 @@ from checkpoint.format import (
 )
 from checkpoint.optimizer_state import ensure_states, states_by_parameter
 from checkpoint.shards import ShardReader, file_sha256
+from modeling.state import single_card_shape
 from paddle_pp.topology import Topology
 
 ARCHITECTURE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -80,9 +81,7 @@ class _Files:
         return self.readers[fname]
 
     def read_slice(self, name: str, local_shape: list[int], axis: int | None, topo: Topology) -> np.ndarray:
-        full = list(local_shape)
-        if axis is not None and topo.layout.tp > 1:
-            full[axis] *= topo.layout.tp
+        full = single_card_shape(local_shape, axis, topo.layout.tp)
         saved = self.meta["tensors"].get(name, {}).get("shape")
         if saved != full:
             raise CheckpointError(f"{name}: the checkpoint holds shape {saved}, this model needs {full} (single-card "

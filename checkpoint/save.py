@@ -28,6 +28,7 @@ from checkpoint.format import (
 from checkpoint.optimizer_state import states_by_parameter
 from checkpoint.shards import TensorSpec, write_shard
 from modeling import tied_groups
+from modeling.state import single_card_shape
 from paddle_pp.topology import Topology
 
 
@@ -57,13 +58,6 @@ def _gather_objects(obj, group, size: int) -> list:
     return out
 
 
-def _full_shape(tensor: paddle.Tensor, axis: int | None, tp: int) -> tuple[int, ...]:
-    shape = list(tensor.shape)
-    if axis is not None and tp > 1:
-        shape[axis] *= tp
-    return tuple(shape)
-
-
 def _owned_names(state: dict, topo: Topology) -> list[str]:
     """Names this stage writes: those no lower stage also holds (tied weights go to the first)."""
     names = sorted(state)
@@ -72,23 +66,21 @@ def _owned_names(state: dict, topo: Topology) -> list[str]:
     return [n for n in names if n not in earlier]
 
 
-def _model_shard(model, axes: dict, topo: Topology) -> _Shard:
-    state = model.state_dict()
+def _model_shard(state: dict, owned: list[str], axes: dict, topo: Topology) -> _Shard:
     tp, writers = topo.layout.tp, topo.layout.tp * topo.layout.sharding_degree
     shard = _Shard(MODEL)
-    for i, name in enumerate(_owned_names(state, topo)):
+    for i, name in enumerate(owned):
         slot = i % writers
         gather = topo.dp_rank == 0 and topo.sharding_rank == slot // tp
         entry = _Entry(name, state[name], axes.get(name), gather, gather and topo.tp_rank == slot % tp)
         shard.entries.append(entry)
         if entry.mine:
-            shard.specs.append(TensorSpec(name, np.dtype("float32"), _full_shape(entry.local, entry.axis, tp)))
+            full = tuple(single_card_shape(entry.local.shape, entry.axis, tp))
+            shard.specs.append(TensorSpec(name, np.dtype("float32"), full))
     return shard
 
 
-def _optimizer_shard(model, optimizer, axes: dict, topo: Topology) -> _Shard:
-    state = model.state_dict()
-    owned = set(_owned_names(state, topo))
+def _optimizer_shard(state: dict, owned: list[str], optimizer, axes: dict, topo: Topology) -> _Shard:
     by_param = states_by_parameter(optimizer)
     tp = topo.layout.tp
     keyed = {}
@@ -107,7 +99,7 @@ def _optimizer_shard(model, optimizer, axes: dict, topo: Topology) -> _Shard:
         shard.entries.append(entry)
         if entry.mine:
             dtype = np.dtype(str(tensor.dtype).removeprefix("paddle."))
-            shard.specs.append(TensorSpec(key, dtype, _full_shape(tensor, axis, tp)))
+            shard.specs.append(TensorSpec(key, dtype, tuple(single_card_shape(tensor.shape, axis, tp))))
     return shard
 
 
@@ -204,9 +196,11 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, topo: Topolog
         commits.clear_stale_temp(output_dir, step)
         commits.temp_dir(output_dir, step).mkdir()
     _gather_objects(None, None, topo.layout.world_size)  # the folder exists before anyone writes
-    shards = [_model_shard(model, axes, topo)]
+    state = model.state_dict()
+    owned = _owned_names(state, topo)  # one pipeline all-gather serves both shards
+    shards = [_model_shard(state, owned, axes, topo)]
     if optimizer is not None:
-        shards.append(_optimizer_shard(model, optimizer, axes, topo))
+        shards.append(_optimizer_shard(state, owned, optimizer, axes, topo))
     counts = _gather_objects({s.kind: bool(s.specs) for s in shards}, None, topo.layout.world_size)
     plans = {}
     for shard in shards:

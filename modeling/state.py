@@ -20,15 +20,21 @@ class TiedWeightError(RuntimeError):
     """Copies of one tied weight on different pipeline stages that have drifted apart."""
 
 
+def single_card_shape(local_shape, axis: int | None, tp: int) -> list[int]:
+    """The full shape of a tensor whose tp slice has `local_shape` (split along `axis`, if any)."""
+    shape = list(local_shape)
+    if axis is not None and tp > 1:
+        shape[axis] *= tp
+    return shape
+
+
 def _assign_slices(model, axes: Mapping[str, int | None], topo: Topology,
                    full_tensor: Callable[[str, list[int]], np.ndarray]) -> None:
     """Set every local parameter to its tp slice of `full_tensor(name, single_card_shape)`, one
     tensor at a time, so at most one full tensor is held beyond the model itself."""
     for name, param in model.state_dict().items():
         axis = axes.get(name)
-        full_shape = list(param.shape)
-        if axis is not None and topo.layout.tp > 1:
-            full_shape[axis] *= topo.layout.tp
+        full_shape = single_card_shape(param.shape, axis, topo.layout.tp)
         local = split_tensor(np.asarray(full_tensor(name, full_shape)), axis, topo.layout.tp, topo.tp_rank)
         if list(local.shape) != list(param.shape):
             raise ValueError(f"{name}: slice shaped {list(local.shape)} does not fit parameter {list(param.shape)}")
