@@ -32,15 +32,20 @@ def checkpoint_dir_name(step: int) -> str:
 
 
 def read_index(folder: Path, kind: str) -> dict:
-    """The index of `kind` in `folder`, refusing versions this reader does not know.
-
-    Version policy: a reader accepts every version up to its own (older ones are upgraded on read
-    when the format changes) and refuses a newer one, naming both, rather than guess."""
+    """The index of `kind` in `folder`."""
     path = Path(folder) / index_name(kind)
     if not path.is_file():
         raise CheckpointError(f"{path} is missing: {folder} is not a complete unified checkpoint")
+    return read_versioned_json(path)
+
+
+def read_versioned_json(path: Path) -> dict:
+    """An index file, refusing versions this reader does not know.
+
+    Version policy: a reader accepts every version up to its own (older ones are upgraded on read
+    when the format changes) and refuses a newer one, naming both, rather than guess."""
     try:
-        index = json.loads(path.read_text())
+        index = json.loads(Path(path).read_text())
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{path} is not valid JSON ({err}); the checkpoint is corrupted") from err
     version = index.get("metadata", {}).get("format_version")

@@ -1,4 +1,5 @@
-"""Loading a unified checkpoint under any layout: each rank reads only its own slices.
+"""Loading a unified checkpoint under any layout (or a pre-split copy under its own layout): each
+rank reads only its own slices.
 
 A parameter's TP slice is cut out of the single-card tensor with `safe_open(...).get_slice`, so no
 rank reads more than it holds. Optimizer states are created first (Paddle makes them lazily) and
@@ -21,7 +22,9 @@ from checkpoint.format import (
 )
 from checkpoint.optimizer_state import ensure_states, states_by_parameter
 from checkpoint.shards import ShardReader, file_sha256
+from checkpoint.split import check_split_layout, is_split, rank_key, read_split_index
 from modeling.state import single_card_shape
+from paddle_pp.layout import Layout
 from paddle_pp.topology import Topology
 
 ARCHITECTURE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -29,10 +32,14 @@ ARCHITECTURE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_
                        "tie_word_embeddings")
 
 
-def check_compatible(folder: Path, config) -> None:
-    """Before any process group exists: the folder is a complete checkpoint of this architecture."""
+def check_compatible(folder: Path, config, layout: Layout) -> None:
+    """Before any process group exists: the folder is a complete checkpoint of this architecture
+    (and, when pre-split, split for this layout)."""
     folder = Path(folder)
-    read_index(folder, MODEL)
+    if is_split(folder):
+        check_split_layout(folder, layout)
+    else:
+        read_index(folder, MODEL)
     if not (folder / TRAINER_STATE_FILE).is_file():
         raise CheckpointError(f"{folder / TRAINER_STATE_FILE} is missing: not a complete training checkpoint")
     saved = json.loads((folder / CONFIG_FILE).read_text())
@@ -45,14 +52,13 @@ def check_compatible(folder: Path, config) -> None:
                                       "or start a new output_dir")
 
 
-class _Files:
-    """Readers for the shards of one kind. Each file's SHA-256 is computed on a helper thread while
-    its slices are read (one pass of extra reading, overlapped); `check()` waits for the verdicts."""
+class _VerifiedFiles:
+    """Shard readers opened on demand. Each file is size-checked on open and its SHA-256 computed on
+    a helper thread while its slices are read (one pass of extra reading, overlapped); `check()`
+    waits for the verdicts."""
 
-    def __init__(self, folder: Path, kind: str, verify: bool, hasher: ThreadPoolExecutor):
-        self.folder, self.verify, self.hasher = folder, verify, hasher
-        self.index = read_index(folder, kind)
-        self.meta = self.index["metadata"]
+    def __init__(self, folder: Path, meta: dict, verify: bool, hasher: ThreadPoolExecutor):
+        self.folder, self.meta, self.verify, self.hasher = folder, meta, verify, hasher
         self.readers: dict[str, ShardReader] = {}
         self.digests: dict[Path, Future] = {}
 
@@ -62,11 +68,7 @@ class _Files:
                 raise CheckpointError(f"{path} fails its SHA-256 check: the file is corrupted; restore it or "
                                       "resume from an older checkpoint")
 
-    def reader(self, name: str) -> ShardReader:
-        fname = self.index["weight_map"].get(name)
-        if fname is None:
-            raise CheckpointError(f"checkpoint {self.folder} has no tensor {name!r}: it was saved from a different "
-                                  f"model ({self.meta.get('model_type', 'unknown type')})")
+    def open(self, fname: str) -> ShardReader:
         if fname not in self.readers:
             path = self.folder / fname
             expected = self.meta["files"][fname]
@@ -80,23 +82,68 @@ class _Files:
             self.readers[fname] = ShardReader(path)
         return self.readers[fname]
 
+
+class _UnifiedFiles(_VerifiedFiles):
+    """A unified checkpoint: this rank's TP slice is cut out of each single-card tensor."""
+
+    def __init__(self, folder: Path, kind: str, verify: bool, hasher: ThreadPoolExecutor):
+        self.index = read_index(folder, kind)
+        super().__init__(folder, self.index["metadata"], verify, hasher)
+
     def read_slice(self, name: str, local_shape: list[int], axis: int | None, topo: Topology) -> np.ndarray:
         full = single_card_shape(local_shape, axis, topo.layout.tp)
         saved = self.meta["tensors"].get(name, {}).get("shape")
+        if name not in self.index["weight_map"]:
+            raise CheckpointError(f"checkpoint {self.folder} has no tensor {name!r}: it was saved from a different "
+                                  f"model ({self.meta.get('model_type', 'unknown type')})")
         if saved != full:
             raise CheckpointError(f"{name}: the checkpoint holds shape {saved}, this model needs {full} (single-card "
                                   f"shapes); it was saved from a different model configuration")
         split = axis is not None and topo.layout.tp > 1
-        return self.reader(name).read(name, axis if split else None, topo.layout.tp, topo.tp_rank)
+        return self.open(self.index["weight_map"][name]).read(name, axis if split else None, topo.layout.tp,
+                                                              topo.tp_rank)
 
 
-def _load_model(files: _Files, model, axes: dict, topo: Topology) -> None:
+class _SplitFiles(_VerifiedFiles):
+    """A pre-split checkpoint: this rank's one file holds its tensors whole."""
+
+    def __init__(self, folder: Path, kind: str, verify: bool, hasher: ThreadPoolExecutor, topo: Topology):
+        index = read_split_index(folder)
+        super().__init__(folder, index["metadata"], verify, hasher)
+        self.fname = index["ranks"].get(rank_key(topo.tp_rank, topo.pp_rank), {}).get(kind)
+        if self.fname is None:
+            raise CheckpointError(f"{folder} has no {kind} file for tp rank {topo.tp_rank}, stage {topo.pp_rank}")
+
+    def read_slice(self, name: str, local_shape: list[int], axis: int | None, topo: Topology) -> np.ndarray:
+        reader = self.open(self.fname)
+        if name not in reader.names:
+            raise CheckpointError(f"{reader.path} has no tensor {name!r}: the split copy is of another model or "
+                                  "another layout")
+        if reader.shape(name) != list(local_shape):
+            raise CheckpointError(f"{name}: {reader.path} holds shape {reader.shape(name)}, this rank needs "
+                                  f"{list(local_shape)}")
+        return reader.read(name)
+
+
+def _files(folder: Path, kind: str, verify: bool, hasher: ThreadPoolExecutor, topo: Topology) -> _VerifiedFiles:
+    if is_split(folder):
+        return _SplitFiles(folder, kind, verify, hasher, topo)
+    return _UnifiedFiles(folder, kind, verify, hasher)
+
+
+def _has_kind(folder: Path, kind: str) -> bool:
+    if is_split(folder):
+        return kind in read_split_index(folder)["tensors"]
+    return (folder / index_name(kind)).is_file()
+
+
+def _load_model(files: _VerifiedFiles, model, axes: dict, topo: Topology) -> None:
     for name, param in model.state_dict().items():
         array = files.read_slice(name, list(param.shape), axes.get(name), topo)
         param.set_value(array.astype(str(param.dtype).removeprefix("paddle.")))
 
 
-def _load_optimizer(files: _Files, model, optimizer, axes: dict, topo: Topology) -> None:
+def _load_optimizer(files: _VerifiedFiles, model, optimizer, axes: dict, topo: Topology) -> None:
     ensure_states(optimizer)
     by_param = states_by_parameter(optimizer)
     for name, param in model.state_dict().items():
@@ -116,10 +163,10 @@ def load_checkpoint(folder: Path, model, optimizer, topo: Topology, axes: dict, 
     error: Exception | None = None
     try:
         with ThreadPoolExecutor(max_workers=1) as hasher:
-            files = [_Files(folder, MODEL, verify, hasher)]
+            files = [_files(folder, MODEL, verify, hasher, topo)]
             _load_model(files[0], model, axes, topo)
-            if optimizer is not None and (folder / index_name(OPTIMIZER)).is_file():
-                files.append(_Files(folder, OPTIMIZER, verify, hasher))
+            if optimizer is not None and _has_kind(folder, OPTIMIZER):
+                files.append(_files(folder, OPTIMIZER, verify, hasher, topo))
                 _load_optimizer(files[1], model, optimizer, axes, topo)
             for kind in files:
                 kind.check()

@@ -185,6 +185,13 @@ def _commit(pending: PendingSave, everyone: list[dict]) -> Path:
     return final
 
 
+def single_card_config(config, architecture: str) -> dict:
+    """config.json in single-card form: the layout that saved the checkpoint is in its index."""
+    values = config.to_dict()
+    values.update(tensor_parallel_degree=1, tensor_parallel_rank=0, virtual_pp_degree=1, architectures=[architecture])
+    return values
+
+
 def save_checkpoint(output_dir: Path, step: int, model, optimizer, topo: Topology, axes: dict, *,
                     config, trainer_state: dict, tokenizer_dir: Path | None = None, keep: int = 0,
                     asynchronous: bool = False) -> PendingSave:
@@ -213,9 +220,7 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, topo: Topolog
     layout_info = {"describe": layout.describe(), "world_size": layout.world_size, "tensor_parallel_degree": layout.tp,
                    "pipeline_parallel_degree": layout.pp, "sharding_parallel_degree": layout.sharding_degree,
                    "data_parallel_degree": layout.dp, "virtual_pp_degree": layout.vpp}
-    config_dict = config.to_dict()  # single-card form: the layout that saved it is in the index
-    config_dict.update(tensor_parallel_degree=1, tensor_parallel_rank=0, virtual_pp_degree=1)
-    config_dict["architectures"] = [f"{type(model).__name__.replace('Pipe', '')}"]
+    config_dict = single_card_config(config, type(model).__name__.replace("Pipe", ""))
     tied = tied_groups(config)
     extra = {"json_files": {CONFIG_FILE: config_dict,
                             TRAINER_STATE_FILE: {"format_version": FORMAT_VERSION, "saving_layout": layout_info,

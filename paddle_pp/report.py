@@ -1,4 +1,5 @@
-"""What rank 0 shows and keeps: a progress bar, `metrics.jsonl`, and `loss.png` at the end."""
+"""What rank 0 shows and keeps: a progress bar, `metrics.jsonl`, and `loss.png` at the end; and
+the byte-progress bar of the offline checkpoint tools."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ class ProgressBar:
         elapsed = time.monotonic() - self.started
         done = step - self.first
         eta = elapsed / done * (self.total - step) if done else 0.0
-        filled = int(self.width * step / self.total)
+        filled = min(self.width, int(self.width * step / max(self.total, 1)))
         fields = " ".join(f"{k} {v:.4g}" for k, v in values.items())
         line = f"[{'#' * filled}{'.' * (self.width - filled)}] {step}/{self.total} {fields} eta {eta:.0f}s"
         self.stream.write(("\r" + line) if self.interactive else line + "\n")
@@ -31,6 +32,29 @@ class ProgressBar:
         if self.interactive:
             self.stream.write("\n")
             self.stream.flush()
+
+
+class TensorProgress:
+    """The `on_tensor(name, nbytes)` callback of the checkpoint tools: megabytes done and MB/s,
+    redrawn at most every `interval` seconds (a tool visits thousands of tensors)."""
+
+    def __init__(self, total_bytes: int, stream: TextIO = sys.stderr, interval: float = 0.5):
+        self.bar = ProgressBar(max(1, total_bytes >> 20), stream=stream)
+        self.done, self.interval, self.shown = 0, interval, 0.0
+
+    def __call__(self, name: str, nbytes: int) -> None:
+        self.done += nbytes
+        now = time.monotonic()
+        if now - self.shown >= self.interval:
+            self.shown = now
+            megabytes = self.done / 2**20
+            self.bar.update(min(int(megabytes), self.bar.total),
+                            {"MB/s": megabytes / max(now - self.bar.started, 1e-9)})
+
+    def close(self) -> None:
+        self.shown = 0.0
+        self(name="", nbytes=0)
+        self.bar.close()
 
 
 class MetricsLog:

@@ -141,7 +141,7 @@ class Pretrainer:
         folder = latest_checkpoint(Path(self.args.output_dir)) if wanted == "latest" else Path(wanted)
         if folder is None:
             return None  # 'latest' with nothing saved yet: a fresh start
-        check_compatible(folder, self.config)
+        check_compatible(folder, self.config, self.layout)
         return folder
 
     def save(self) -> None:

@@ -1,8 +1,12 @@
-"""Offline layout tools for unified checkpoints (one process, no launcher).
+"""Offline layout tools for checkpoints (one process, no launcher; every rewrite streams tensors).
 
-  plan   (--checkpoint DIR | --config config.json) + layout flags: is the layout valid, and what
-         does each rank hold (parameters, bytes of weights, grads and optimizer states)?
-  rechunk SOURCE TARGET --max_shard_mb N: rewrite a checkpoint with another shard size.
+  plan    (--checkpoint DIR | --config config.json) + layout flags: is the layout valid, and what
+          does each rank hold (parameters, bytes of weights, grads and optimizer states)?
+  split   SOURCE TARGET + layout flags: a per-rank pre-split copy the trainer loads under that layout
+  join    SOURCE TARGET: a pre-split copy back to the unified format
+  merge   SOURCE TARGET: Paddle fleet per-rank files (model_state.tpXX_ppYY.pdparams,
+          optimizer.tpXX_ppYY[_shardZZ].pdopt, config.json, trainer_state.json) to the unified format
+  rechunk SOURCE TARGET --max_shard_mb N: rewrite a unified checkpoint with another shard size
 """
 
 from __future__ import annotations
@@ -14,10 +18,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from checkpoint.fleet import merge_fleet  # noqa: E402
 from checkpoint.format import CheckpointError  # noqa: E402
 from checkpoint.reshard import load_config, plan_layout, rechunk  # noqa: E402
+from checkpoint.split import join_split, split_checkpoint  # noqa: E402
 from modeling import config_from_dict  # noqa: E402
 from paddle_pp.layout import Layout, LayoutError, add_layout_args  # noqa: E402
+from paddle_pp.report import TensorProgress  # noqa: E402
+
+DATA_SUFFIXES = {".safetensors", ".pdparams", ".pdopt"}
 
 
 def _plan(args) -> int:
@@ -33,6 +42,23 @@ def _plan(args) -> int:
     return 0
 
 
+def _rewrite(args) -> int:
+    """split, join, merge and rechunk: a streaming rewrite of SOURCE into TARGET with a progress bar."""
+    if not args.source.is_dir():
+        raise CheckpointError(f"{args.source} is not a folder")
+    progress = TensorProgress(sum(p.stat().st_size for p in args.source.iterdir() if p.suffix in DATA_SUFFIXES))
+    if args.command == "split":
+        layout = Layout.from_args(args, world_size=args.tensor_parallel_degree * args.pipeline_parallel_degree
+                                  * args.sharding_parallel_degree, device="cpu")
+        out = split_checkpoint(args.source, args.target, layout, progress)
+    else:
+        rewrite = {"join": join_split, "merge": merge_fleet, "rechunk": rechunk}[args.command]
+        out = rewrite(args.source, args.target, int(args.max_shard_mb * 2**20), progress)
+    progress.close()
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -43,16 +69,20 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--world_size", type=int, required=True)
     plan.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
     plan.add_argument("--bf16", action="store_true", help="size for bf16 compute with fp32 master weights")
-    chunk = commands.add_parser("rechunk", help="rewrite a checkpoint with another shard size")
-    chunk.add_argument("source", type=Path)
-    chunk.add_argument("target", type=Path)
-    chunk.add_argument("--max_shard_mb", type=float, required=True)
+    helps = {"split": "write a per-rank pre-split copy for a layout", "join": "a pre-split copy back to unified",
+             "merge": "fleet per-rank .pdparams/.pdopt files to unified", "rechunk": "change the shard size"}
+    for name, text in helps.items():
+        sub = commands.add_parser(name, help=text)
+        sub.add_argument("source", type=Path)
+        sub.add_argument("target", type=Path, help="a new folder (written as TARGET.partial, renamed when complete)")
+        if name == "split":
+            add_layout_args(sub)
+        else:
+            sub.add_argument("--max_shard_mb", type=float, required=name == "rechunk", default=5 * 1024,
+                             help="largest output shard")
     args = parser.parse_args(argv)
     try:
-        if args.command == "plan":
-            return _plan(args)
-        print(f"wrote {rechunk(args.source, args.target, int(args.max_shard_mb * 2**20))}")
-        return 0
+        return _plan(args) if args.command == "plan" else _rewrite(args)
     except (LayoutError, CheckpointError, ValueError) as err:
         print(f"reshard.py: error: {err}", file=sys.stderr)
         return 1

@@ -1,0 +1,199 @@
+"""Merging Paddle fleet's per-rank checkpoints into a unified one.
+
+PaddleNLP's trainer without unified checkpoint (and any `paddle.save` of a fleet model's per-rank
+`state_dict()`) leaves `model_state.tpXX_ppYY.pdparams` per (tp rank, stage) and
+`optimizer.tpXX_ppYY[_shardZZ].pdopt` per (tp rank, stage, sharding rank). Model keys are already
+single-card names with TP-local shapes; optimizer keys are Paddle's variable names
+(`<param name>_moment1_0`), mapped back through the name table `paddle.save` stores beside the
+weights. Each rank's files become one file of a pre-split copy, which `join_split` then streams
+into the unified format. Pickles cannot be read in part, so peak memory is one rank's files (plus
+one tensor), not the model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from checkpoint.format import CONFIG_FILE, FORMAT_VERSION, MODEL, OPTIMIZER, STATE_SEPARATOR, TRAINER_STATE_FILE
+from checkpoint.format import CheckpointError, write_json_durably
+from checkpoint.optimizer_state import MASTER_WEIGHT
+from checkpoint.reshard import load_config
+from checkpoint.save import single_card_config
+from checkpoint.shards import TensorSpec
+from checkpoint.split import DEFAULT_SHARD_BYTES, SplitWriter, join_split
+from modeling import split_axes, tied_groups
+
+RANK_FILE = re.compile(r"^(model_state|optimizer)(?:\.([a-z0-9_]+))?\.(pdparams|pdopt)$")
+NAME_TABLE = "StructuredToParameterName@@"
+SCHEDULER_FILE = "scheduler.pdparams"
+UNIQUE_SUFFIX = re.compile(r"_\d+$")
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "gpt": "GPTForCausalLM"}
+
+
+def _rank_of(suffix: str | None) -> tuple[int, int, int]:
+    """(tp, pp, shard) from PaddleNLP's suffix, e.g. 'tp01_pp00_shard01'; absent parts are 0."""
+    ranks = {"tp": 0, "pp": 0, "shard": 0}
+    for part in (suffix or "").split("_") if suffix else []:
+        match = re.fullmatch(r"(tp|pp|shard)(\d+)", part)
+        if match is None:
+            raise CheckpointError(f"cannot read the rank suffix {suffix!r} (expected tpXX, ppYY, shardZZ parts)")
+        ranks[match.group(1)] = int(match.group(2))
+    return ranks["tp"], ranks["pp"], ranks["shard"]
+
+
+def find_rank_files(folder: Path) -> tuple[dict, dict]:
+    """{(tp, pp): model file} and {(tp, pp): [optimizer files by sharding rank]}; the grid must be whole."""
+    models, optimizers = {}, defaultdict(list)
+    for path in sorted(Path(folder).iterdir()):
+        match = RANK_FILE.match(path.name)
+        if match is None:
+            continue
+        tp, pp, shard = _rank_of(match.group(2))
+        if match.group(1) == "model_state":
+            models[(tp, pp)] = path
+        else:
+            optimizers[(tp, pp)].append((shard, path))
+    if not models:
+        raise CheckpointError(f"{folder} holds no model_state*.pdparams: not a fleet per-rank checkpoint")
+    tp, pp = max(t for t, _ in models) + 1, max(p for _, p in models) + 1
+    missing = [f"tp{t:02d}_pp{p:02d}" for t in range(tp) for p in range(pp) if (t, p) not in models]
+    if missing:
+        raise CheckpointError(f"{folder} lacks model_state files for ranks {missing}: the checkpoint is incomplete")
+    if optimizers and set(optimizers) != set(models):
+        raise CheckpointError(f"{folder} has optimizer files for {sorted(optimizers)} but weights for "
+                              f"{sorted(models)}; the checkpoint is incomplete")
+    return models, {key: [p for _, p in sorted(files)] for key, files in optimizers.items()}
+
+
+def _as_float32(array: np.ndarray) -> np.ndarray:
+    """Weights as float32; `paddle.save` stores bfloat16 as its raw uint16 bits."""
+    if array.dtype == np.uint16:
+        return (array.astype(np.uint32) << 16).view(np.float32)
+    return array.astype(np.float32, copy=False)
+
+
+def _state_key(var_name: str, structured: dict[str, str]) -> str:
+    """'<param name>_<state>_<n>' (or a master weight's param name) -> '<structured name>/<state>'."""
+    base = UNIQUE_SUFFIX.sub("", var_name)
+    owners = [p for p in structured if base.startswith(p + "_")]
+    if not owners:
+        raise CheckpointError(f"optimizer variable {var_name!r} belongs to no parameter of the weights file")
+    owner = max(owners, key=len)
+    return f"{structured[owner]}{STATE_SEPARATOR}{base[len(owner) + 1:]}"
+
+
+def _unified_meta(array: np.ndarray, axis: int | None, tp: int) -> dict:
+    shape = list(array.shape)
+    if axis is not None and tp > 1:
+        shape[axis] *= tp
+    return {"dtype": str(array.dtype), "shape": shape, "tp_axis": axis}
+
+
+def _load(path: Path) -> dict:
+    import paddle
+
+    try:
+        return paddle.load(str(path), return_numpy=True, keep_name_table=True)
+    except Exception as err:  # pickle and Paddle raise many kinds for a torn file
+        raise CheckpointError(f"{path} cannot be read ({err}); it is truncated or not a paddle.save file") from err
+
+
+def _write_rank(writer: SplitWriter, kind: str, tp_rank: int, stage: int, arrays: dict[str, np.ndarray],
+                axes: dict, tp: int) -> None:
+    names = sorted(arrays)
+    full = {n: _unified_meta(arrays[n], axes(n, arrays[n]), tp) for n in names}
+    specs = [TensorSpec(n, arrays[n].dtype, tuple(arrays[n].shape)) for n in names]
+    writer.write(kind, tp_rank, stage, specs, (arrays[n] for n in names), full)
+
+
+def _optimizer_arrays(files: list[Path], table: dict[str, str]) -> dict[str, np.ndarray]:
+    structured = {param: name for name, param in table.items()}
+    arrays = {}
+    for path in files:
+        state = _load(path)
+        for param, master in state.pop("master_weights", {}).items():
+            arrays[f"{structured[param]}{STATE_SEPARATOR}{MASTER_WEIGHT}"] = np.asarray(master)
+        for var_name, value in state.items():
+            if isinstance(value, np.ndarray):
+                arrays[_state_key(var_name, structured)] = value
+    return arrays
+
+
+def _scheduler_state(source: Path, optimizer_files: dict) -> dict:
+    import paddle
+
+    if (source / SCHEDULER_FILE).is_file():
+        state = paddle.load(str(source / SCHEDULER_FILE))
+    elif optimizer_files:
+        state = _load(next(iter(optimizer_files.values()))[0]).get("LR_Scheduler", {})
+    else:
+        state = {}
+    return json.loads(json.dumps(state, default=float))
+
+
+def _merge_rank(writer: SplitWriter, tp_rank: int, stage: int, model_file: Path, optimizer_files: list[Path],
+                param_axes: dict, tp: int) -> None:
+    """One (tp rank, stage): its weights and its optimizer states (all sharding ranks) as split files."""
+    state = _load(model_file)
+    table = state.pop(NAME_TABLE, None)
+    weights = {n: _as_float32(v) for n, v in state.items() if isinstance(v, np.ndarray)}
+    _write_rank(writer, MODEL, tp_rank, stage, weights, lambda n, a: param_axes.get(n), tp)
+    if not optimizer_files:
+        return
+    if table is None:
+        raise CheckpointError(f"{model_file} has no parameter name table: save it with paddle.save(state_dict) so "
+                              "optimizer states can be matched to their parameters")
+
+    def axis(key: str, array: np.ndarray) -> int | None:
+        param = key.split(STATE_SEPARATOR)[0]
+        return param_axes.get(param) if array.shape == weights[param].shape else None
+
+    _write_rank(writer, OPTIMIZER, tp_rank, stage, _optimizer_arrays(optimizer_files, table), axis, tp)
+
+
+def merge_fleet(source: Path, target: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                on_tensor: Callable[[str, int], None] | None = None) -> Path:
+    """Turn fleet's per-rank files in `source` (with its `config.json` and PaddleNLP's
+    `trainer_state.json`) into a unified checkpoint at `target`."""
+    source, target = Path(source), Path(target)
+    if not (source / CONFIG_FILE).is_file():
+        raise CheckpointError(f"{source / CONFIG_FILE} is missing: the merge needs the model config to know "
+                              "how tensors split; copy the run's config.json there")
+    config = load_config(source)
+    models, optimizers = find_rank_files(source)
+    tp, pp = max(t for t, _ in models) + 1, max(p for _, p in models) + 1
+    param_axes = split_axes(config)
+    trainer_state = _trainer_state(source, optimizers)
+    staging = target.with_name(target.name + ".split.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        writer = SplitWriter(staging, tp, pp, 1)
+        for (tp_rank, stage), path in sorted(models.items()):
+            _merge_rank(writer, tp_rank, stage, path, optimizers.get((tp_rank, stage), []), param_axes, tp)
+        writer.finish({"model_type": config.model_type, "tied": tied_groups(config)})
+        write_json_durably(staging / CONFIG_FILE, single_card_config(config, _ARCHITECTURES[config.model_type]))
+        write_json_durably(staging / TRAINER_STATE_FILE, trainer_state)
+        if (source / "tokenizer.model").is_file():
+            shutil.copyfile(source / "tokenizer.model", staging / "tokenizer.model")
+        return join_split(staging, target, max_shard_bytes, on_tensor)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _trainer_state(source: Path, optimizers: dict) -> dict:
+    """Our trainer state from PaddleNLP's `trainer_state.json` (global_step, consumed_samples)."""
+    path = source / TRAINER_STATE_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: the merge needs the step and consumed samples to resume")
+    theirs = json.loads(path.read_text())
+    return {"format_version": FORMAT_VERSION, "step": theirs["global_step"],
+            "consumed_samples": theirs.get("consumed_samples", 0), "lr_scheduler": _scheduler_state(source, optimizers),
+            "merged_from": str(source)}

@@ -1,0 +1,168 @@
+"""A per-rank pre-split copy of a unified checkpoint for one (tp, pp, vpp) layout, and back.
+
+On file systems where thousands of ranks slicing the same unified files is slow, `split_checkpoint`
+writes one file per (tp rank, pipeline stage) and kind, holding exactly that rank's tensors, so a
+rank reads one file whole. The data-parallel and sharding degrees stay free: they do not change
+what a (tp, pp) rank holds (a sharding rank loads the optimizer states it updates from its file).
+`join_split` turns a split copy back into a unified checkpoint; the fleet merge goes through it.
+Both stream one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from checkpoint.format import (
+    FORMAT_VERSION, MODEL, OPTIMIZER, CheckpointError, index_name, read_versioned_json, write_json_durably,
+)
+from checkpoint.reshard import (
+    UnifiedReader, load_config, new_folder, reading, stages_holding, write_unified_kind,
+)
+from checkpoint.shards import ShardReader, TensorSpec, write_shard
+from modeling import tied_groups, validate_layout
+from paddle_pp.layout import Layout
+
+SPLIT_INDEX = "split.index.json"
+DEFAULT_SHARD_BYTES = 5 * 2**30
+KINDS = (MODEL, OPTIMIZER)
+
+
+def rank_key(tp_rank: int, stage: int) -> str:
+    return f"tp{tp_rank:02d}_pp{stage:02d}"
+
+
+def rank_file(kind: str, tp_rank: int, stage: int) -> str:
+    """PaddleNLP's per-rank suffix on a safetensors file: model.tp00_pp01.safetensors."""
+    return f"{kind}.{rank_key(tp_rank, stage)}.safetensors"
+
+
+def is_split(folder: Path) -> bool:
+    return (Path(folder) / SPLIT_INDEX).is_file()
+
+
+def read_split_index(folder: Path) -> dict:
+    path = Path(folder) / SPLIT_INDEX
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: {folder} is not a pre-split checkpoint")
+    return read_versioned_json(path)
+
+
+def split_degrees(index: dict) -> tuple[int, int, int]:
+    layout = index["metadata"]["layout"]
+    return layout["tensor_parallel_degree"], layout["pipeline_parallel_degree"], layout["virtual_pp_degree"]
+
+
+def check_split_layout(folder: Path, layout: Layout) -> None:
+    """Before any process group exists: a pre-split checkpoint fits only its own tp, pp and vpp."""
+    saved = split_degrees(read_split_index(folder))
+    if saved != (layout.tp, layout.pp, layout.vpp):
+        raise CheckpointError(
+            f"{folder} is pre-split for tp{saved[0]} pp{saved[1]} vpp{saved[2]}, this run is tp{layout.tp} "
+            f"pp{layout.pp} vpp{layout.vpp}: resume from the unified checkpoint it was split from, or split that "
+            "again for this layout (tools/reshard.py split)")
+
+
+class SplitWriter:
+    """Writes per-rank files into a folder and, at the end, the split index that lists them."""
+
+    def __init__(self, folder: Path, tp: int, pp: int, vpp: int):
+        self.folder = Path(folder)
+        self.layout = {"tensor_parallel_degree": tp, "pipeline_parallel_degree": pp, "virtual_pp_degree": vpp}
+        self.files: dict[str, dict] = {}
+        self.ranks: dict[str, dict[str, str]] = {}
+        self.tensors: dict[str, dict[str, dict]] = {kind: {} for kind in KINDS}
+
+    def write(self, kind: str, tp_rank: int, stage: int, specs: list[TensorSpec], arrays, full: dict[str, dict]):
+        """One rank's file of `kind`: `arrays` in `specs` order; `full` holds their unified metadata."""
+        fname = rank_file(kind, tp_rank, stage)
+        sha, size = write_shard(self.folder / fname, specs, arrays, {"format": "np"})
+        self.files[fname] = {"sha256": sha, "size": size}
+        self.ranks.setdefault(rank_key(tp_rank, stage), {})[kind] = fname
+        self.tensors[kind].update({spec.name: full[spec.name] for spec in specs})
+
+    def finish(self, model_metadata: dict) -> None:
+        write_json_durably(self.folder / SPLIT_INDEX, {
+            "metadata": {"format_version": FORMAT_VERSION, "layout": self.layout, "files": self.files,
+                         **model_metadata},
+            "ranks": self.ranks, "tensors": {kind: t for kind, t in self.tensors.items() if t}})
+
+
+def local_shape(meta: dict, tp: int) -> tuple[int, ...]:
+    shape = list(meta["shape"])
+    if meta.get("tp_axis") is not None and tp > 1:
+        shape[meta["tp_axis"]] //= tp
+    return tuple(shape)
+
+
+def split_checkpoint(source: Path, target: Path, layout: Layout,
+                     on_tensor: Callable[[str, int], None] | None = None) -> Path:
+    """Write `source` (unified) as per-rank files for `layout`'s tp, pp and vpp."""
+    source = Path(source)
+    config = load_config(source)
+    validate_layout(config, layout)
+    tied = {group[0] for group in tied_groups(config)}
+    with new_folder(target) as partial:
+        shutil.copytree(source, partial, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+        writer = SplitWriter(partial, layout.tp, layout.pp, layout.vpp)
+        model_metadata = {}
+        for kind in KINDS:
+            if not (source / index_name(kind)).is_file():
+                continue
+            unified = UnifiedReader(source, kind)
+            if kind == MODEL:
+                model_metadata = {k: unified.index["metadata"][k] for k in ("model_type", "tied")}
+            for stage in range(layout.pp):
+                names = [n for n in sorted(unified.tensors) if stage in stages_holding(n, config, layout, tied)]
+                for tp_rank in range(layout.tp):
+                    specs = [TensorSpec(n, np.dtype(unified.tensors[n]["dtype"]),
+                                        local_shape(unified.tensors[n], layout.tp)) for n in names]
+                    writer.write(kind, tp_rank, stage, specs,
+                                 reading(names, lambda n: unified.read(n, _axis(unified.tensors[n], layout.tp),
+                                                                          layout.tp, tp_rank), on_tensor),
+                                 unified.tensors)
+        writer.finish(model_metadata)
+    return Path(target)
+
+
+def _axis(meta: dict, tp: int) -> int | None:
+    return meta.get("tp_axis") if tp > 1 else None
+
+
+def join_split(source: Path, target: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+               on_tensor: Callable[[str, int], None] | None = None) -> Path:
+    """Write a split copy back as a unified checkpoint: each tensor from the lowest stage holding it,
+    its tp pieces concatenated along its axis (a replicated tensor is taken from tp rank 0)."""
+    source = Path(source)
+    index = read_split_index(source)
+    tp, pp, vpp = split_degrees(index)
+    meta = index["metadata"]
+    saving_layout = {"describe": f"pre-split tp{tp} pp{pp} vpp{vpp}", "tensor_parallel_degree": tp,
+                     "pipeline_parallel_degree": pp, "virtual_pp_degree": vpp}
+    with new_folder(target) as partial:
+        shutil.copytree(source, partial, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("*.safetensors", SPLIT_INDEX))
+        for kind, tensors in index["tensors"].items():
+            readers = {(t, s): ShardReader(source / index["ranks"][rank_key(t, s)][kind])
+                       for t in range(tp) for s in range(pp) if kind in index["ranks"].get(rank_key(t, s), {})}
+            first_stage = {}
+            for (t, s), reader in sorted(readers.items(), key=lambda item: -item[0][1]):
+                first_stage |= {name: s for name in reader.names}
+
+            def read(name: str, tensors=tensors, readers=readers, first_stage=first_stage) -> np.ndarray:
+                axis, stage = _axis(tensors[name], tp), first_stage[name]
+                if axis is None:
+                    return readers[(0, stage)].read(name)
+                return np.concatenate([readers[(t, stage)].read(name) for t in range(tp)], axis=axis)
+
+            missing = sorted(set(tensors) - set(first_stage))
+            if missing:
+                raise CheckpointError(f"{source}: no rank file holds {missing[:3]}; the split copy is incomplete")
+            extra = {k: meta[k] for k in ("model_type", "tied") if kind == MODEL and k in meta}
+            write_unified_kind(partial, kind, tensors, read, {"saving_layout": saving_layout, **extra},
+                               max_shard_bytes, on_tensor)
+    return Path(target)

@@ -1,0 +1,125 @@
+"""reshard split / join / merge on checkpoints real runs wrote, and the trainer loading a split copy.
+
+The fleet files come from a real tp2pp2 run that saves them as PaddleNLP's trainer does without
+unified checkpoint. Resumes are compared with the original run's next step: a merge must lose
+nothing (rtol 1e-5 across layouts), and a pre-split copy must load exactly as the unified folder.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import paddle
+import pytest
+from pretrain_case import MODEL, PP2, REPO, SCRIPT, TP2
+
+from checkpoint.fleet import merge_fleet
+from checkpoint.format import CheckpointError
+from checkpoint.reshard import UnifiedReader
+from checkpoint.shards import ShardReader
+from checkpoint.split import join_split, rank_file, split_checkpoint
+from checkpoint.verify import verify_checkpoint
+from paddle_pp.layout import Layout
+
+RESUME_TOL = 1e-5
+TOOL = REPO / "tools" / "reshard.py"
+TP2PP2 = Layout(world_size=4, tensor_parallel_degree=2, pipeline_parallel_degree=2)
+
+
+@pytest.fixture(scope="module")
+def fleet(run_workers_module, data_cache, tmp_path_factory):
+    """A tp2pp2 run's per-rank fleet files after step 3, and the loss of its step 4."""
+    base = tmp_path_factory.mktemp("fleet")
+    results = run_workers_module("fleet_save_worker.py", 4, [
+        str(base / "fleet"), *MODEL, *TP2, *PP2, "--exit_after_steps", "3", "--data_cache", str(data_cache),
+        "--output_dir", str(base / "run")], timeout=300, tag="fleet_save")
+    assert len({r["next_loss"] for r in results}) == 1, "every rank reports the global loss"
+    return base / "fleet", results[0]["next_loss"]
+
+
+@pytest.fixture(scope="module")
+def merged(fleet, tmp_path_factory):
+    folder, _ = fleet
+    target = tmp_path_factory.mktemp("merged") / "unified"
+    tool = subprocess.run([sys.executable, str(TOOL), "merge", str(folder), str(target)], capture_output=True,
+                          text=True, timeout=300)
+    assert tool.returncode == 0, tool.stderr[-2000:]
+    return target
+
+
+def _resume(tmp_path, data_cache, folder, nproc_flags=(), steps=1) -> list[float]:
+    out = tmp_path / f"resumed_{folder.name}"
+    done = subprocess.run([sys.executable, str(SCRIPT), *MODEL, *nproc_flags, "--exit_after_steps", str(steps),
+                           "--logging_steps", "1", "--resume_from_checkpoint", str(folder), "--data_cache",
+                           str(data_cache), "--output_dir", str(out)], capture_output=True, text=True, timeout=300,
+                          cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.multiproc
+def test_merged_fleet_files_resume_on_one_card_with_the_next_loss(fleet, merged, tmp_path, data_cache):
+    _, next_loss = fleet
+    assert verify_checkpoint(merged) == []
+    state = json.loads((merged / "trainer_state.json").read_text())
+    assert state["step"] == 3 and state["consumed_samples"] == 24 and state["lr_scheduler"]["last_epoch"] == 3
+    optimizer = UnifiedReader(merged, "optimizer").tensors
+    assert optimizer["llama.layers.0.mlp.down_proj.weight/moment2"]["shape"] == [128, 64], "single-card shape"
+    (loss,) = _resume(tmp_path, data_cache, merged)
+    np.testing.assert_allclose(loss, next_loss, rtol=RESUME_TOL)
+
+
+@pytest.mark.multiproc
+def test_split_holds_exactly_each_fleet_rank_and_loads_like_unified(fleet, merged, tmp_path, run_workers, data_cache):
+    fleet_folder, next_loss = fleet
+    split = split_checkpoint(merged, tmp_path / "split", TP2PP2)
+    for tp_rank in range(2):
+        for stage in range(2):
+            theirs = paddle.load(str(fleet_folder / f"model_state.tp{tp_rank:02d}_pp{stage:02d}.pdparams"),
+                                 return_numpy=True)
+            ours = ShardReader(split / rank_file("model", tp_rank, stage))
+            assert ours.names == set(theirs), (tp_rank, stage)
+            for name in ours.names:
+                assert np.array_equal(ours.read(name), theirs[name]), name
+    losses = {}
+    for folder in (split, merged):
+        results = run_workers(SCRIPT, 4, [
+            *MODEL, *TP2, *PP2, "--exit_after_steps", "2", "--resume_from_checkpoint", str(folder), "--data_cache",
+            str(data_cache), "--output_dir", str(tmp_path / f"from_{folder.name}")],
+            timeout=300, tag=f"from_{folder.name}")
+        losses[folder.name] = results[0]["losses"]
+    assert losses["split"] == losses["unified"], "a pre-split copy loads exactly what the unified folder holds"
+    np.testing.assert_allclose(losses["split"][0], next_loss, rtol=RESUME_TOL)
+
+
+def test_join_gives_back_the_unified_tensors_bit_for_bit(merged, tmp_path):
+    joined = join_split(split_checkpoint(merged, tmp_path / "split", TP2PP2), tmp_path / "joined")
+    assert verify_checkpoint(joined) == []
+    for kind in ("model", "optimizer"):
+        before, after = UnifiedReader(merged, kind), UnifiedReader(joined, kind)
+        assert before.tensors.keys() == after.tensors.keys()
+        for name in before.tensors:
+            assert np.array_equal(before.read(name), after.read(name)), name
+
+
+def test_split_copy_under_another_layout_fails_before_training(merged, tmp_path, data_cache):
+    split = split_checkpoint(merged, tmp_path / "split", TP2PP2)
+    done = subprocess.run([sys.executable, str(SCRIPT), *MODEL, "--resume_from_checkpoint", str(split),
+                           "--data_cache", str(data_cache), "--output_dir", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 2 and "pre-split for tp2 pp2 vpp1, this run is tp1 pp1" in done.stderr
+
+
+def test_merge_refuses_an_incomplete_fleet_checkpoint(fleet, tmp_path):
+    folder, _ = fleet
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    for path in folder.iterdir():
+        if path.name != "model_state.tp01_pp01.pdparams":
+            (partial / path.name).write_bytes(path.read_bytes())
+    with pytest.raises(CheckpointError, match=r"lacks model_state files for ranks \['tp01_pp01'\]"):
+        merge_fleet(partial, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
