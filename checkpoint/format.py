@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 FORMAT_VERSION = 1
-MODEL, OPTIMIZER = "model", "optimizer"
+MODEL, OPTIMIZER, GRADIENTS = "model", "optimizer", "gradients"
 CONFIG_FILE = "config.json"
 TRAINER_STATE_FILE = "trainer_state.json"
 LATEST_FILE = "latest"

@@ -48,3 +48,26 @@ def states_by_parameter(optimizer) -> dict[str, dict[str, paddle.Tensor]]:
     for param_name, tensor in getattr(inner, "_master_weights", {}).items():
         states.setdefault(param_name, {})[MASTER_WEIGHT] = tensor
     return states
+
+
+GRADIENT = "grad"
+
+
+def record_gradients(optimizer) -> None:
+    """Keep a copy of the gradients each update applies, as the innermost optimizer receives them:
+    after the data-parallel and sharding reductions and the TP sync, before clipping. Alignment
+    checks compare these across layouts; the copy costs one parameter-sized buffer per rank."""
+    inner = inner_optimizer(optimizer)
+    apply = inner._apply_optimize
+
+    def recording(loss, startup_program, params_grads):
+        inner._recorded_gradients = {p.name: g.detach().clone() for p, g in params_grads if g is not None}
+        return apply(loss, startup_program, params_grads)
+
+    inner._apply_optimize = recording
+    inner._recorded_gradients = {}
+
+
+def recorded_gradients(optimizer) -> dict[str, dict[str, paddle.Tensor]]:
+    """{parameter's internal name: {"grad": tensor}} of the last update (shaped like `states_by_parameter`)."""
+    return {name: {GRADIENT: grad} for name, grad in inner_optimizer(optimizer)._recorded_gradients.items()}

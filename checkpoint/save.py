@@ -22,7 +22,7 @@ import paddle.distributed as dist
 
 from checkpoint import commit as commits
 from checkpoint.format import (
-    CONFIG_FILE, FORMAT_VERSION, MODEL, OPTIMIZER, STATE_SEPARATOR, TRAINER_STATE_FILE, index_name, shard_name,
+    CONFIG_FILE, FORMAT_VERSION, GRADIENTS, MODEL, OPTIMIZER, STATE_SEPARATOR, TRAINER_STATE_FILE, index_name, shard_name,
     write_json_durably,
 )
 from checkpoint.optimizer_state import states_by_parameter
@@ -80,8 +80,9 @@ def _model_shard(state: dict, owned: list[str], axes: dict, topo: Topology) -> _
     return shard
 
 
-def _optimizer_shard(state: dict, owned: list[str], optimizer, axes: dict, topo: Topology) -> _Shard:
-    by_param = states_by_parameter(optimizer)
+def _per_parameter_shard(kind: str, state: dict, owned: list[str], by_param: dict, axes: dict,
+                         topo: Topology) -> _Shard:
+    """Optimizer states (or recorded gradients), which only the sharding rank updating a parameter holds."""
     tp = topo.layout.tp
     keyed = {}
     for name in owned:
@@ -92,7 +93,7 @@ def _optimizer_shard(state: dict, owned: list[str], optimizer, axes: dict, topo:
     counts = _gather_objects(len(keyed), topo.tp_group, tp)
     if len(set(counts)) > 1:
         raise RuntimeError(f"tp ranks hold different numbers of optimizer states {counts}; cannot merge them")
-    shard = _Shard(OPTIMIZER)
+    shard = _Shard(kind)
     for i, key in enumerate(sorted(keyed)):
         tensor, axis = keyed[key]
         entry = _Entry(key, tensor, axis, topo.dp_rank == 0, topo.dp_rank == 0 and topo.tp_rank == i % tp)
@@ -162,7 +163,7 @@ class PendingSave:
 
 def _commit(pending: PendingSave, everyone: list[dict]) -> Path:
     staged = commits.temp_dir(pending.output_dir, pending.step)
-    for kind in (MODEL, OPTIMIZER):
+    for kind in {kind for result in everyone for kind in result}:
         files, tensors, weight_map, total = {}, {}, {}, 0
         for result in everyone:
             if kind not in result:
@@ -194,9 +195,10 @@ def single_card_config(config, architecture: str) -> dict:
 
 def save_checkpoint(output_dir: Path, step: int, model, optimizer, topo: Topology, axes: dict, *,
                     config, trainer_state: dict, tokenizer_dir: Path | None = None, keep: int = 0,
-                    asynchronous: bool = False) -> PendingSave:
+                    asynchronous: bool = False, gradients: dict | None = None) -> PendingSave:
     """Write checkpoint-<step> under `output_dir`. Synchronous saves return committed; asynchronous
-    ones return once host copies are taken, with a `PendingSave` to `finish()` later."""
+    ones return once host copies are taken, with a `PendingSave` to `finish()` later. `gradients`
+    ({parameter's internal name: {"grad": tensor}}) adds a gradients kind, for alignment checks."""
     output_dir = Path(output_dir)
     if topo.global_rank == 0:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -207,7 +209,9 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, topo: Topolog
     owned = _owned_names(state, topo)  # one pipeline all-gather serves both shards
     shards = [_model_shard(state, owned, axes, topo)]
     if optimizer is not None:
-        shards.append(_optimizer_shard(state, owned, optimizer, axes, topo))
+        shards.append(_per_parameter_shard(OPTIMIZER, state, owned, states_by_parameter(optimizer), axes, topo))
+    if gradients is not None:
+        shards.append(_per_parameter_shard(GRADIENTS, state, owned, gradients, axes, topo))
     counts = _gather_objects({s.kind: bool(s.specs) for s in shards}, None, topo.layout.world_size)
     plans = {}
     for shard in shards:

@@ -2,7 +2,7 @@
 
 This is the check to run on a cluster before a long job: both runs resume the same checkpoint
 with the same data order (the run's own arguments, recorded in trainer_state.json), save at the
-end, and every loss and every parameter is compared. A layout that drifts from single card
+end, and every loss, every parameter and the last step's gradients are compared. A layout that drifts from single card
 beyond the tolerance fails here in minutes instead of after days.
 """
 
@@ -14,12 +14,13 @@ from pathlib import Path
 
 import numpy as np
 
-from checkpoint.format import MODEL, read_index
-from checkpoint.shards import ShardReader
+from checkpoint.format import GRADIENTS, MODEL, CheckpointError
+from checkpoint.reshard import UnifiedReader
 from paddle_pp.launch import launch
 
 RUN_SCRIPT = Path(__file__).resolve().parents[1] / "run_pretrain.py"
 NOT_REPLAYED = {"config", "output_dir", "resume_from_checkpoint", "save_steps", "save_total_limit", "async_save",
+                "save_gradients",
                 "exit_after_steps", "disable_progress_bar", "tensor_parallel_degree", "pipeline_parallel_degree",
                 "sharding_parallel_degree", "sharding", "virtual_pp_degree", "hybrid_parallel_topo_order"}
 
@@ -29,7 +30,8 @@ class AlignmentReport:
     steps: list[int]
     single_losses: list[float]
     layout_losses: list[float]
-    tensor_diffs: dict[str, tuple[float, float]]  # name -> (max |a-b|, max |a-b| / (1 + |a|))
+    tensor_diffs: dict[str, tuple[float, float]]  # name -> (max |a-b|, max |a-b| / max |a|)
+    gradient_diffs: dict[str, tuple[float, float]]  # the last step's gradients, the same measures
     rtol: float
 
     @property
@@ -41,16 +43,21 @@ class AlignmentReport:
         return max((rel for _, rel in self.tensor_diffs.values()), default=0.0)
 
     @property
+    def worst_gradient_rel(self) -> float:
+        return max((rel for _, rel in self.gradient_diffs.values()), default=0.0)
+
+    @property
     def aligned(self) -> bool:
-        return self.worst_loss_rel <= self.rtol and self.worst_tensor_rel <= self.rtol
+        return max(self.worst_loss_rel, self.worst_tensor_rel, self.worst_gradient_rel) <= self.rtol
 
     def table(self) -> str:
         lines = [f"{'step':>6} {'single':>12} {'layout':>12} {'rel diff':>10}"]
         for step, a, b in zip(self.steps, self.single_losses, self.layout_losses):
             lines.append(f"{step:>6} {a:>12.6f} {b:>12.6f} {abs(a - b) / max(abs(a), 1e-12):>10.2e}")
-        worst = sorted(self.tensor_diffs.items(), key=lambda kv: -kv[1][1])[:10]
-        lines.append(f"{'parameter (10 worst)':<48} {'max abs':>10} {'max scaled':>10}")
-        lines += [f"{name:<48} {diff:>10.2e} {rel:>10.2e}" for name, (diff, rel) in worst]
+        for title, diffs in (("parameter", self.tensor_diffs), ("gradient, last step", self.gradient_diffs)):
+            worst = sorted(diffs.items(), key=lambda kv: -kv[1][1])[:10]
+            lines.append(f"{title + ' (10 worst)':<53} {'max abs':>10} {'max rel':>10}")
+            lines += [f"{name:<53} {diff:>10.2e} {rel:>10.2e}" for name, (diff, rel) in worst]
         return "\n".join(lines)
 
 
@@ -70,10 +77,18 @@ def _replay_flags(checkpoint: Path) -> list[str]:
     return flags
 
 
-def _parameters(folder: Path) -> dict[str, np.ndarray]:
-    index = read_index(folder, MODEL)
-    readers = {f: ShardReader(folder / f) for f in sorted(set(index["weight_map"].values()))}
-    return {name: readers[f].read(name) for name, f in index["weight_map"].items()}
+def _differences(single: Path, layout: Path, kind: str) -> dict[str, tuple[float, float]]:
+    """Per tensor of `kind`: max |a - b| and that over max |a| (a the single-card value): relative to
+    the tensor's own scale, which suits small gradients and near-zero weights alike."""
+    ours, theirs = UnifiedReader(single, kind), UnifiedReader(layout, kind)
+    if ours.tensors.keys() != theirs.tensors.keys():
+        raise CheckpointError(f"{kind}: the two runs saved different tensors")
+    diffs = {}
+    for name in ours.tensors:
+        value = ours.read(name).astype(np.float64)
+        delta = np.abs(value - theirs.read(name))
+        diffs[name] = (float(delta.max()), float(delta.max() / max(np.abs(value).max(), 1e-30)))
+    return diffs
 
 
 def _losses(out: Path) -> tuple[list[int], list[float]]:
@@ -87,21 +102,18 @@ def check_alignment(checkpoint: Path, layout_flags: list[str], nproc: int, steps
     checkpoint, work_dir = Path(checkpoint), Path(work_dir)
     start = json.loads((checkpoint / "trainer_state.json").read_text())["step"]
     common = [*_replay_flags(checkpoint), "--resume_from_checkpoint", str(checkpoint), "--exit_after_steps",
-              str(steps), "--save_steps", str(steps), "--logging_steps", "1", "--disable_progress_bar"]
+              str(steps), "--save_steps", str(steps), "--logging_steps", "1", "--disable_progress_bar", "--save_gradients"]
     outputs = {}
     for name, ranks, flags in (("single", 1, []), ("layout", nproc, layout_flags)):
         outputs[name] = work_dir / name
         launch(RUN_SCRIPT, ranks, [*common, *flags, "--output_dir", str(outputs[name])], work_dir=work_dir / f"{name}_job",
                timeout=timeout)
     final = f"checkpoint-{start + steps}"
-    single, layout = _parameters(outputs["single"] / final), _parameters(outputs["layout"] / final)
-    diffs = {}
-    for name, value in single.items():
-        delta = np.abs(value.astype(np.float64) - layout[name])
-        diffs[name] = (float(delta.max()), float((delta / (1.0 + np.abs(value))).max()))
+    single, layout = outputs["single"] / final, outputs["layout"] / final
     step_list, single_losses = _losses(outputs["single"])
     _, layout_losses = _losses(outputs["layout"])
-    return AlignmentReport(step_list, single_losses, layout_losses, diffs, rtol)
+    return AlignmentReport(step_list, single_losses, layout_losses, _differences(single, layout, MODEL),
+                           _differences(single, layout, GRADIENTS), rtol)
 
 
 def plot_alignment(report: AlignmentReport, png: Path) -> Path:

@@ -63,6 +63,8 @@ class PretrainArguments:
     save_total_limit: int = _flag(0, "keep at most N checkpoints, deleting the oldest (0: keep all)")
     resume_from_checkpoint: str = _flag("", "a checkpoint folder, or 'latest' for output_dir's newest committed one")
     async_save: bool = _flag(False, "write checkpoints in the background while training continues")
+    save_gradients: bool = _flag(False, "also write the last step's reduced, unclipped gradients into each checkpoint "
+                                        "(tools/check_alignment.py compares them)")
     exit_after_steps: int = _flag(0, "stop this run after N steps (saving if --save_steps > 0) while the schedule "
                                      "still spans --max_steps: for job time limits; 0: run to --max_steps")
 

@@ -21,6 +21,7 @@ from modeling.state import init_single_card_weights
 from checkpoint.commit import latest_checkpoint
 from checkpoint.format import CheckpointError
 from checkpoint.load import check_compatible, load_checkpoint
+from checkpoint.optimizer_state import record_gradients, recorded_gradients
 from checkpoint.save import PendingSave, save_checkpoint
 from modeling.base import ModelConfigError
 from modeling.pipeline import PipelineSplitError
@@ -121,6 +122,8 @@ class Pretrainer:
         raw, optimizer = precision.decorate(raw, optimizer, self.compute_dtype, args.amp_master_grad)
         self.model, self.optimizer = wrap_model(raw, self.topo), wrap_optimizer(optimizer)
         observe_hybrid_norm(self.optimizer, self.clip)
+        if args.save_gradients:
+            record_gradients(self.optimizer)
         self.scaler = precision.loss_scaler(self.compute_dtype)
         self.raw_model, self.axes = raw, split_axes(self.config)
         self.consumed_samples, self.step = 0, 0
@@ -154,7 +157,8 @@ class Pretrainer:
         self.pending_save = save_checkpoint(
             Path(self.args.output_dir), self.step, self.raw_model, self.optimizer, self.topo, self.axes,
             config=self.config, trainer_state=trainer_state, tokenizer_dir=self.args.tokenizer_dir,
-            keep=self.args.save_total_limit, asynchronous=self.args.async_save)
+            keep=self.args.save_total_limit, asynchronous=self.args.async_save,
+            gradients=recorded_gradients(self.optimizer) if self.args.save_gradients else None)
         if not self.args.async_save:
             self.pending_save = None
 
@@ -189,7 +193,7 @@ class Pretrainer:
         indices = self.sampler.replica_batch(self.consumed_samples, self.topo.data_replica_index,
                                              self.topo.data_replica_count)
         inputs, labels = self._tensors(indices, "train")
-        lr = self.schedule.get_lr()
+        lr = self.schedule.last_lr  # the rate this update applies (after a resume: the saved one)
         loss = train_step(self.model, self.optimizer, self.criterion, inputs, labels, self.topo,
                           self.batches.accumulate_steps, self.compute_dtype, self.scaler)
         self.schedule.step()

@@ -123,8 +123,10 @@ def test_check_alignment_passes_tp2_and_fails_a_tampered_layout(checkpoint, tmp_
 
     report = check_alignment(checkpoint, ["--tensor_parallel_degree", "2"], 2, steps=2, work_dir=tmp_path / "tp2")
     assert report.steps == [3, 4] and report.aligned, report.table()
-    assert len(report.tensor_diffs) == len(single_card_shapes(load_config(checkpoint)))
+    assert len(report.tensor_diffs) == len(report.gradient_diffs) == len(single_card_shapes(load_config(checkpoint)))
+    assert report.worst_gradient_rel <= 1e-5
     assert plot_alignment(report, tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
     tampered = check_alignment(checkpoint, ["--tensor_parallel_degree", "2", "--learning_rate", "0.01"], 2,
-                               steps=2, work_dir=tmp_path / "tampered")
+                               steps=3, work_dir=tmp_path / "tampered")
     assert not tampered.aligned and tampered.worst_tensor_rel > 1e-3
+    assert tampered.worst_gradient_rel > 1e-3, "step 5's gradients follow step 4's larger update"

@@ -1,6 +1,6 @@
 """Precision alignment before a long job: from one checkpoint, train N steps on one card and under
-a layout; print the per-step loss table and the worst per-parameter differences, write a PNG, and
-exit 1 past the tolerance.
+a layout; print the per-step loss table and the worst per-tensor differences of parameters and of
+the last step's gradients, write a PNG, and exit 1 past the tolerance.
 
   python tools/check_alignment.py output/run/checkpoint-100 --nproc 4 --steps 5 \\
       --tensor_parallel_degree 2 --pipeline_parallel_degree 2
@@ -29,8 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     print(report.table())
     png = plot_alignment(report, args.work_dir / "alignment.png")
     verdict = "ALIGNED" if report.aligned else "NOT ALIGNED"
-    print(f"{verdict}: worst loss rel diff {report.worst_loss_rel:.2e}, worst parameter rel diff "
-          f"{report.worst_tensor_rel:.2e} (tolerance {args.rtol:g}); plot: {png}")
+    print(f"{verdict}: worst loss rel diff {report.worst_loss_rel:.2e}, parameter {report.worst_tensor_rel:.2e}, "
+          f"gradient {report.worst_gradient_rel:.2e} (tolerance {args.rtol:g}); plot: {png}")
     return 0 if report.aligned else 1
 
 
