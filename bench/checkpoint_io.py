@@ -3,7 +3,9 @@
 Builds a LLaMA of about 1 GB (fp32) with random weights and AdamW states, then times, alternating
 the methods `--repeats` times: our unified save (`save_checkpoint`: streaming shards, SHA-256,
 fsync, atomic commit) and load (`load_checkpoint`: verify + slice reads), bare `safetensors`
-save_file/load_file of the same tensors (the practical limit), and `paddle.save`/`paddle.load`.
+save_file/load_file of the same tensors (the practical limit), `paddle.save`/`paddle.load`, and
+PaddleNLP's `save_pretrained(safe_serialization=True)` of the weights (the model is a PaddleNLP
+PretrainedModel; it writes weights only, so its GB/s is over the weight bytes).
 Prints GB/s, the ratios to bare safetensors, and peak RSS; writes bench/results/checkpoint_io.json.
 
   .venv/bin/python bench/checkpoint_io.py --hidden_size 1024 --num_hidden_layers 16
@@ -111,12 +113,17 @@ def main(argv: list[str] | None = None) -> int:
         paddle_state = None  # free before the next load
         _drop_page_cache(pd)
         timed("paddle.load", lambda: paddle.load(str(pd)))
-        for path in (out, bare, pd):
+        nlp = work / f"paddlenlp{repeat}"
+        timed("paddlenlp save_pretrained", lambda: (model.save_pretrained(str(nlp), safe_serialization=True),
+                                                    fsync_tree(nlp)))
+        for path in (out, bare, pd, nlp):
             shutil.rmtree(path) if path.is_dir() else path.unlink()
 
     best = {name: min(times) for name, times in timings.items()}
-    results = {"checkpoint_gb": total_gb, "seconds_best_of": args.repeats,
-               "gb_per_s": {name: total_gb / t for name, t in best.items()},
+    weights_gb = sum(v.nbytes for k, v in tensors.items() if "/" not in k) / 1e9
+    written = {name: weights_gb if name.startswith("paddlenlp") else total_gb for name in best}
+    results = {"checkpoint_gb": total_gb, "weights_gb": weights_gb, "seconds_best_of": args.repeats,
+               "gb_per_s": {name: written[name] / t for name, t in best.items()},
                "ratio_unified_save_to_safetensors": best["safetensors save"] / best["unified save"],
                "ratio_unified_load_to_safetensors": best["safetensors load"] / best["unified load"],
                "peak_rss_gb": _rss_gb(), "cpu_count": os.cpu_count()}

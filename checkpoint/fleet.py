@@ -26,7 +26,7 @@ from checkpoint.format import CheckpointError, write_json_durably
 from checkpoint.optimizer_state import MASTER_WEIGHT
 from checkpoint.reshard import load_config
 from checkpoint.save import single_card_config
-from checkpoint.shards import TensorSpec
+from checkpoint.shards import TensorSpec, bf16_to_float32
 from checkpoint.split import DEFAULT_SHARD_BYTES, SplitWriter, join_split
 from modeling import split_axes, tied_groups
 
@@ -74,9 +74,7 @@ def find_rank_files(folder: Path) -> tuple[dict, dict]:
 
 def _as_float32(array: np.ndarray) -> np.ndarray:
     """Weights as float32; `paddle.save` stores bfloat16 as its raw uint16 bits."""
-    if array.dtype == np.uint16:
-        return (array.astype(np.uint32) << 16).view(np.float32)
-    return array.astype(np.float32, copy=False)
+    return bf16_to_float32(array) if array.dtype == np.uint16 else array.astype(np.float32, copy=False)
 
 
 def _state_key(var_name: str, structured: dict[str, str]) -> str:

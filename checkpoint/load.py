@@ -1,18 +1,20 @@
 """Loading a unified checkpoint under any layout (or a pre-split copy under its own layout): each
 rank reads only its own slices.
 
-A parameter's TP slice is cut out of the single-card tensor with `safe_open(...).get_slice`, so no
-rank reads more than it holds. Optimizer states are created first (Paddle makes them lazily) and
+A parameter's TP slice is read out of the single-card tensor in the shard (positioned reads), so no
+rank keeps more than it holds. Optimizer states are created first (Paddle makes them lazily) and
 filled for the parameters this rank updates under the *new* sharding degree, which re-partitions
-them. Every file a rank reads is checked against the SHA-256 in the index before the load returns;
-a mismatch fails the load (and so the run) before any training step.
+them. Every name and shape is checked before any byte is read; then each file a rank needs is read
+once, front to back, and checked against the SHA-256 in the index before the load returns; a
+mismatch fails the load (and so the run) before any training step.
 """
 
 from __future__ import annotations
 
 import json
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import paddle.distributed as dist
@@ -21,7 +23,7 @@ from checkpoint.format import (
     CONFIG_FILE, MODEL, OPTIMIZER, STATE_SEPARATOR, TRAINER_STATE_FILE, CheckpointError, index_name, read_index,
 )
 from checkpoint.optimizer_state import ensure_states, states_by_parameter
-from checkpoint.shards import ShardReader, file_sha256
+from checkpoint.shards import ShardReader
 from checkpoint.split import check_split_layout, is_split, rank_key, read_split_index
 from modeling.state import single_card_shape
 from paddle_pp.layout import Layout
@@ -52,21 +54,18 @@ def check_compatible(folder: Path, config, layout: Layout) -> None:
                                       "or start a new output_dir")
 
 
+Piece = tuple[int | None, int, int]  # (TP axis or None, parts, part), as ShardReader.read takes them
+
+
 class _VerifiedFiles:
-    """Shard readers opened on demand. Each file is size-checked on open and its SHA-256 computed on
-    a helper thread while its slices are read (one pass of extra reading, overlapped); `check()`
-    waits for the verdicts."""
+    """The tensors this rank needs, gathered per file by `want`, then read by `load`: each file once,
+    front to back, size-checked first, its SHA-256 computed on a helper thread from the same bytes
+    (the hash needs every byte anyway, so a rank reads each file it touches exactly once)."""
 
     def __init__(self, folder: Path, meta: dict, verify: bool, hasher: ThreadPoolExecutor):
         self.folder, self.meta, self.verify, self.hasher = folder, meta, verify, hasher
         self.readers: dict[str, ShardReader] = {}
-        self.digests: dict[Path, Future] = {}
-
-    def check(self) -> None:
-        for path, digest in self.digests.items():
-            if digest.result() != self.meta["files"][path.name]["sha256"]:
-                raise CheckpointError(f"{path} fails its SHA-256 check: the file is corrupted; restore it or "
-                                      "resume from an older checkpoint")
+        self.wanted: dict[str, dict[str, tuple[Piece, Callable[[np.ndarray], None]]]] = {}
 
     def open(self, fname: str) -> ShardReader:
         if fname not in self.readers:
@@ -77,20 +76,32 @@ class _VerifiedFiles:
             if path.stat().st_size != expected["size"]:
                 raise CheckpointError(f"{path} is {path.stat().st_size} bytes, the index says {expected['size']}: "
                                       "the file is truncated; restore it or resume from an older checkpoint")
-            if self.verify:
-                self.digests[path] = self.hasher.submit(file_sha256, path)
             self.readers[fname] = ShardReader(path)
         return self.readers[fname]
 
+    def want(self, fname: str, name: str, piece: Piece, apply: Callable[[np.ndarray], None]) -> None:
+        self.open(fname)
+        self.wanted.setdefault(fname, {})[name] = (piece, apply)
+
+    def load(self) -> None:
+        for fname, wanted in self.wanted.items():
+            reader = self.readers[fname]
+            digest = reader.scan({name: piece for name, (piece, _) in wanted.items()},
+                                 lambda name, array: wanted[name][1](array), self.hasher if self.verify else None)
+            if self.verify and digest != self.meta["files"][fname]["sha256"]:
+                raise CheckpointError(f"{reader.path} fails its SHA-256 check: the file is corrupted; restore it or "
+                                      "resume from an older checkpoint")
+
 
 class _UnifiedFiles(_VerifiedFiles):
-    """A unified checkpoint: this rank's TP slice is cut out of each single-card tensor."""
+    """A unified checkpoint: this rank's TP piece is cut out of each single-card tensor."""
 
     def __init__(self, folder: Path, kind: str, verify: bool, hasher: ThreadPoolExecutor):
         self.index = read_index(folder, kind)
         super().__init__(folder, self.index["metadata"], verify, hasher)
 
-    def read_slice(self, name: str, local_shape: list[int], axis: int | None, topo: Topology) -> np.ndarray:
+    def want_local(self, name: str, local_shape: list[int], axis: int | None, topo: Topology,
+                   apply: Callable[[np.ndarray], None]) -> None:
         full = single_card_shape(local_shape, axis, topo.layout.tp)
         saved = self.meta["tensors"].get(name, {}).get("shape")
         if name not in self.index["weight_map"]:
@@ -100,8 +111,7 @@ class _UnifiedFiles(_VerifiedFiles):
             raise CheckpointError(f"{name}: the checkpoint holds shape {saved}, this model needs {full} (single-card "
                                   f"shapes); it was saved from a different model configuration")
         split = axis is not None and topo.layout.tp > 1
-        return self.open(self.index["weight_map"][name]).read(name, axis if split else None, topo.layout.tp,
-                                                              topo.tp_rank)
+        self.want(self.index["weight_map"][name], name, (axis if split else None, topo.layout.tp, topo.tp_rank), apply)
 
 
 class _SplitFiles(_VerifiedFiles):
@@ -114,7 +124,8 @@ class _SplitFiles(_VerifiedFiles):
         if self.fname is None:
             raise CheckpointError(f"{folder} has no {kind} file for tp rank {topo.tp_rank}, stage {topo.pp_rank}")
 
-    def read_slice(self, name: str, local_shape: list[int], axis: int | None, topo: Topology) -> np.ndarray:
+    def want_local(self, name: str, local_shape: list[int], axis: int | None, topo: Topology,
+                   apply: Callable[[np.ndarray], None]) -> None:
         reader = self.open(self.fname)
         if name not in reader.names:
             raise CheckpointError(f"{reader.path} has no tensor {name!r}: the split copy is of another model or "
@@ -122,7 +133,7 @@ class _SplitFiles(_VerifiedFiles):
         if reader.shape(name) != list(local_shape):
             raise CheckpointError(f"{name}: {reader.path} holds shape {reader.shape(name)}, this rank needs "
                                   f"{list(local_shape)}")
-        return reader.read(name)
+        self.want(self.fname, name, (None, 1, 0), apply)
 
 
 def _files(folder: Path, kind: str, verify: bool, hasher: ThreadPoolExecutor, topo: Topology) -> _VerifiedFiles:
@@ -137,21 +148,24 @@ def _has_kind(folder: Path, kind: str) -> bool:
     return (folder / index_name(kind)).is_file()
 
 
-def _load_model(files: _VerifiedFiles, model, axes: dict, topo: Topology) -> None:
+def _setter(target) -> Callable[[np.ndarray], None]:
+    dtype = str(target.dtype).removeprefix("paddle.")
+    return lambda array: target.set_value(array.reshape(target.shape).astype(dtype, copy=False))
+
+
+def _want_model(files: _VerifiedFiles, model, axes: dict, topo: Topology) -> None:
     for name, param in model.state_dict().items():
-        array = files.read_slice(name, list(param.shape), axes.get(name), topo)
-        param.set_value(array.astype(str(param.dtype).removeprefix("paddle.")))
+        files.want_local(name, list(param.shape), axes.get(name), topo, _setter(param))
 
 
-def _load_optimizer(files: _VerifiedFiles, model, optimizer, axes: dict, topo: Topology) -> None:
+def _want_optimizer(files: _VerifiedFiles, model, optimizer, axes: dict, topo: Topology) -> None:
     ensure_states(optimizer)
     by_param = states_by_parameter(optimizer)
     for name, param in model.state_dict().items():
         for state_name, tensor in by_param.get(param.name, {}).items():
             like_param = list(tensor.shape) == list(param.shape)
-            key = f"{name}{STATE_SEPARATOR}{state_name}"
-            array = files.read_slice(key, list(tensor.shape), axes.get(name) if like_param else None, topo)
-            tensor.set_value(array.reshape(tensor.shape))
+            files.want_local(f"{name}{STATE_SEPARATOR}{state_name}", list(tensor.shape),
+                             axes.get(name) if like_param else None, topo, _setter(tensor))
 
 
 def load_checkpoint(folder: Path, model, optimizer, topo: Topology, axes: dict, verify: bool = True) -> dict:
@@ -164,12 +178,12 @@ def load_checkpoint(folder: Path, model, optimizer, topo: Topology, axes: dict, 
     try:
         with ThreadPoolExecutor(max_workers=1) as hasher:
             files = [_files(folder, MODEL, verify, hasher, topo)]
-            _load_model(files[0], model, axes, topo)
+            _want_model(files[0], model, axes, topo)
             if optimizer is not None and _has_kind(folder, OPTIMIZER):
                 files.append(_files(folder, OPTIMIZER, verify, hasher, topo))
-                _load_optimizer(files[1], model, optimizer, axes, topo)
-            for kind in files:
-                kind.check()
+                _want_optimizer(files[1], model, optimizer, axes, topo)
+            for kind in files:  # every name and shape was checked above, before any byte is read
+                kind.load()
     except (CheckpointError, OSError, ValueError) as err:
         error = err
     if topo.layout.world_size > 1:

@@ -1,5 +1,5 @@
 """Streaming safetensors shards: the header is written from the planned shapes, then each tensor's
-bytes as it arrives, hashing on the way; reads are `safetensors.safe_open` slices.
+bytes as it arrives, hashing on the way; reads are positioned reads of whole tensors or TP pieces.
 
 Streaming keeps a writer's extra memory at one tensor instead of its whole shard, and the bytes
 written are a pure function of the tensors, so async and sync saves give identical files.
@@ -11,10 +11,11 @@ import hashlib
 import json
 import os
 import struct
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -22,6 +23,7 @@ from checkpoint.format import CheckpointError
 
 DTYPES = {np.dtype("float32"): "F32", np.dtype("float64"): "F64", np.dtype("float16"): "F16",
           np.dtype("int64"): "I64", np.dtype("int32"): "I32", np.dtype("uint16"): "U16", np.dtype("uint8"): "U8"}
+CODES = {code: dtype for dtype, code in DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -87,48 +89,129 @@ def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
 
 
 class ShardReader:
-    """Slices of tensors in one shard through `safetensors.safe_open`; a damaged file is a clear error."""
+    """Tensors, or equal pieces of them along an axis, read from one shard with positioned reads into
+    fresh arrays. No mmap: a reader's resident memory is what it returns (mapped pages of a large
+    shard would count in RSS), and a damaged file is a clear error when opened."""
+
+    BLOCK_BYTES = 64 << 20  # a piece along an inner axis is cut out of blocks of whole rows this large
 
     def __init__(self, path: Path):
-        from safetensors import safe_open
-
         self.path = Path(path)
         if not self.path.is_file():
             raise CheckpointError(f"{self.path} is missing")
+        size = self.path.stat().st_size
         try:
-            self._file = safe_open(str(self.path), framework="numpy")
-            names = list(self._file.keys())
-        except Exception as err:  # safetensors raises its own error types for torn headers
+            with open(self.path, "rb") as handle:
+                (header_len,) = struct.unpack("<Q", handle.read(8))
+                if header_len > size - 8:
+                    raise ValueError(f"header of {header_len} bytes in a file of {size}")
+                header = json.loads(handle.read(header_len))
+            self._entries = {k: v for k, v in header.items() if k != "__metadata__"}
+            end = max((v["data_offsets"][1] for v in self._entries.values()), default=0)
+        except (struct.error, ValueError, KeyError, TypeError, AttributeError) as err:
             raise CheckpointError(f"{self.path} is not a readable safetensors file ({err}); it is truncated "
                                   "or corrupted: restore it or resume from an older checkpoint") from err
-        self._check_length()
-        self.names = set(names)
-
-    def _check_length(self) -> None:
-        with open(self.path, "rb") as handle:
-            (header_len,) = struct.unpack("<Q", handle.read(8))
-            header = json.loads(handle.read(header_len))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        expected, actual = 8 + header_len + end, self.path.stat().st_size
-        if actual != expected:
-            raise CheckpointError(f"{self.path} holds {actual} bytes but its header describes {expected}: "
+        self._data_start = 8 + header_len
+        if size != self._data_start + end:
+            raise CheckpointError(f"{self.path} holds {size} bytes but its header describes {self._data_start + end}: "
                                   "the file is truncated or was overwritten")
+        self.names = set(self._entries)
+        self._fd = os.open(self.path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self._fd)
 
     def shape(self, name: str) -> list[int]:
-        return list(self._file.get_slice(name).get_shape())
+        return list(self._entry(name)["shape"])
+
+    def _entry(self, name: str) -> dict:
+        if name not in self._entries:
+            raise CheckpointError(f"{self.path} does not hold {name!r}")
+        return self._entries[name]
+
+    def _read_into(self, array: np.ndarray, offset: int) -> None:
+        buffer, done = memoryview(array).cast("B"), 0
+        while done < len(buffer):
+            count = os.preadv(self._fd, [buffer[done:]], offset + done)
+            if count == 0:
+                raise CheckpointError(f"{self.path} ended early: the file is truncated")
+            done += count
+
+    def scan(self, wanted: dict[str, tuple[int | None, int, int]], deliver: Callable[[str, np.ndarray], None],
+             hasher: ThreadPoolExecutor | None = None, chunk: int = 16 << 20) -> str | None:
+        """Read the file once, front to back: each wanted tensor (name -> (axis, parts, part), as in
+        `read`) is passed to `deliver`; with a `hasher`, every byte is hashed on it while the next is
+        read, and the file's SHA-256 is returned. Reading whole tensors in file order is what lets a
+        verified load read each file once instead of once to hash and again to slice."""
+        digest = hashlib.sha256() if hasher is not None else None
+        pending = None
+
+        def hash_next(buffer) -> None:
+            nonlocal pending
+            if digest is not None:
+                if pending is not None:
+                    pending.result()
+                pending = hasher.submit(digest.update, buffer)
+
+        head = np.empty(self._data_start, np.uint8)
+        self._read_into(head, 0)
+        hash_next(head)
+        for name, entry in sorted(self._entries.items(), key=lambda item: item[1]["data_offsets"][0]):
+            begin, end = (self._data_start + offset for offset in entry["data_offsets"])
+            if name in wanted:
+                whole = np.empty(entry["shape"], np.uint16 if entry["dtype"] == "BF16" else CODES[entry["dtype"]])
+                self._read_into(whole, begin)
+                hash_next(whole.reshape(-1).view(np.uint8))
+                deliver(name, self._decode(entry, _piece(whole, *wanted[name])))
+            elif digest is not None:
+                for first in range(begin, end, chunk):
+                    block = np.empty(min(chunk, end - first), np.uint8)
+                    self._read_into(block, first)
+                    hash_next(block)
+        if pending is not None:
+            pending.result()
+        return digest.hexdigest() if digest is not None else None
+
+    @staticmethod
+    def _decode(entry: dict, array: np.ndarray) -> np.ndarray:
+        return bf16_to_float32(array) if entry["dtype"] == "BF16" else array
 
     def read(self, name: str, axis: int | None = None, parts: int = 1, part: int = 0) -> np.ndarray:
         """The whole tensor, or its `part`-th of `parts` equal pieces along `axis`."""
-        if name not in self.names:
-            raise CheckpointError(f"{self.path} does not hold {name!r}")
-        view = self._file.get_slice(name)
+        entry = self._entry(name)
+        code, shape = entry["dtype"], list(entry["shape"])
+        dtype = np.dtype(np.uint16) if code == "BF16" else CODES[code]
+        start = self._data_start + entry["data_offsets"][0]
         if axis is None or parts == 1:
-            return view[:]
-        shape = view.get_shape()
-        step = shape[axis] // parts
-        index = tuple(slice(part * step, (part + 1) * step) if dim == axis else slice(None)
-                      for dim in range(len(shape)))
-        return view[index]
+            out = np.empty(shape, dtype)
+            self._read_into(out, start)
+            return self._decode(entry, out)
+        outer, dim = int(np.prod(shape[:axis], dtype=np.int64)), shape[axis]
+        inner = int(np.prod(shape[axis + 1:], dtype=np.int64))
+        step = dim // parts
+        out = np.empty(shape[:axis] + [step] + shape[axis + 1:], dtype)
+        if outer == 1:
+            self._read_into(out, start + part * step * inner * dtype.itemsize)
+        else:
+            rows = out.reshape(outer, step * inner)
+            row_bytes = dim * inner * dtype.itemsize
+            per_block = max(1, self.BLOCK_BYTES // max(row_bytes, 1))
+            for first in range(0, outer, per_block):
+                block = np.empty((min(per_block, outer - first), dim * inner), dtype)
+                self._read_into(block, start + first * row_bytes)
+                rows[first:first + len(block)] = block[:, part * step * inner:(part + 1) * step * inner]
+        return self._decode(entry, out)
+
+
+def _piece(whole: np.ndarray, axis: int | None, parts: int, part: int) -> np.ndarray:
+    if axis is None or parts == 1:
+        return whole
+    step = whole.shape[axis] // parts
+    index = tuple(slice(part * step, (part + 1) * step) if dim == axis else slice(None) for dim in range(whole.ndim))
+    return np.ascontiguousarray(whole[index])
+
+
+def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 held as its raw uint16 bits (numpy has no bfloat16) widened exactly to float32."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 def iterate_specs(arrays: dict[str, np.ndarray]) -> Iterator[TensorSpec]:

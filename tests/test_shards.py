@@ -1,0 +1,56 @@
+"""The shard reader against safetensors' own reader: whole tensors and TP pieces along every axis."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from checkpoint.format import CheckpointError
+from checkpoint.shards import ShardReader
+
+
+@pytest.fixture
+def shard(tmp_path):
+    rng = np.random.default_rng(0)
+    tensors = {"scalar": np.array(3.5, dtype=np.float32), "vector": rng.standard_normal(12).astype(np.float32),
+               "matrix": rng.standard_normal((6, 8)).astype(np.float32),
+               "cube": rng.standard_normal((4, 6, 10)).astype(np.float64), "ids": np.arange(24, dtype=np.int64)}
+    path = tmp_path / "shard.safetensors"
+    save_file(tensors, str(path))
+    return path
+
+
+def test_whole_tensors_equal_safetensors(shard):
+    reader, expected = ShardReader(shard), load_file(str(shard))
+    assert reader.names == set(expected)
+    for name, value in expected.items():
+        got = reader.read(name)
+        assert got.dtype == value.dtype and got.shape == value.shape and np.array_equal(got, value), name
+
+
+@pytest.mark.parametrize("name, axis, parts", [("vector", 0, 3), ("matrix", 0, 2), ("matrix", 1, 4),
+                                               ("cube", 1, 2), ("cube", 2, 5)])
+def test_pieces_along_any_axis_equal_numpy_splits(shard, name, axis, parts):
+    reader, full = ShardReader(shard), load_file(str(shard))[name]
+    reader.BLOCK_BYTES = 16  # force several blocks of rows, the path large tensors take
+    for part, expected in enumerate(np.split(full, parts, axis=axis)):
+        assert np.array_equal(reader.read(name, axis, parts, part), expected), (name, axis, part)
+
+
+def test_bfloat16_is_widened_exactly(tmp_path):
+    values = np.array([1.0, -2.5, 3.140625], dtype=np.float32)  # exactly representable in bfloat16
+    bits = (values.view(np.uint32) >> 16).astype("<u2")
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [3], "data_offsets": [0, bits.nbytes]}}).encode()
+    path = tmp_path / "bf16.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bits.tobytes())
+    assert np.array_equal(ShardReader(path).read("w"), values)
+
+
+def test_torn_header_is_a_clear_error(shard):
+    shard.write_bytes(shard.read_bytes()[:20])
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        ShardReader(shard)
