@@ -11,6 +11,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -63,7 +64,8 @@ def _stream_copy(names: list[str], read, rename, transpose, target: Path, max_sh
     return weight_map
 
 
-def export_hf(folder: Path, target: Path, max_shard_bytes: int = 5 << 30) -> Path:
+def export_hf(folder: Path, target: Path, max_shard_bytes: int = 5 << 30,
+              on_tensor: Callable[[str, int], None] | None = None) -> Path:
     """A transformers-loadable folder (config.json, model.safetensors[ + index], tokenizer) from a
     unified LLaMA checkpoint."""
     folder, target = Path(folder), Path(target)
@@ -79,7 +81,7 @@ def export_hf(folder: Path, target: Path, max_shard_bytes: int = 5 << 30) -> Pat
             return index["metadata"]["tensors"][name]["shape"]
         fname = index["weight_map"][name]
         readers.setdefault(fname, ShardReader(folder / fname))
-        return readers[fname].read(name)
+        return _reported(name, readers[fname].read(name), on_tensor)
 
     target.mkdir(parents=True, exist_ok=False)
     weight_map = _stream_copy(sorted(index["weight_map"]), read, to_hf_name, lambda n: bool(LINEAR.search(n)),
@@ -88,7 +90,8 @@ def export_hf(folder: Path, target: Path, max_shard_bytes: int = 5 << 30) -> Pat
     return target
 
 
-def import_hf(source: Path, target: Path, max_shard_bytes: int = 5 << 30) -> Path:
+def import_hf(source: Path, target: Path, max_shard_bytes: int = 5 << 30,
+              on_tensor: Callable[[str, int], None] | None = None) -> Path:
     """A single-card Paddle LLaMA folder (our names, [in, out] linears) from a transformers one;
     `config.json` keeps the fields both share, so `config_from_dict` builds our LlamaConfig."""
     source, target = Path(source), Path(target)
@@ -103,7 +106,7 @@ def import_hf(source: Path, target: Path, max_shard_bytes: int = 5 << 30) -> Pat
 
     def read(name: str, shape_only: bool = False):
         reader = readers[where[name]]
-        return reader.shape(name) if shape_only else reader.read(name)
+        return reader.shape(name) if shape_only else _reported(name, reader.read(name), on_tensor)
 
     target.mkdir(parents=True, exist_ok=False)
     weight_map = _stream_copy(sorted(where), read, from_hf_name, lambda n: bool(LINEAR.search(from_hf_name(n))),
@@ -111,6 +114,12 @@ def import_hf(source: Path, target: Path, max_shard_bytes: int = 5 << 30) -> Pat
     ours = {k: v for k, v in _hf_config(config).items() if k not in ("architectures", "hidden_act", "torch_dtype")}
     _finish(target, weight_map, ours, source)
     return target
+
+
+def _reported(name: str, array: np.ndarray, on_tensor: Callable[[str, int], None] | None) -> np.ndarray:
+    if on_tensor:
+        on_tensor(name, array.nbytes)
+    return array
 
 
 def _finish(target: Path, weight_map: dict, config: dict, source: Path) -> None:

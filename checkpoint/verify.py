@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from checkpoint.format import MODEL, OPTIMIZER, STATE_SEPARATOR, CheckpointError, index_name, read_index
 from checkpoint.shards import ShardReader, file_sha256
 
 
-def verify_checkpoint(folder: Path) -> list[str]:
+def verify_checkpoint(folder: Path, on_file: Callable[[str, int], None] | None = None) -> list[str]:
     """Problems found (empty when the checkpoint is sound): missing or altered files, tensors the
-    index lists but a shard lacks, optimizer states of parameters the model does not have."""
+    index lists but a shard lacks, weights missing from or shaped unlike the model its config.json
+    describes, optimizer states of parameters the model does not have. `on_file(name, bytes)` is
+    called as each file is hashed (the long part, for a progress bar)."""
     folder = Path(folder)
-    problems: list[str] = []
+    problems: list[str] = _against_config(folder)
     model_names: set[str] = set()
     for kind in (MODEL, OPTIMIZER):
         if kind == OPTIMIZER and not (folder / index_name(kind)).is_file():
@@ -31,7 +34,10 @@ def verify_checkpoint(folder: Path) -> list[str]:
             if path.stat().st_size != expected["size"]:
                 problems.append(f"{path}: {path.stat().st_size} bytes, index says {expected['size']} (truncated)")
                 continue
-            if file_sha256(path) != expected["sha256"]:
+            digest = file_sha256(path)
+            if on_file:
+                on_file(fname, expected["size"])
+            if digest != expected["sha256"]:
                 problems.append(f"{path}: SHA-256 mismatch (corrupted)")
                 continue
             try:
@@ -49,4 +55,24 @@ def verify_checkpoint(folder: Path) -> list[str]:
             orphans = sorted({n.split(STATE_SEPARATOR)[0] for n in names} - model_names)
             if orphans:
                 problems.append(f"optimizer states for parameters the model lacks: {orphans[:3]}")
+    return problems
+
+
+def _against_config(folder: Path) -> list[str]:
+    """The model index against the shapes `config.json` implies (single-card names and shapes)."""
+    from checkpoint.reshard import load_config
+    from modeling import single_card_shapes, tied_groups
+
+    try:
+        config = load_config(folder)
+        tensors = read_index(folder, MODEL)["metadata"]["tensors"]
+    except (CheckpointError, OSError, ValueError, KeyError) as err:
+        return [f"{folder}: cannot compare with config.json ({err})"]
+    copies = {name for group in tied_groups(config) for name in group[1:]}
+    expected = {name: list(shape) for name, shape in single_card_shapes(config).items() if name not in copies}
+    problems = [f"{name}: missing; config.json describes it with shape {shape}"
+                for name, shape in sorted(expected.items()) if name not in tensors]
+    problems += [f"{name}: shape {tensors[name]['shape']}, config.json implies {shape}"
+                 for name, shape in sorted(expected.items()) if name in tensors and tensors[name]["shape"] != shape]
+    problems += [f"{name}: not a parameter of the model config.json describes" for name in sorted(set(tensors) - set(expected))]
     return problems

@@ -117,6 +117,17 @@ def test_verify_tool_passes_a_sound_checkpoint(checkpoint):
     assert tool.returncode == 0 and "OK" in tool.stdout
 
 
+def test_verify_names_weights_that_do_not_fit_config(checkpoint, tmp_path):
+    import shutil
+
+    copy = Path(shutil.copytree(checkpoint, tmp_path / "copy"))
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    problems = verify_checkpoint(copy)
+    assert "llama.layers.0.mlp.up_proj.weight: shape [64, 128], config.json implies [64, 96]" in problems
+    assert len(problems) == 3 * 4, "gate, up and down of each of the 4 layers, nothing else"
+
+
 @pytest.mark.multiproc
 def test_check_alignment_passes_tp2_and_fails_a_tampered_layout(checkpoint, tmp_path):
     from paddle_pp.alignment import check_alignment, plot_alignment

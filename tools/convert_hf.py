@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from checkpoint.format import CheckpointError  # noqa: E402
 from checkpoint.hf import export_hf, import_hf  # noqa: E402
+from paddle_pp.report import TensorProgress  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,8 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max_shard_gb", type=float, default=5.0, help="largest output shard")
     args = parser.parse_args(argv)
     convert = export_hf if args.direction == "export" else import_hf
+    progress = TensorProgress(sum(p.stat().st_size for p in args.source.glob("model*.safetensors")))
     try:
-        out = convert(args.source, args.target, int(args.max_shard_gb * (1 << 30)))
+        out = convert(args.source, args.target, int(args.max_shard_gb * (1 << 30)), progress)
+        progress.close()
     except (CheckpointError, FileExistsError, FileNotFoundError) as err:
         print(f"convert_hf.py: error: {err}", file=sys.stderr)
         return 1
