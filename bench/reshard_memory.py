@@ -68,8 +68,8 @@ OPERATIONS = {
 
 def write_random_checkpoint(folder: Path, config, seed: int = 0) -> int:
     """A unified checkpoint of `config` with random weights and AdamW states; returns its largest tensor's bytes."""
-    from checkpoint.format import MODEL, OPTIMIZER, TRAINER_STATE_FILE, write_json_durably
-    from checkpoint.reshard import tensor_nbytes, write_unified_kind
+    from checkpoint.format import MODEL, OPTIMIZER, TRAINER_STATE_FILE, tensor_nbytes, write_json_durably
+    from checkpoint.reshard import write_unified_kind
     from checkpoint.save import single_card_config
     from modeling import single_card_shapes, split_axes, tied_groups
 
@@ -117,8 +117,7 @@ def write_fleet_files(split: Path, folder: Path) -> None:
         opt = {f"{table[k.split('/')[0]]}_{k.split('/')[1]}_0": states.read(k) for k in sorted(states.names)}
         paddle.save(opt, str(folder / f"optimizer.{key}.pdopt"))
         del opt
-    for name in ("config.json",):
-        shutil.copyfile(split / name, folder / name)
+    shutil.copyfile(split / "config.json", folder / "config.json")
     (folder / "trainer_state.json").write_text(json.dumps({"global_step": 1, "consumed_samples": 8}))
 
 

@@ -29,6 +29,7 @@ from checkpoint.save import single_card_config
 from checkpoint.shards import TensorSpec, bf16_to_float32
 from checkpoint.split import DEFAULT_SHARD_BYTES, SplitWriter, join_split
 from modeling import split_axes, tied_groups
+from modeling.state import single_card_shape
 
 RANK_FILE = re.compile(r"^(model_state|optimizer)(?:\.([a-z0-9_]+))?\.(pdparams|pdopt)$")
 NAME_TABLE = "StructuredToParameterName@@"
@@ -40,7 +41,7 @@ _ARCHITECTURES = {"llama": "LlamaForCausalLM", "gpt": "GPTForCausalLM"}
 def _rank_of(suffix: str | None) -> tuple[int, int, int]:
     """(tp, pp, shard) from PaddleNLP's suffix, e.g. 'tp01_pp00_shard01'; absent parts are 0."""
     ranks = {"tp": 0, "pp": 0, "shard": 0}
-    for part in (suffix or "").split("_") if suffix else []:
+    for part in suffix.split("_") if suffix else []:
         match = re.fullmatch(r"(tp|pp|shard)(\d+)", part)
         if match is None:
             raise CheckpointError(f"cannot read the rank suffix {suffix!r} (expected tpXX, ppYY, shardZZ parts)")
@@ -48,8 +49,9 @@ def _rank_of(suffix: str | None) -> tuple[int, int, int]:
     return ranks["tp"], ranks["pp"], ranks["shard"]
 
 
-def find_rank_files(folder: Path) -> tuple[dict, dict]:
-    """{(tp, pp): model file} and {(tp, pp): [optimizer files by sharding rank]}; the grid must be whole."""
+def find_rank_files(folder: Path) -> tuple[int, int, dict, dict]:
+    """(tp degree, pp degree, {(tp, pp): model file}, {(tp, pp): [optimizer files by sharding rank]});
+    the grid of ranks must be whole."""
     models, optimizers = {}, defaultdict(list)
     for path in sorted(Path(folder).iterdir()):
         match = RANK_FILE.match(path.name)
@@ -69,7 +71,7 @@ def find_rank_files(folder: Path) -> tuple[dict, dict]:
     if optimizers and set(optimizers) != set(models):
         raise CheckpointError(f"{folder} has optimizer files for {sorted(optimizers)} but weights for "
                               f"{sorted(models)}; the checkpoint is incomplete")
-    return models, {key: [p for _, p in sorted(files)] for key, files in optimizers.items()}
+    return tp, pp, models, {key: [p for _, p in sorted(files)] for key, files in optimizers.items()}
 
 
 def _as_float32(array: np.ndarray) -> np.ndarray:
@@ -88,10 +90,7 @@ def _state_key(var_name: str, structured: dict[str, str]) -> str:
 
 
 def _unified_meta(array: np.ndarray, axis: int | None, tp: int) -> dict:
-    shape = list(array.shape)
-    if axis is not None and tp > 1:
-        shape[axis] *= tp
-    return {"dtype": str(array.dtype), "shape": shape, "tp_axis": axis}
+    return {"dtype": str(array.dtype), "shape": single_card_shape(array.shape, axis, tp), "tp_axis": axis}
 
 
 def _load(path: Path) -> dict:
@@ -165,8 +164,7 @@ def merge_fleet(source: Path, target: Path, max_shard_bytes: int = DEFAULT_SHARD
         raise CheckpointError(f"{source / CONFIG_FILE} is missing: the merge needs the model config to know "
                               "how tensors split; copy the run's config.json there")
     config = load_config(source)
-    models, optimizers = find_rank_files(source)
-    tp, pp = max(t for t, _ in models) + 1, max(p for _, p in models) + 1
+    tp, pp, models, optimizers = find_rank_files(source)
     param_axes = split_axes(config)
     trainer_state = _trainer_state(source, optimizers)
     staging = target.with_name(target.name + ".split.partial")

@@ -18,6 +18,13 @@ class CheckpointError(RuntimeError):
     """A checkpoint that is missing, incomplete, corrupted, or does not fit the model."""
 
 
+def tensor_nbytes(meta: dict) -> int:
+    """Bytes of a tensor described by index metadata ({"dtype": ..., "shape": [...]})."""
+    import numpy as np
+
+    return int(np.prod(meta["shape"], dtype=np.int64)) * np.dtype(meta["dtype"]).itemsize
+
+
 def index_name(kind: str) -> str:
     return f"{kind}.safetensors.index.json"
 

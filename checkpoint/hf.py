@@ -16,7 +16,8 @@ from typing import Callable
 import numpy as np
 
 from checkpoint.commit import fsync_dir
-from checkpoint.format import MODEL, CheckpointError, read_index
+from checkpoint.format import MODEL, CheckpointError
+from checkpoint.reshard import UnifiedReader
 from checkpoint.shards import ShardReader, TensorSpec, write_shard
 
 LINEAR = re.compile(r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$|^lm_head\.weight$")
@@ -73,18 +74,13 @@ def export_hf(folder: Path, target: Path, max_shard_bytes: int = 5 << 30,
     if config.get("model_type") != "llama":
         raise CheckpointError(f"export to transformers supports LLaMA checkpoints; {folder} holds "
                               f"{config.get('model_type')!r}")
-    index = read_index(folder, MODEL)
-    readers: dict[str, ShardReader] = {}
+    unified = UnifiedReader(folder, MODEL)
 
     def read(name: str, shape_only: bool = False):
-        if shape_only:
-            return index["metadata"]["tensors"][name]["shape"]
-        fname = index["weight_map"][name]
-        readers.setdefault(fname, ShardReader(folder / fname))
-        return _reported(name, readers[fname].read(name), on_tensor)
+        return unified.tensors[name]["shape"] if shape_only else _reported(name, unified.read(name), on_tensor)
 
     target.mkdir(parents=True, exist_ok=False)
-    weight_map = _stream_copy(sorted(index["weight_map"]), read, to_hf_name, lambda n: bool(LINEAR.search(n)),
+    weight_map = _stream_copy(sorted(unified.tensors), read, to_hf_name, lambda n: bool(LINEAR.search(n)),
                               target, max_shard_bytes, "pt")
     _finish(target, weight_map, _hf_config(config), folder)
     return target

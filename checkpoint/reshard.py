@@ -22,7 +22,7 @@ import numpy as np
 from checkpoint.commit import fsync_dir
 from checkpoint.format import (
     FORMAT_VERSION, MODEL, OPTIMIZER, STATE_SEPARATOR, CheckpointError, index_name, read_index, shard_name,
-    write_json_durably,
+    tensor_nbytes, write_json_durably,
 )
 from checkpoint.shards import ShardReader, TensorSpec, write_shard
 from modeling import single_card_shapes, split_axes, tied_groups, validate_layout
@@ -93,10 +93,6 @@ def new_folder(target: Path) -> Iterator[Path]:
     fsync_dir(partial)
     os.replace(partial, target)
     fsync_dir(target.parent)
-
-
-def tensor_nbytes(meta: dict) -> int:
-    return int(np.prod(meta["shape"], dtype=np.int64)) * np.dtype(meta["dtype"]).itemsize
 
 
 def reading(names: list[str], read: Callable[[str], np.ndarray],

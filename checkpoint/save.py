@@ -23,7 +23,7 @@ import paddle.distributed as dist
 from checkpoint import commit as commits
 from checkpoint.format import (
     CONFIG_FILE, FORMAT_VERSION, GRADIENTS, MODEL, OPTIMIZER, STATE_SEPARATOR, TRAINER_STATE_FILE, index_name, shard_name,
-    write_json_durably,
+    tensor_nbytes, write_json_durably,
 )
 from checkpoint.optimizer_state import states_by_parameter
 from checkpoint.shards import TensorSpec, write_shard
@@ -172,7 +172,7 @@ def _commit(pending: PendingSave, everyone: list[dict]) -> Path:
             files[fname] = {"sha256": sha, "size": size}
             for name, meta in specs.items():
                 tensors[name], weight_map[name] = meta, fname
-                total += int(np.prod(meta["shape"], dtype=np.int64)) * np.dtype(meta["dtype"]).itemsize
+                total += tensor_nbytes(meta)
         metadata = {"format_version": FORMAT_VERSION, "total_size": total, "saving_layout": pending.layout_info,
                     "files": files, "tensors": tensors, **pending.extra.get(f"{kind}_metadata", {})}
         write_json_durably(staged / index_name(kind), {"metadata": metadata, "weight_map": weight_map})

@@ -49,35 +49,52 @@ def _header(specs: list[TensorSpec], metadata: dict[str, str]) -> bytes:
     return struct.pack("<Q", len(encoded)) + encoded
 
 
+class OverlappedDigest:
+    """SHA-256 of a stream of buffers, each hashed on a helper thread while the caller reads or
+    writes the next (hashlib releases the GIL), so the checksum costs no extra pass over the data.
+    A buffer must stay unchanged until the next `update` or `hexdigest` returns."""
+
+    def __init__(self, hasher: ThreadPoolExecutor):
+        self.hasher, self.digest, self.pending = hasher, hashlib.sha256(), None
+
+    def update(self, buffer) -> None:
+        self._wait()
+        self.pending = self.hasher.submit(self.digest.update, buffer)
+
+    def hexdigest(self) -> str:
+        self._wait()
+        return self.digest.hexdigest()
+
+    def _wait(self) -> None:
+        if self.pending is not None:
+            self.pending.result()
+            self.pending = None
+
+
 def write_shard(path: Path, specs: list[TensorSpec], tensors: Iterable[np.ndarray],
                 metadata: dict[str, str] | None = None) -> tuple[str, int]:
-    """Write `tensors` (in the order of `specs`) to `path`, fsync it; returns (sha256, size).
-
-    Each tensor is hashed on a helper thread while it is written (hashlib releases the GIL), so
-    the checksum costs no extra pass over the data."""
-    digest, size = hashlib.sha256(), 0
+    """Write `tensors` (in the order of `specs`) to `path`, fsync it; returns (sha256, size), the
+    hash computed while writing."""
+    size = 0
     with open(path, "wb") as handle, ThreadPoolExecutor(max_workers=1) as hasher:
+        digest = OverlappedDigest(hasher)
         head = _header(specs, metadata or {})
         handle.write(head)
         digest.update(head)
         size += len(head)
-        hashing = None
         for spec, array in zip(specs, tensors, strict=True):
             array = np.ascontiguousarray(array)
             if array.dtype != spec.dtype or tuple(array.shape) != spec.shape:
                 raise CheckpointError(f"{spec.name}: got {array.dtype}{list(array.shape)}, planned "
                                       f"{spec.dtype}{list(spec.shape)}")
             data = array.view(np.uint8).reshape(-1).data if array.size else b""
-            if hashing is not None:
-                hashing.result()
-            hashing = hasher.submit(digest.update, data)
+            digest.update(data)
             handle.write(data)
             size += array.nbytes
-        if hashing is not None:
-            hashing.result()
+        sha = digest.hexdigest()
         handle.flush()
         os.fsync(handle.fileno())
-    return digest.hexdigest(), size
+    return sha, size
 
 
 def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
@@ -141,33 +158,24 @@ class ShardReader:
         `read`) is passed to `deliver`; with a `hasher`, every byte is hashed on it while the next is
         read, and the file's SHA-256 is returned. Reading whole tensors in file order is what lets a
         verified load read each file once instead of once to hash and again to slice."""
-        digest = hashlib.sha256() if hasher is not None else None
-        pending = None
-
-        def hash_next(buffer) -> None:
-            nonlocal pending
-            if digest is not None:
-                if pending is not None:
-                    pending.result()
-                pending = hasher.submit(digest.update, buffer)
-
+        digest = OverlappedDigest(hasher) if hasher is not None else None
         head = np.empty(self._data_start, np.uint8)
         self._read_into(head, 0)
-        hash_next(head)
+        if digest is not None:
+            digest.update(head)
         for name, entry in sorted(self._entries.items(), key=lambda item: item[1]["data_offsets"][0]):
             begin, end = (self._data_start + offset for offset in entry["data_offsets"])
             if name in wanted:
-                whole = np.empty(entry["shape"], np.uint16 if entry["dtype"] == "BF16" else CODES[entry["dtype"]])
+                whole = np.empty(entry["shape"], _stored_dtype(entry["dtype"]))
                 self._read_into(whole, begin)
-                hash_next(whole.reshape(-1).view(np.uint8))
+                if digest is not None:
+                    digest.update(whole.reshape(-1).view(np.uint8))
                 deliver(name, self._decode(entry, _piece(whole, *wanted[name])))
             elif digest is not None:
                 for first in range(begin, end, chunk):
                     block = np.empty(min(chunk, end - first), np.uint8)
                     self._read_into(block, first)
-                    hash_next(block)
-        if pending is not None:
-            pending.result()
+                    digest.update(block)
         return digest.hexdigest() if digest is not None else None
 
     @staticmethod
@@ -177,8 +185,7 @@ class ShardReader:
     def read(self, name: str, axis: int | None = None, parts: int = 1, part: int = 0) -> np.ndarray:
         """The whole tensor, or its `part`-th of `parts` equal pieces along `axis`."""
         entry = self._entry(name)
-        code, shape = entry["dtype"], list(entry["shape"])
-        dtype = np.dtype(np.uint16) if code == "BF16" else CODES[code]
+        shape, dtype = list(entry["shape"]), _stored_dtype(entry["dtype"])
         start = self._data_start + entry["data_offsets"][0]
         if axis is None or parts == 1:
             out = np.empty(shape, dtype)
@@ -199,6 +206,11 @@ class ShardReader:
                 self._read_into(block, start + first * row_bytes)
                 rows[first:first + len(block)] = block[:, part * step * inner:(part + 1) * step * inner]
         return self._decode(entry, out)
+
+
+def _stored_dtype(code: str) -> np.dtype:
+    """The numpy dtype a tensor's bytes are read as (bfloat16 as its raw uint16 bits)."""
+    return np.dtype(np.uint16) if code == "BF16" else CODES[code]
 
 
 def _piece(whole: np.ndarray, axis: int | None, parts: int, part: int) -> np.ndarray:

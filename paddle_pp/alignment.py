@@ -2,8 +2,8 @@
 
 This is the check to run on a cluster before a long job: both runs resume the same checkpoint
 with the same data order (the run's own arguments, recorded in trainer_state.json), save at the
-end, and every loss, every parameter and the last step's gradients are compared. A layout that drifts from single card
-beyond the tolerance fails here in minutes instead of after days.
+end, and every loss, every parameter and the last step's gradients are compared. A layout that
+drifts from single card beyond the tolerance fails here in minutes instead of after days.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ import numpy as np
 from checkpoint.format import GRADIENTS, MODEL, CheckpointError
 from checkpoint.reshard import UnifiedReader
 from paddle_pp.launch import launch
+from paddle_pp.report import read_metrics
 
 RUN_SCRIPT = Path(__file__).resolve().parents[1] / "run_pretrain.py"
 NOT_REPLAYED = {"config", "output_dir", "resume_from_checkpoint", "save_steps", "save_total_limit", "async_save",
-                "save_gradients",
-                "exit_after_steps", "disable_progress_bar", "tensor_parallel_degree", "pipeline_parallel_degree",
-                "sharding_parallel_degree", "sharding", "virtual_pp_degree", "hybrid_parallel_topo_order"}
+                "save_gradients", "exit_after_steps", "disable_progress_bar", "tensor_parallel_degree",
+                "pipeline_parallel_degree", "sharding_parallel_degree", "sharding", "virtual_pp_degree",
+                "hybrid_parallel_topo_order"}
 
 
 @dataclass
@@ -92,7 +93,7 @@ def _differences(single: Path, layout: Path, kind: str) -> dict[str, tuple[float
 
 
 def _losses(out: Path) -> tuple[list[int], list[float]]:
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(out / "metrics.jsonl")
     return [r["step"] for r in records], [r["loss"] for r in records]
 
 
