@@ -1,14 +1,22 @@
-"""Checkpoint I/O against the practical limit, side by side in one process.
+"""Checkpoint I/O against the practical limit, side by side, in one process and across ranks.
 
-Builds a LLaMA of about 1 GB (fp32) with random weights and AdamW states, then times, alternating
-the methods `--repeats` times: our unified save (`save_checkpoint`: streaming shards, SHA-256,
-fsync, atomic commit) and load (`load_checkpoint`: verify + slice reads), bare `safetensors`
-save_file/load_file of the same tensors (the practical limit), `paddle.save`/`paddle.load`, and
-PaddleNLP's `save_pretrained(safe_serialization=True)` of the weights (the model is a PaddleNLP
-PretrainedModel; it writes weights only, so its GB/s is over the weight bytes).
-Prints GB/s, the ratios to bare safetensors, and peak RSS; writes bench/results/checkpoint_io.json.
+For each layout (`single`: one process; `tp2pp2`: 4 ranks, each holding a quarter), builds a
+LLaMA of about 1 GB (fp32) with random weights and AdamW states and times, alternating the
+methods `--repeats` times:
+- our unified save (`save_checkpoint`: streaming shards, CRC-32, fsync, atomic commit) and load
+  (`load_checkpoint`: names and shapes checked, each file read once and verified);
+- bare `safetensors` save_file/load_file of the same tensors (the practical limit), and
+  `paddle.save`/`paddle.load`; across ranks each rank writes and reads its own file of its local
+  tensors, as fleet's per-rank checkpoints do;
+- on one process, PaddleNLP's own unified checkpoint (`save_single_card_checkpoint` and
+  `_optimizer`, and their loads: what `Trainer(unified_checkpoint=True)` runs on one card) and its
+  `save_pretrained(safe_serialization=True)` (weights only, so its GB/s is over the weight bytes).
+Every save ends durable (fsync); page caches are dropped before each load. Across ranks a
+method's time runs from a barrier before to a barrier after. GB/s is over the bytes the method
+leaves on disk. Prints GB/s, ratios to bare safetensors and peak RSS per rank; writes
+bench/results/checkpoint_io.json.
 
-  .venv/bin/python bench/checkpoint_io.py --hidden_size 1024 --num_hidden_layers 16
+  .venv/bin/python bench/checkpoint_io.py --hidden_size 1024 --num_hidden_layers 16 --layouts single tp2pp2 --repeats 3
 """
 
 from __future__ import annotations
@@ -18,18 +26,19 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
-
-def _rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+LAYOUTS = {"single": (1, 1), "tp2pp2": (2, 2)}  # name -> (tp, pp)
 
 
 def _drop_page_cache(path: Path) -> None:
@@ -41,98 +50,159 @@ def _drop_page_cache(path: Path) -> None:
             os.close(fd)
 
 
+def _fsync(path: Path) -> None:
+    for file in ([path] if path.is_file() else path.rglob("*")):
+        if file.is_file():
+            with open(file, "rb") as handle:
+                os.fsync(handle.fileno())
+
+
+def _random_training_state(config, topo):
+    """This rank's model and AdamW states filled with random numbers, and the same as numpy arrays
+    under checkpoint names (`name`, `name/state`)."""
+    import paddle
+
+    from checkpoint.optimizer_state import ensure_states, states_by_parameter
+    from modeling import build_causal_lm
+
+    model = build_causal_lm(config, topo)
+    optimizer = paddle.optimizer.AdamW(parameters=model.parameters())
+    ensure_states(optimizer)
+    by_param = states_by_parameter(optimizer)
+    rng = np.random.default_rng(topo.global_rank)
+    arrays = {}
+    for name, param in model.state_dict().items():
+        for key, tensor in [(name, param), *((f"{name}/{state}", t) for state, t in by_param[param.name].items())]:
+            tensor.set_value(rng.standard_normal(tensor.shape, dtype=np.float32))
+            arrays[key] = tensor.numpy()
+    return model, optimizer, arrays
+
+
+Method = tuple[Callable[[Path], object], Callable[[Path], object] | None]  # save(path), load(path)
+
+
+def _methods(model, optimizer, topo, config, arrays: dict[str, np.ndarray]) -> dict[str, Method]:
+    import paddle
+    import safetensors.numpy as st
+
+    from checkpoint.load import load_checkpoint
+    from checkpoint.save import save_checkpoint
+    from modeling import split_axes
+
+    axes, rank = split_axes(config), topo.global_rank
+    methods: dict[str, Method] = {
+        "unified": (lambda path: save_checkpoint(path, 1, model, optimizer, topo, axes, config=config,
+                                                 trainer_state={"step": 1, "consumed_samples": 0}),
+                    lambda path: load_checkpoint(path / "checkpoint-1", model, optimizer, topo, axes)),
+        "safetensors": (lambda path: st.save_file(arrays, str(path / f"rank{rank}.safetensors")),
+                        lambda path: st.load_file(str(path / f"rank{rank}.safetensors"))),
+        "paddle": (lambda path: paddle.save({k: paddle.to_tensor(v) for k, v in arrays.items()},
+                                            str(path / f"rank{rank}.pdparams")),
+                   lambda path: paddle.load(str(path / f"rank{rank}.pdparams"))),
+    }
+    if topo.layout.world_size == 1:
+        from paddlenlp.trainer.unified_checkpoint import load_save_single_card as nlp
+
+        methods["paddlenlp unified"] = (
+            lambda path: (nlp.save_single_card_checkpoint(model, str(path)),
+                          nlp.save_single_card_optimizer(model, optimizer, str(path))),
+            lambda path: (nlp.load_single_card_checkpoint(model, str(path)),
+                          nlp.load_single_card_optimizer(model, optimizer, str(path))))
+        methods["paddlenlp save_pretrained"] = (
+            lambda path: model.save_pretrained(str(path), safe_serialization=True), None)
+    return methods
+
+
+def worker(args: argparse.Namespace) -> int:
+    from modeling.llama.config import LlamaConfig
+    from paddle_pp.launch import write_result
+    from paddle_pp.layout import Layout
+    from paddle_pp.topology import align_ranks, end_job, init_distributed
+
+    tp, pp = LAYOUTS[args.layout]
+    config = LlamaConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
+                         intermediate_size=args.hidden_size * 8 // 3 // 64 * 64, num_hidden_layers=args.num_hidden_layers,
+                         num_attention_heads=args.hidden_size // 64, max_position_embeddings=2048)
+    topo = init_distributed(Layout(world_size=tp * pp, tensor_parallel_degree=tp, pipeline_parallel_degree=pp))
+    model, optimizer, arrays = _random_training_state(config, topo)
+    methods = _methods(model, optimizer, topo, config, arrays)
+    work, seconds, written = args.work_dir, {}, {}
+
+    def timed(name: str, run: Callable[[], object]) -> None:
+        align_ranks(topo)
+        started = time.perf_counter()
+        run()
+        align_ranks(topo)
+        seconds.setdefault(name, []).append(time.perf_counter() - started)
+
+    for repeat in range(args.repeats):
+        for name, (save, load) in methods.items():
+            path = work / f"{name.replace(' ', '_')}{repeat}"
+            path.mkdir(parents=True, exist_ok=True)
+            timed(f"{name} save", lambda: (save(path), _fsync(path)))
+            written[name] = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            if load is not None:
+                _drop_page_cache(path)
+                timed(f"{name} load", lambda: load(path))
+            align_ranks(topo)
+            if topo.global_rank == 0:
+                shutil.rmtree(path)
+    write_result({"seconds": seconds, "bytes_on_disk": written,
+                  "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20})
+    return end_job(topo)
+
+
+def summarize(seconds: dict[str, list[float]], on_disk: dict[str, int], ranks: int, peak_rss_gb: float) -> dict:
+    """GB/s of each method's best run, and unified / safetensors ratios by best and by median run
+    (the disk is shared: a single lucky run moves the best-of ratio, the median is steadier)."""
+    def rate(name: str, pick) -> float:
+        return on_disk[name.rsplit(" ", 1)[0]] / 1e9 / pick(seconds[name])
+
+    ratios = {stat: {op: rate(f"unified {op}", pick) / rate(f"safetensors {op}", pick) for op in ("save", "load")}
+              for stat, pick in (("best", min), ("median", statistics.median))}
+    return {"ranks": ranks, "checkpoint_gb": on_disk["unified"] / 1e9, "bytes_on_disk": on_disk, "seconds": seconds,
+            "gb_per_s": {name: rate(name, min) for name in seconds}, "ratio_to_safetensors": ratios,
+            "peak_rss_gb_per_rank": peak_rss_gb}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden_size", type=int, default=1024)
     parser.add_argument("--num_hidden_layers", type=int, default=16)
     parser.add_argument("--vocab_size", type=int, default=32000)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--work_dir", type=Path, default=None)
-    parser.add_argument("--output", type=Path, default=Path("bench/results/checkpoint_io.json"))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=["single", "tp2pp2"])
+    parser.add_argument("--output", type=Path, default=REPO / "bench/results/checkpoint_io.json")
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), help=argparse.SUPPRESS)
+    parser.add_argument("--work_dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.layout:
+        return worker(args)
 
-    import paddle
-    import safetensors.numpy as st
+    from paddle_pp.launch import launch
 
-    from checkpoint.load import load_checkpoint
-    from checkpoint.optimizer_state import ensure_states, states_by_parameter
-    from checkpoint.save import save_checkpoint
-    from modeling import build_causal_lm, split_axes
-    from modeling.llama.config import LlamaConfig
-    from paddle_pp.layout import Layout
-    from paddle_pp.topology import init_distributed
-
-    config = LlamaConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
-                         intermediate_size=args.hidden_size * 8 // 3 // 64 * 64, num_hidden_layers=args.num_hidden_layers,
-                         num_attention_heads=args.hidden_size // 64, max_position_embeddings=2048)
-    topo = init_distributed(Layout(world_size=1, device="cpu"))
-    built = time.perf_counter()
-    model = build_causal_lm(config, topo)
-    optimizer = paddle.optimizer.AdamW(parameters=model.parameters())
-    ensure_states(optimizer)
-    rng = np.random.default_rng(0)
-    for tensor in [*model.state_dict().values(),
-                   *(t for states in states_by_parameter(optimizer).values() for t in states.values())]:
-        tensor.set_value(rng.standard_normal(tensor.shape, dtype=np.float32))
-    tensors = {k: v.numpy() for k, v in model.state_dict().items()}
-    by_param = states_by_parameter(optimizer)
-    for name, param in model.state_dict().items():
-        tensors |= {f"{name}/{state}": t.numpy() for state, t in by_param[param.name].items()}
-    total_gb = sum(a.nbytes for a in tensors.values()) / 1e9
-    print(f"model {sum(np.prod(p.shape) for p in model.parameters()) / 1e6:.0f}M params; checkpoint bytes "
-          f"{total_gb:.2f} GB (weights + AdamW states); built in {time.perf_counter() - built:.0f}s", flush=True)
-
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="ckpt_bench_"))
-    axes = split_axes(config)
-    timings: dict[str, list[float]] = {}
-
-    def timed(name, fn):
-        start = time.perf_counter()
-        fn()
-        timings.setdefault(name, []).append(time.perf_counter() - start)
-
-    def fsync_tree(path: Path):
-        for file in ([path] if path.is_file() else path.rglob("*")):
-            if file.is_file():
-                with open(file, "rb") as handle:
-                    os.fsync(handle.fileno())
-
-    for repeat in range(args.repeats):
-        out = work / f"unified{repeat}"
-        timed("unified save", lambda: save_checkpoint(out, 1, model, optimizer, topo, axes, config=config,
-                                                      trainer_state={"step": 1, "consumed_samples": 0}))
-        _drop_page_cache(out)
-        timed("unified load", lambda: load_checkpoint(out / "checkpoint-1", model, optimizer, topo, axes))
-        bare = work / f"bare{repeat}.safetensors"
-        timed("safetensors save", lambda: (st.save_file(tensors, str(bare)), fsync_tree(bare)))
-        _drop_page_cache(bare)
-        timed("safetensors load", lambda: st.load_file(str(bare)))
-        pd = work / f"paddle{repeat}.pdparams"
-        paddle_state = {k: paddle.to_tensor(v) for k, v in tensors.items()}
-        timed("paddle.save", lambda: (paddle.save(paddle_state, str(pd)), fsync_tree(pd)))
-        paddle_state = None  # free before the next load
-        _drop_page_cache(pd)
-        timed("paddle.load", lambda: paddle.load(str(pd)))
-        nlp = work / f"paddlenlp{repeat}"
-        timed("paddlenlp save_pretrained", lambda: (model.save_pretrained(str(nlp), safe_serialization=True),
-                                                    fsync_tree(nlp)))
-        for path in (out, bare, pd, nlp):
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-
-    best = {name: min(times) for name, times in timings.items()}
-    weights_gb = sum(v.nbytes for k, v in tensors.items() if "/" not in k) / 1e9
-    written = {name: weights_gb if name.startswith("paddlenlp") else total_gb for name in best}
-    results = {"checkpoint_gb": total_gb, "weights_gb": weights_gb, "seconds_best_of": args.repeats,
-               "gb_per_s": {name: written[name] / t for name, t in best.items()},
-               "ratio_unified_save_to_safetensors": best["safetensors save"] / best["unified save"],
-               "ratio_unified_load_to_safetensors": best["safetensors load"] / best["unified load"],
-               "peak_rss_gb": _rss_gb(), "cpu_count": os.cpu_count()}
-    for name, rate in results["gb_per_s"].items():
-        print(f"{name:>18}: {rate:6.2f} GB/s (best of {args.repeats})")
-    print(f"unified / safetensors: save {results['ratio_unified_save_to_safetensors']:.2f}x, load "
-          f"{results['ratio_unified_load_to_safetensors']:.2f}x; peak RSS {results['peak_rss_gb']:.1f} GB")
+    work = Path(tempfile.mkdtemp(prefix="ckpt_bench_"))
+    report = {"cpu_count": os.cpu_count(), "repeats": args.repeats, "measured": time.strftime("%Y-%m-%d"),
+              "model": {"hidden_size": args.hidden_size, "num_hidden_layers": args.num_hidden_layers,
+                        "vocab_size": args.vocab_size}, "layouts": {}}
+    for layout in args.layouts:
+        tp, pp = LAYOUTS[layout]
+        flags = ["--hidden_size", str(args.hidden_size), "--num_hidden_layers", str(args.num_hidden_layers),
+                 "--vocab_size", str(args.vocab_size), "--repeats", str(args.repeats), "--layout", layout,
+                 "--work_dir", str(work / layout)]
+        results = launch(Path(__file__), tp * pp, flags, work_dir=work / f"launch_{layout}", timeout=3600)
+        row = summarize(results[0]["seconds"], results[0]["bytes_on_disk"], tp * pp,
+                        max(r["peak_rss_gb"] for r in results))
+        report["layouts"][layout] = row
+        print(f"{layout} ({tp * pp} ranks), checkpoint {row['checkpoint_gb']:.2f} GB:")
+        for name, rate in row["gb_per_s"].items():
+            print(f"  {name:>30}: {rate:6.2f} GB/s (best of {args.repeats})")
+        for stat in ("best", "median"):
+            print(f"  unified / safetensors ({stat} of {args.repeats}): save {row['ratio_to_safetensors'][stat]['save']:.2f}x, "
+                  f"load {row['ratio_to_safetensors'][stat]['load']:.2f}x")
+        print(f"  peak RSS per rank {row['peak_rss_gb_per_rank']:.1f} GB", flush=True)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(results, indent=2) + "\n")
+    args.output.write_text(json.dumps(report, indent=2) + "\n")
     shutil.rmtree(work, ignore_errors=True)
     return 0
 

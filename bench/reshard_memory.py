@@ -47,7 +47,7 @@ def sample():  # ru_maxrss cannot be reset after the imports' own peak, so sampl
         peak[0] = max(peak[0], rss())
         time.sleep(0.005)
 
-sampler = threading.Thread(target=sample)
+sampler = threading.Thread(target=sample, daemon=True)  # a failing call must not leave it running
 sampler.start()
 started = time.perf_counter()
 {call}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: files carry CRC-32 instead of SHA-256 (version 1 files still verify)
 MODEL, OPTIMIZER, GRADIENTS = "model", "optimizer", "gradients"
 CONFIG_FILE = "config.json"
 TRAINER_STATE_FILE = "trainer_state.json"

@@ -123,8 +123,7 @@ def write_unified_kind(folder: Path, kind: str, tensors: dict[str, dict], read: 
     for number, names in enumerate(groups, start=1):
         fname = shard_name(kind, number, len(groups))
         specs = [TensorSpec(n, np.dtype(tensors[n]["dtype"]), tuple(tensors[n]["shape"])) for n in names]
-        sha, nbytes = write_shard(folder / fname, specs, reading(names, read, on_tensor), {"format": "np"})
-        files[fname] = {"sha256": sha, "size": nbytes}
+        files[fname] = write_shard(folder / fname, specs, reading(names, read, on_tensor), {"format": "np"})
         weight_map |= {n: fname for n in names}
     total = sum(tensor_nbytes(meta) for meta in tensors.values())
     write_json_durably(folder / index_name(kind), {

@@ -79,8 +79,7 @@ class SplitWriter:
     def write(self, kind: str, tp_rank: int, stage: int, specs: list[TensorSpec], arrays, full: dict[str, dict]):
         """One rank's file of `kind`: `arrays` in `specs` order; `full` holds their unified metadata."""
         fname = rank_file(kind, tp_rank, stage)
-        sha, size = write_shard(self.folder / fname, specs, arrays, {"format": "np"})
-        self.files[fname] = {"sha256": sha, "size": size}
+        self.files[fname] = write_shard(self.folder / fname, specs, arrays, {"format": "np"})
         self.ranks.setdefault(rank_key(tp_rank, stage), {})[kind] = fname
         self.tensors[kind].update({spec.name: full[spec.name] for spec in specs})
 

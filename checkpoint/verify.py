@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Callable
 
 from checkpoint.format import MODEL, OPTIMIZER, STATE_SEPARATOR, CheckpointError, index_name, read_index
-from checkpoint.shards import ShardReader, file_sha256
+from checkpoint.shards import ShardReader, file_checksum, recorded_checksum
 
 
 def verify_checkpoint(folder: Path, on_file: Callable[[str, int], None] | None = None) -> list[str]:
@@ -34,11 +34,12 @@ def verify_checkpoint(folder: Path, on_file: Callable[[str, int], None] | None =
             if path.stat().st_size != expected["size"]:
                 problems.append(f"{path}: {path.stat().st_size} bytes, index says {expected['size']} (truncated)")
                 continue
-            digest = file_sha256(path)
+            algorithm, recorded = recorded_checksum(expected)
+            digest = file_checksum(path, algorithm)
             if on_file:
                 on_file(fname, expected["size"])
-            if digest != expected["sha256"]:
-                problems.append(f"{path}: SHA-256 mismatch (corrupted)")
+            if digest != recorded:
+                problems.append(f"{path}: {algorithm} checksum mismatch (corrupted)")
                 continue
             try:
                 held = ShardReader(path).names

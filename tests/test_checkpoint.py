@@ -18,8 +18,8 @@ from parity import assert_same_logits
 from pretrain_case import FOUR_D_SAVING, MODEL, PP2, REPO, SCRIPT, SHARDING2, TP2
 
 from checkpoint.commit import latest_checkpoint, rotate
-from checkpoint.format import CheckpointError
-from checkpoint.shards import ShardReader
+from checkpoint.format import FORMAT_VERSION, CheckpointError
+from checkpoint.shards import ShardReader, file_checksum
 from checkpoint.verify import verify_checkpoint
 
 RESUME_TOL = 1e-5
@@ -93,7 +93,7 @@ def test_index_records_layout_checksums_and_split_axes(runs):
     assert latest_checkpoint(out) == out / "checkpoint-20"
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     meta = index["metadata"]
-    assert meta["saving_layout"]["world_size"] == 16 and meta["format_version"] == 1
+    assert meta["saving_layout"]["world_size"] == 16 and meta["format_version"] == FORMAT_VERSION
     assert set(meta["files"]) == set(index["weight_map"].values())
     assert meta["tensors"]["llama.layers.0.self_attn.q_proj.weight"]["tp_axis"] == 1
     assert meta["tensors"]["llama.layers.0.self_attn.o_proj.weight"]["tp_axis"] == 0
@@ -183,13 +183,33 @@ def test_flipped_byte_fails_verification_and_resume_naming_the_file(saved, tmp_p
     data[-5] ^= 0x01
     shard.write_bytes(bytes(data))
     problems = verify_checkpoint(folder)
-    assert len(problems) == 1 and shard.name in problems[0] and "SHA-256" in problems[0]
+    assert len(problems) == 1 and shard.name in problems[0] and "crc32 checksum mismatch" in problems[0]
     tool = subprocess.run([sys.executable, str(REPO / "tools" / "verify_checkpoint.py"), str(folder)],
                           capture_output=True, text=True, timeout=60)
     assert tool.returncode == 1 and shard.name in tool.stdout
     resumed = _single_card(tmp_path, "--max_steps", "4", "--output_dir", str(tmp_path / "out"),
                            "--resume_from_checkpoint", str(folder))
-    assert resumed.returncode == 2 and shard.name in resumed.stderr and "SHA-256" in resumed.stderr
+    assert resumed.returncode == 2 and shard.name in resumed.stderr and "crc32 checksum" in resumed.stderr
+
+
+def test_format_version_1_checkpoint_with_sha256_still_verifies_and_resumes(saved, tmp_path):
+    """Version 1 recorded SHA-256 per file; readers must keep accepting it (and catching damage)."""
+    folder = _copy(saved / "sync" / "checkpoint-3", tmp_path / "checkpoint-3")
+    for index_file in folder.glob("*.index.json"):
+        index = json.loads(index_file.read_text())
+        index["metadata"]["format_version"] = 1
+        index["metadata"]["files"] = {name: {"sha256": file_checksum(folder / name, "sha256"), "size": entry["size"]}
+                                      for name, entry in index["metadata"]["files"].items()}
+        index_file.write_text(json.dumps(index))
+    assert verify_checkpoint(folder) == []
+    resumed = _single_card(tmp_path, "--max_steps", "4", "--output_dir", str(tmp_path / "out"),
+                           "--resume_from_checkpoint", str(folder))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    shard = folder / "model-00001-of-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x01
+    shard.write_bytes(bytes(data))
+    assert [p for p in verify_checkpoint(folder) if "sha256 checksum mismatch" in p and shard.name in p]
 
 
 def test_truncated_shard_fails_clearly(saved, tmp_path):

@@ -54,3 +54,34 @@ def test_torn_header_is_a_clear_error(shard):
     shard.write_bytes(shard.read_bytes()[:20])
     with pytest.raises(CheckpointError, match="not a readable safetensors file"):
         ShardReader(shard)
+
+
+def test_scan_reads_into_given_arrays_and_sums_every_byte(shard):
+    """A verified load's single pass: wanted tensors land in their arrays (or go to `deliver`), and
+    the checksum covers the whole file, in either recorded algorithm."""
+    import hashlib
+    import zlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    expected = load_file(str(shard))
+    into = {"matrix": np.zeros((6, 8), np.float32), "cube": np.zeros((4, 60), np.float64)}  # any shape of that size
+    delivered = {}
+    with ThreadPoolExecutor(max_workers=1) as hasher:
+        crc = ShardReader(shard).scan({"matrix": (None, 1, 0), "cube": (None, 1, 0), "vector": (0, 3, 1)},
+                                      delivered.__setitem__, hasher, "crc32", into)
+        sha = ShardReader(shard).scan({}, delivered.__setitem__, hasher, "sha256")
+    assert np.array_equal(into["matrix"], expected["matrix"])
+    assert np.array_equal(into["cube"].reshape(4, 6, 10), expected["cube"])
+    assert set(delivered) == {"vector"} and np.array_equal(delivered["vector"], expected["vector"][4:8])
+    assert crc == f"{zlib.crc32(shard.read_bytes()):08x}" and sha == hashlib.sha256(shard.read_bytes()).hexdigest()
+
+
+def test_load_writes_file_bytes_into_the_tensor_itself():
+    import paddle
+
+    from checkpoint.load import _writable_view
+
+    tensor = paddle.zeros([3, 4])
+    _writable_view(tensor)[...] = np.arange(12, dtype=np.float32).reshape(3, 4)
+    assert np.array_equal(tensor.numpy(), np.arange(12, dtype=np.float32).reshape(3, 4))
+    assert _writable_view(paddle.zeros([2]).astype("bfloat16")) is None

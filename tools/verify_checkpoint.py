@@ -1,4 +1,4 @@
-"""Check a unified checkpoint folder: files present, SHA-256 intact, shards readable, weights shaped
+"""Check a unified checkpoint folder: files present, checksums intact, shards readable, weights shaped
 as config.json implies, optimizer keys matching parameters. Prints a report; exits 1 on any problem."""
 
 from __future__ import annotations
