@@ -4,9 +4,10 @@ rank reads only its own slices.
 A parameter's TP slice is read out of the single-card tensor in the shard (positioned reads), so no
 rank keeps more than it holds. Optimizer states are created first (Paddle makes them lazily) and
 filled for the parameters this rank updates under the *new* sharding degree, which re-partitions
-them. Every name and shape is checked before any byte is read; then each file a rank needs is read
-once, front to back, and checked against the checksum in the index before the load returns; a
-mismatch fails the load (and so the run) before any training step.
+them. Every name and shape is checked on every rank before any byte is read. Each file is then
+checked against the checksum in the index by exactly one of the ranks that read it (see
+`checking_ranks`), before the load returns; a mismatch fails the load on every rank (and so the
+run) before any training step.
 """
 
 from __future__ import annotations
@@ -59,12 +60,12 @@ Piece = tuple[int | None, int, int]  # (TP axis or None, parts, part), as ShardR
 
 
 class _VerifiedFiles:
-    """The tensors this rank needs, gathered per file by `want`, then read by `load`: each file once,
-    front to back, size-checked first, its checksum computed on a helper thread from the same bytes
-    (the checksum needs every byte anyway, so a rank reads each file it touches exactly once)."""
+    """The tensors this rank needs, gathered per file by `want`, then read by `load`. A file this
+    rank checks is read once, front to back, its checksum computed on a helper thread from the same
+    bytes (the checksum needs every byte anyway); from any other file only the wanted pieces are read."""
 
-    def __init__(self, folder: Path, meta: dict, verify: bool, hasher: ThreadPoolExecutor):
-        self.folder, self.meta, self.verify, self.hasher = folder, meta, verify, hasher
+    def __init__(self, folder: Path, meta: dict):
+        self.folder, self.meta = folder, meta
         self.readers: dict[str, ShardReader] = {}
         self.wanted: dict[str, dict[str, tuple[Piece, paddle.Tensor]]] = {}
 
@@ -84,26 +85,51 @@ class _VerifiedFiles:
         self.open(fname)
         self.wanted.setdefault(fname, {})[name] = (piece, target)
 
-    def load(self) -> None:
+    def sizes(self) -> dict[str, int]:
+        """Bytes of each file this rank reads from."""
+        return {fname: self.meta["files"][fname]["size"] for fname in self.wanted}
+
+    def load(self, checked: set[str], hasher: ThreadPoolExecutor) -> None:
         for fname, wanted in self.wanted.items():
-            reader = self.readers[fname]
+            reader, check = self.readers[fname], fname in checked
             algorithm, expected = recorded_checksum(self.meta["files"][fname])
-            whole = {name: target for name, ((axis, parts, _), target) in wanted.items() if axis is None or parts == 1}
-            into = {name: view for name, target in whole.items() if (view := _writable_view(target)) is not None}
+            into = {name: view for name, (_, target) in wanted.items() if (view := _writable_view(target)) is not None}
             digest = reader.scan({name: piece for name, (piece, _) in wanted.items()},
-                                 lambda name, array: _set(wanted[name][1], array), self.hasher if self.verify else None,
+                                 lambda name, array: _set(wanted[name][1], array), hasher if check else None,
                                  algorithm, into)
-            if self.verify and digest != expected:
+            if check and digest != expected:
                 raise CheckpointError(f"{reader.path} fails its {algorithm} checksum: the file is corrupted; restore it "
                                       "or resume from an older checkpoint")
+
+
+def checking_ranks(sizes_by_rank: list[dict[str, int]]) -> dict[str, int]:
+    """The one rank that checks each file's checksum, among the ranks that read from it.
+
+    The TP ranks of a stage, and every data replica, read the same files; if each checked every
+    file it reads, each would read all of them whole and sum every byte (0.74x of bare safetensors
+    in a tp2 pp2 load). Checking each file once across the job is as safe, since a mismatch fails
+    every rank. Files go largest first to the reading rank with the fewest bytes to check so far,
+    so the checking is spread evenly."""
+    readers: dict[str, list[int]] = {}
+    sizes: dict[str, int] = {}
+    for rank, files in enumerate(sizes_by_rank):
+        for fname, size in files.items():
+            readers.setdefault(fname, []).append(rank)
+            sizes[fname] = size
+    assigned = [0] * len(sizes_by_rank)
+    checker = {}
+    for fname in sorted(sizes, key=lambda f: (-sizes[f], f)):
+        checker[fname] = min(readers[fname], key=lambda rank: (assigned[rank], rank))
+        assigned[checker[fname]] += sizes[fname]
+    return checker
 
 
 class _UnifiedFiles(_VerifiedFiles):
     """A unified checkpoint: this rank's TP piece is cut out of each single-card tensor."""
 
-    def __init__(self, folder: Path, kind: str, verify: bool, hasher: ThreadPoolExecutor):
+    def __init__(self, folder: Path, kind: str):
         self.index = read_index(folder, kind)
-        super().__init__(folder, self.index["metadata"], verify, hasher)
+        super().__init__(folder, self.index["metadata"])
 
     def want_local(self, name: str, local_shape: list[int], axis: int | None, topo: Topology,
                    target: paddle.Tensor) -> None:
@@ -122,9 +148,9 @@ class _UnifiedFiles(_VerifiedFiles):
 class _SplitFiles(_VerifiedFiles):
     """A pre-split checkpoint: this rank's one file holds its tensors whole."""
 
-    def __init__(self, folder: Path, kind: str, verify: bool, hasher: ThreadPoolExecutor, topo: Topology):
+    def __init__(self, folder: Path, kind: str, topo: Topology):
         index = read_split_index(folder)
-        super().__init__(folder, index["metadata"], verify, hasher)
+        super().__init__(folder, index["metadata"])
         self.fname = index["ranks"].get(rank_key(topo.tp_rank, topo.pp_rank), {}).get(kind)
         if self.fname is None:
             raise CheckpointError(f"{folder} has no {kind} file for tp rank {topo.tp_rank}, stage {topo.pp_rank}")
@@ -141,10 +167,10 @@ class _SplitFiles(_VerifiedFiles):
         self.want(self.fname, name, (None, 1, 0), target)
 
 
-def _files(folder: Path, kind: str, verify: bool, hasher: ThreadPoolExecutor, topo: Topology) -> _VerifiedFiles:
+def _files(folder: Path, kind: str, topo: Topology) -> _VerifiedFiles:
     if is_split(folder):
-        return _SplitFiles(folder, kind, verify, hasher, topo)
-    return _UnifiedFiles(folder, kind, verify, hasher)
+        return _SplitFiles(folder, kind, topo)
+    return _UnifiedFiles(folder, kind)
 
 
 def _has_kind(folder: Path, kind: str) -> bool:
@@ -158,8 +184,8 @@ def _set(target: paddle.Tensor, array: np.ndarray) -> None:
 
 
 def _writable_view(target: paddle.Tensor) -> np.ndarray | None:
-    """A CPU tensor's own memory as a writable array, so a whole tensor is read from the file straight
-    into it: reading into a buffer and then `set_value` copies every byte once more (0.46 s of a
+    """A CPU tensor's own memory as a writable array, so a tensor (or its TP piece) is read from the
+    file straight into it: reading into a buffer and then `set_value` copies every byte once more (0.46 s of a
     4.5 s load of 2 GB). numpy marks DLPack views read-only, so the writable view is built from the
     view's address; it is used while `target` is alive (the load holds it). None where the tensor
     is not contiguous host memory numpy can type (a GPU tensor, bfloat16, empty, strided)."""
@@ -190,27 +216,42 @@ def _want_optimizer(files: _VerifiedFiles, model, optimizer, axes: dict, topo: T
 def load_checkpoint(folder: Path, model, optimizer, topo: Topology, axes: dict, verify: bool = True) -> dict:
     """Fill `model` (and `optimizer`, when given and saved) from `folder`; returns the trainer state.
 
-    A failure on any rank is raised on every rank (after an all-reduce of the outcome), so no rank
-    walks on into a collective that the failed one will never join."""
+    A failure on any rank is raised on every rank (after an all-gather of the outcome), so no rank
+    walks on into a collective that the failed one will never join: once after the names and
+    shapes are checked, before any byte is read, and once after the reads and checksums."""
     folder = Path(folder)
-    error: Exception | None = None
+    files: list[_VerifiedFiles] = []
+    try:
+        files.append(_files(folder, MODEL, topo))
+        _want_model(files[0], model, axes, topo)
+        if optimizer is not None and _has_kind(folder, OPTIMIZER):
+            files.append(_files(folder, OPTIMIZER, topo))
+            _want_optimizer(files[1], model, optimizer, axes, topo)
+        outcome: str | dict = {fname: size for kind in files for fname, size in kind.sizes().items()}
+    except (CheckpointError, OSError, ValueError) as err:
+        outcome = err if isinstance(err, CheckpointError) else CheckpointError(str(err))
+    outcomes = _all_outcomes(outcome, folder, topo)
+    mine = {f for f, rank in checking_ranks(outcomes).items() if rank == topo.global_rank} if verify else set()
     try:
         with ThreadPoolExecutor(max_workers=1) as hasher:
-            files = [_files(folder, MODEL, verify, hasher, topo)]
-            _want_model(files[0], model, axes, topo)
-            if optimizer is not None and _has_kind(folder, OPTIMIZER):
-                files.append(_files(folder, OPTIMIZER, verify, hasher, topo))
-                _want_optimizer(files[1], model, optimizer, axes, topo)
-            for kind in files:  # every name and shape was checked above, before any byte is read
-                kind.load()
+            for kind in files:
+                kind.load(mine, hasher)
+        outcome = None
     except (CheckpointError, OSError, ValueError) as err:
-        error = err
-    if topo.layout.world_size > 1:
-        outcomes: list = []
-        dist.all_gather_object(outcomes, None if error is None else str(error))
-        failures = [(rank, msg) for rank, msg in enumerate(outcomes) if msg is not None]
-        if failures and error is None:
-            error = CheckpointError(f"loading {folder} failed on rank {failures[0][0]}: {failures[0][1]}")
-    if error is not None:
-        raise error if isinstance(error, CheckpointError) else CheckpointError(str(error))
+        outcome = err if isinstance(err, CheckpointError) else CheckpointError(str(err))
+    _all_outcomes(outcome, folder, topo)
     return json.loads((folder / TRAINER_STATE_FILE).read_text())
+
+
+def _all_outcomes(outcome, folder: Path, topo: Topology) -> list:
+    """Every rank's outcome; raises on every rank when any rank's is an error (its own first)."""
+    outcomes = [outcome]
+    if topo.layout.world_size > 1:
+        outcomes = []
+        dist.all_gather_object(outcomes, str(outcome) if isinstance(outcome, Exception) else outcome)
+    if isinstance(outcome, Exception):
+        raise outcome
+    failures = [(rank, msg) for rank, msg in enumerate(outcomes) if isinstance(msg, str)]
+    if failures:
+        raise CheckpointError(f"loading {folder} failed on rank {failures[0][0]}: {failures[0][1]}")
+    return outcomes

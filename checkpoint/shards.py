@@ -190,11 +190,11 @@ class ShardReader:
              hasher: ThreadPoolExecutor | None = None, algorithm: str = CHECKSUM,
              into: dict[str, np.ndarray] | None = None, chunk: int = 16 << 20) -> str | None:
         """Read the file once, front to back: each wanted tensor (name -> (axis, parts, part), as in
-        `read`) is passed to `deliver`, except one wanted whole with an array of its dtype and size
-        in `into`, which is read straight into that array; with a `hasher`, every byte is summed on
-        it while the next is read, and the file's `algorithm` checksum is returned. Reading whole
-        tensors in file order is what lets a verified load read each file once instead of once to
-        check and again to slice."""
+        `read`) is written into its array in `into` when one of its dtype and size is there, or else
+        passed to `deliver`; with a `hasher`, every byte is summed on it while the next is read, and
+        the file's `algorithm` checksum is returned. Reading whole tensors in file order is what lets
+        a verified load read each file once instead of once to check and again to slice; without a
+        `hasher`, a piece is read alone (`read`)."""
         digest = OverlappedDigest(hasher, algorithm) if hasher is not None else None
         head = np.empty(self._data_start, np.uint8)
         self._read_into(head, 0)
@@ -203,15 +203,22 @@ class ShardReader:
         for name, entry in sorted(self._entries.items(), key=lambda item: item[1]["data_offsets"][0]):
             begin, end = (self._data_start + offset for offset in entry["data_offsets"])
             if name in wanted:
-                dtype, target = _stored_dtype(entry["dtype"]), (into or {}).get(name)
-                direct = target is not None and entry["dtype"] != "BF16" and target.dtype == dtype and \
-                    target.size == int(np.prod(entry["shape"], dtype=np.int64))
-                whole = target.reshape(entry["shape"]) if direct else np.empty(entry["shape"], dtype)
-                self._read_into(whole, begin)
-                if digest is not None:
-                    digest.update(whole.reshape(-1).view(np.uint8))
-                if not direct:
-                    deliver(name, self._decode(entry, _piece(whole, *wanted[name])))
+                piece = wanted[name]
+                target = _fits((into or {}).get(name), entry, piece)
+                split = piece[0] is not None and piece[1] > 1
+                if digest is None and split:
+                    array = self.read(name, *piece, out=target)
+                else:
+                    whole = target.reshape(entry["shape"]) if target is not None and not split else \
+                        np.empty(entry["shape"], _stored_dtype(entry["dtype"]))
+                    self._read_into(whole, begin)
+                    if digest is not None:
+                        digest.update(whole.reshape(-1).view(np.uint8))
+                    array = self._decode(entry, _piece(whole, *piece))
+                    if target is not None and split:
+                        target.reshape(array.shape)[...] = array
+                if target is None:
+                    deliver(name, np.ascontiguousarray(array))
             elif digest is not None:
                 for first in range(begin, end, chunk):
                     block = np.empty(min(chunk, end - first), np.uint8)
@@ -223,19 +230,22 @@ class ShardReader:
     def _decode(entry: dict, array: np.ndarray) -> np.ndarray:
         return bf16_to_float32(array) if entry["dtype"] == "BF16" else array
 
-    def read(self, name: str, axis: int | None = None, parts: int = 1, part: int = 0) -> np.ndarray:
-        """The whole tensor, or its `part`-th of `parts` equal pieces along `axis`."""
+    def read(self, name: str, axis: int | None = None, parts: int = 1, part: int = 0,
+             out: np.ndarray | None = None) -> np.ndarray:
+        """The whole tensor, or its `part`-th of `parts` equal pieces along `axis`; read into `out`
+        when given (an array of the stored dtype and the piece's size)."""
         entry = self._entry(name)
         shape, dtype = list(entry["shape"]), _stored_dtype(entry["dtype"])
         start = self._data_start + entry["data_offsets"][0]
         if axis is None or parts == 1:
-            out = np.empty(shape, dtype)
+            out = np.empty(shape, dtype) if out is None else out.reshape(shape)
             self._read_into(out, start)
             return self._decode(entry, out)
         outer, dim = int(np.prod(shape[:axis], dtype=np.int64)), shape[axis]
         inner = int(np.prod(shape[axis + 1:], dtype=np.int64))
         step = dim // parts
-        out = np.empty(shape[:axis] + [step] + shape[axis + 1:], dtype)
+        piece_shape = shape[:axis] + [step] + shape[axis + 1:]
+        out = np.empty(piece_shape, dtype) if out is None else out.reshape(piece_shape)
         if outer == 1:
             self._read_into(out, start + part * step * inner * dtype.itemsize)
         else:
@@ -254,12 +264,21 @@ def _stored_dtype(code: str) -> np.dtype:
     return np.dtype(np.uint16) if code == "BF16" else CODES[code]
 
 
+def _fits(target: np.ndarray | None, entry: dict, piece: tuple[int | None, int, int]) -> np.ndarray | None:
+    """`target` when the wanted piece's bytes can be read into it as they are stored."""
+    if target is None or entry["dtype"] == "BF16" or target.dtype != CODES[entry["dtype"]]:
+        return None
+    axis, parts, _ = piece
+    whole = int(np.prod(entry["shape"], dtype=np.int64))
+    return target if target.size == (whole if axis is None or parts == 1 else whole // parts) else None
+
+
 def _piece(whole: np.ndarray, axis: int | None, parts: int, part: int) -> np.ndarray:
     if axis is None or parts == 1:
         return whole
     step = whole.shape[axis] // parts
     index = tuple(slice(part * step, (part + 1) * step) if dim == axis else slice(None) for dim in range(whole.ndim))
-    return np.ascontiguousarray(whole[index])
+    return whole[index]
 
 
 def bf16_to_float32(bits: np.ndarray) -> np.ndarray:

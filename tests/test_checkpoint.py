@@ -15,12 +15,14 @@ import numpy as np
 import paddle
 import pytest
 from parity import assert_same_logits
-from pretrain_case import FOUR_D_SAVING, MODEL, PP2, REPO, SCRIPT, SHARDING2, TP2
+from pretrain_case import FOUR_D_SAVING, MODEL, PP2, REPO, SCRIPT, SHARDING2, TP2, pretrain
 
 from checkpoint.commit import latest_checkpoint, rotate
 from checkpoint.format import FORMAT_VERSION, CheckpointError
+from checkpoint.load import checking_ranks
 from checkpoint.shards import ShardReader, file_checksum
 from checkpoint.verify import verify_checkpoint
+from paddle_pp.launch import LaunchError
 
 RESUME_TOL = 1e-5
 HALF = ["--exit_after_steps", "10", "--save_steps", "10"]
@@ -122,6 +124,35 @@ def test_paddlenlp_from_pretrained_gives_our_logits(runs):
     missing, unexpected = ours.set_state_dict(state)
     assert not missing and not unexpected
     assert_same_logits(ours, theirs, config["vocab_size"], seed=5)
+
+
+@pytest.mark.multiproc
+def test_corrupt_file_is_checked_by_one_rank_and_fails_every_rank(runs, run_workers, data_cache, tmp_path):
+    """A tp2 resume reads every file on both ranks; one checks each file's CRC and the other's
+    failure names it too, so nobody trains on (or waits for) a damaged checkpoint."""
+    folder = _copy(runs("first:llama:tp2pp2")[1] / "checkpoint-10", tmp_path / "checkpoint-10")
+    shard = max(folder.glob("model-*.safetensors"), key=lambda path: path.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(LaunchError):
+        pretrain(run_workers, data_cache, tmp_path / "out", 2, TP2 + ["--resume_from_checkpoint", folder], "corrupt")
+    logs = [(tmp_path / "corrupt" / "attempt0" / "log_node0" / f"workerlog.{rank}").read_text() for rank in (0, 1)]
+    checked = [rank for rank, log in enumerate(logs) if f"{shard.name} fails its crc32 checksum" in log
+               and "failed on rank" not in log]
+    assert len(checked) == 1, [log[-1500:] for log in logs]
+    assert f"failed on rank {checked[0]}" in logs[1 - checked[0]] and shard.name in logs[1 - checked[0]]
+
+
+def test_each_file_is_checked_once_by_a_rank_that_reads_it_spread_by_bytes():
+    stage0, stage1 = {"a": 400, "b": 300, "c": 100}, {"d": 200, "e": 200}
+    by_rank = [stage0, stage0, stage1, stage1, stage0, stage0, stage1, stage1]  # tp2 pp2 dp2 (dp outermost)
+    checker = checking_ranks(by_rank)
+    assert set(checker) == set("abcde")
+    assert all(name in by_rank[rank] for name, rank in checker.items())
+    checked = [sum(size for name, size in files.items() if checker[name] == rank) for rank, files in enumerate(by_rank)]
+    assert checked == [400, 300, 200, 200, 100, 0, 0, 0]
+    assert checking_ranks([{"a": 10}, {}]) == {"a": 0} and checking_ranks([{}, {"a": 10}]) == {"a": 1}
 
 
 def _single_card(tmp_path: Path, *flags: str, script: Path = SCRIPT) -> subprocess.CompletedProcess:

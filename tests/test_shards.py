@@ -56,24 +56,30 @@ def test_torn_header_is_a_clear_error(shard):
         ShardReader(shard)
 
 
-def test_scan_reads_into_given_arrays_and_sums_every_byte(shard):
-    """A verified load's single pass: wanted tensors land in their arrays (or go to `deliver`), and
-    the checksum covers the whole file, in either recorded algorithm."""
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "pieces-only"])
+def test_scan_reads_into_given_arrays_and_sums_every_byte(shard, checked):
+    """A load's pass over a file: wanted tensors and TP pieces land in their arrays (any shape of
+    their size, in their stored dtype) or else go to `deliver`; a checked pass sums the whole file,
+    in either recorded algorithm."""
     import hashlib
     import zlib
     from concurrent.futures import ThreadPoolExecutor
 
     expected = load_file(str(shard))
-    into = {"matrix": np.zeros((6, 8), np.float32), "cube": np.zeros((4, 60), np.float64)}  # any shape of that size
+    wanted = {"matrix": (1, 4, 2), "cube": (2, 2, 1), "ids": (None, 1, 0), "vector": (0, 3, 1), "scalar": (None, 1, 0)}
+    into = {"matrix": np.zeros((6, 2), np.float32), "cube": np.zeros(120, np.float64),
+            "ids": np.zeros((4, 6), np.int64), "scalar": np.zeros((), np.float64)}  # scalar: not its stored dtype
     delivered = {}
     with ThreadPoolExecutor(max_workers=1) as hasher:
-        crc = ShardReader(shard).scan({"matrix": (None, 1, 0), "cube": (None, 1, 0), "vector": (0, 3, 1)},
-                                      delivered.__setitem__, hasher, "crc32", into)
+        crc = ShardReader(shard).scan(wanted, delivered.__setitem__, hasher if checked else None, "crc32", into)
         sha = ShardReader(shard).scan({}, delivered.__setitem__, hasher, "sha256")
-    assert np.array_equal(into["matrix"], expected["matrix"])
-    assert np.array_equal(into["cube"].reshape(4, 6, 10), expected["cube"])
-    assert set(delivered) == {"vector"} and np.array_equal(delivered["vector"], expected["vector"][4:8])
-    assert crc == f"{zlib.crc32(shard.read_bytes()):08x}" and sha == hashlib.sha256(shard.read_bytes()).hexdigest()
+    assert np.array_equal(into["matrix"], expected["matrix"][:, 4:6])
+    assert np.array_equal(into["cube"].reshape(4, 6, 5), expected["cube"][:, :, 5:])
+    assert np.array_equal(into["ids"].reshape(-1), expected["ids"]) and into["scalar"] == 0
+    assert set(delivered) == {"vector", "scalar"} and np.array_equal(delivered["vector"], expected["vector"][4:8])
+    assert delivered["scalar"] == expected["scalar"] and delivered["vector"].flags.c_contiguous
+    assert crc == (f"{zlib.crc32(shard.read_bytes()):08x}" if checked else None)
+    assert sha == hashlib.sha256(shard.read_bytes()).hexdigest()
 
 
 def test_load_writes_file_bytes_into_the_tensor_itself():
