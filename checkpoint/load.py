@@ -221,31 +221,39 @@ def load_checkpoint(folder: Path, model, optimizer, topo: Topology, axes: dict, 
     shapes are checked, before any byte is read, and once after the reads and checksums."""
     folder = Path(folder)
     files: list[_VerifiedFiles] = []
+    outcome: CheckpointError | dict[str, int] | None
     try:
         files.append(_files(folder, MODEL, topo))
         _want_model(files[0], model, axes, topo)
         if optimizer is not None and _has_kind(folder, OPTIMIZER):
             files.append(_files(folder, OPTIMIZER, topo))
             _want_optimizer(files[1], model, optimizer, axes, topo)
-        outcome: str | dict = {fname: size for kind in files for fname, size in kind.sizes().items()}
-    except (CheckpointError, OSError, ValueError) as err:
-        outcome = err if isinstance(err, CheckpointError) else CheckpointError(str(err))
-    outcomes = _all_outcomes(outcome, folder, topo)
-    mine = {f for f, rank in checking_ranks(outcomes).items() if rank == topo.global_rank} if verify else set()
+        outcome = {fname: size for kind in files for fname, size in kind.sizes().items()}
+    except LOAD_ERRORS as err:
+        outcome = _checkpoint_error(err)
+    sizes_by_rank = _all_outcomes(outcome, folder, topo)
+    mine = {f for f, rank in checking_ranks(sizes_by_rank).items() if rank == topo.global_rank} if verify else set()
     try:
         with ThreadPoolExecutor(max_workers=1) as hasher:
             for kind in files:
                 kind.load(mine, hasher)
         outcome = None
-    except (CheckpointError, OSError, ValueError) as err:
-        outcome = err if isinstance(err, CheckpointError) else CheckpointError(str(err))
+    except LOAD_ERRORS as err:
+        outcome = _checkpoint_error(err)
     _all_outcomes(outcome, folder, topo)
     return json.loads((folder / TRAINER_STATE_FILE).read_text())
 
 
-def _all_outcomes(outcome, folder: Path, topo: Topology) -> list:
+LOAD_ERRORS = (CheckpointError, OSError, ValueError)
+
+
+def _checkpoint_error(err: Exception) -> CheckpointError:
+    return err if isinstance(err, CheckpointError) else CheckpointError(str(err))
+
+
+def _all_outcomes(outcome: CheckpointError | dict[str, int] | None, folder: Path, topo: Topology) -> list:
     """Every rank's outcome; raises on every rank when any rank's is an error (its own first)."""
-    outcomes = [outcome]
+    outcomes: list = [outcome]
     if topo.layout.world_size > 1:
         outcomes = []
         dist.all_gather_object(outcomes, str(outcome) if isinstance(outcome, Exception) else outcome)
