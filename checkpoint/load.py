@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import paddle
-import paddle.distributed as dist
 
 from checkpoint.format import (
     CONFIG_FILE, MODEL, OPTIMIZER, STATE_SEPARATOR, TRAINER_STATE_FILE, CheckpointError, index_name, read_index,
@@ -29,7 +28,7 @@ from checkpoint.shards import ShardReader, recorded_checksum
 from checkpoint.split import check_split_layout, is_split, rank_key, read_split_index
 from modeling.state import single_card_shape
 from paddle_pp.layout import Layout
-from paddle_pp.topology import Topology
+from paddle_pp.topology import Topology, gather_objects
 
 ARCHITECTURE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                        "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
@@ -253,10 +252,8 @@ def _checkpoint_error(err: Exception) -> CheckpointError:
 
 def _all_outcomes(outcome: CheckpointError | dict[str, int] | None, folder: Path, topo: Topology) -> list:
     """Every rank's outcome; raises on every rank when any rank's is an error (its own first)."""
-    outcomes: list = [outcome]
-    if topo.layout.world_size > 1:
-        outcomes = []
-        dist.all_gather_object(outcomes, str(outcome) if isinstance(outcome, Exception) else outcome)
+    outcomes = gather_objects(str(outcome) if isinstance(outcome, Exception) else outcome, None,
+                              topo.layout.world_size)
     if isinstance(outcome, Exception):
         raise outcome
     failures = [(rank, msg) for rank, msg in enumerate(outcomes) if isinstance(msg, str)]

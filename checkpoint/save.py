@@ -29,7 +29,7 @@ from checkpoint.optimizer_state import states_by_parameter
 from checkpoint.shards import TensorSpec, write_shard
 from modeling import tied_groups
 from modeling.state import single_card_shape
-from paddle_pp.topology import Topology
+from paddle_pp.topology import Topology, gather_objects
 
 
 @dataclass
@@ -50,18 +50,10 @@ class _Shard:
     entries: list[_Entry] = field(default_factory=list)
 
 
-def _gather_objects(obj, group, size: int) -> list:
-    if size == 1:
-        return [obj]
-    out: list = []
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
 def _owned_names(state: dict, topo: Topology) -> list[str]:
     """Names this stage writes: those no lower stage also holds (tied weights go to the first)."""
     names = sorted(state)
-    stages = _gather_objects(names, topo.pp_group, topo.layout.pp)
+    stages = gather_objects(names, topo.pp_group, topo.layout.pp)
     earlier = {n for stage in stages[:topo.pp_rank] for n in stage}
     return [n for n in names if n not in earlier]
 
@@ -90,7 +82,7 @@ def _per_parameter_shard(kind: str, state: dict, owned: list[str], by_param: dic
         for state_name, tensor in by_param.get(param.name, {}).items():
             like_param = list(tensor.shape) == list(param.shape)
             keyed[f"{name}{STATE_SEPARATOR}{state_name}"] = (tensor, axes.get(name) if like_param else None)
-    counts = _gather_objects(len(keyed), topo.tp_group, tp)
+    counts = gather_objects(len(keyed), topo.tp_group, tp)
     if len(set(counts)) > 1:
         raise RuntimeError(f"tp ranks hold different numbers of optimizer states {counts}; cannot merge them")
     shard = _Shard(kind)
@@ -154,15 +146,15 @@ class PendingSave:
         """Wait for this rank's files, exchange their checksums, and let rank 0 commit."""
         if self.thread is not None:
             self.thread.join()
-        failed = _gather_objects(bool(self.error), None, self.topo.layout.world_size)
+        failed = gather_objects(bool(self.error), None, self.topo.layout.world_size)
         if any(failed):
             raise RuntimeError(f"writing checkpoint-{self.step} failed on ranks "
                                f"{[r for r, f in enumerate(failed) if f]}: {self.error}")
-        everyone = _gather_objects(self.results, None, self.topo.layout.world_size)
+        everyone = gather_objects(self.results, None, self.topo.layout.world_size)
         final = None
         if self.topo.global_rank == 0:
             final = _commit(self, everyone)
-        _gather_objects(None, None, self.topo.layout.world_size)  # nobody returns before the commit
+        gather_objects(None, None, self.topo.layout.world_size)  # nobody returns before the commit
         return final
 
 
@@ -209,7 +201,7 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, topo: Topolog
         output_dir.mkdir(parents=True, exist_ok=True)
         commits.clear_stale_temp(output_dir, step)
         commits.temp_dir(output_dir, step).mkdir()
-    _gather_objects(None, None, topo.layout.world_size)  # the folder exists before anyone writes
+    gather_objects(None, None, topo.layout.world_size)  # the folder exists before anyone writes
     state = model.state_dict()
     owned = _owned_names(state, topo)  # one pipeline all-gather serves both shards
     shards = [_model_shard(state, owned, axes, topo)]
@@ -217,7 +209,7 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, topo: Topolog
         shards.append(_per_parameter_shard(OPTIMIZER, state, owned, states_by_parameter(optimizer), axes, topo))
     if gradients is not None:
         shards.append(_per_parameter_shard(GRADIENTS, state, owned, gradients, axes, topo))
-    counts = _gather_objects({s.kind: bool(s.specs) for s in shards}, None, topo.layout.world_size)
+    counts = gather_objects({s.kind: bool(s.specs) for s in shards}, None, topo.layout.world_size)
     plans = {}
     for shard in shards:
         writers = [rank for rank, c in enumerate(counts) if c.get(shard.kind)]

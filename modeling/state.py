@@ -13,7 +13,7 @@ import numpy as np
 import paddle.distributed as dist
 
 from modeling.tp_utils import merge_tensors, split_tensor
-from paddle_pp.topology import Topology
+from paddle_pp.topology import Topology, gather_objects
 
 
 class TiedWeightError(RuntimeError):
@@ -84,12 +84,8 @@ def gather_single_card_state(model, axes: Mapping[str, int | None], topo: Topolo
         parts: list = []
         dist.all_gather(parts, param.detach(), group=topo.tp_group)
         local[name] = merge_tensors([p.numpy() for p in parts], axis)
-    if topo.layout.pp == 1:
-        return local
-    stages: list = []
-    dist.all_gather_object(stages, local, group=topo.pp_group)
     merged: dict[str, np.ndarray] = {}
-    for stage in stages:
+    for stage in gather_objects(local, topo.pp_group, topo.layout.pp):
         for name, value in stage.items():
             if name in merged and not np.array_equal(merged[name], value):
                 raise TiedWeightError(f"{name}: the copies held by different pipeline stages differ "

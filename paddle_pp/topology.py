@@ -105,6 +105,16 @@ def init_distributed(layout: Layout, micro_batch_size: int = 1, accumulate_steps
     )
 
 
+def gather_objects(obj: Any, group: Any, size: int) -> list:
+    """Every rank's `obj`, by rank, over `group` of `size` ranks (None: the whole job). A group of
+    one calls no collective: a single-card run has no process group to call it on."""
+    if size == 1:
+        return [obj]
+    out: list = []
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 def align_ranks(topo: Topology) -> None:
     """Wait until every rank gets here, before a collective that follows uneven per-rank work.
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import paddle
-import paddle.distributed as dist
 
 from modeling import build_causal_lm, config_from_dict, split_axes, validate_layout
 from modeling.state import init_single_card_weights
@@ -37,7 +36,7 @@ from paddle_pp.parallelize import wrap_model, wrap_optimizer
 from paddle_pp.report import MetricsLog, ProgressBar, plot_loss
 from paddle_pp.schedule import ScheduleError, WarmupCosine
 from paddle_pp.step import eval_loss, train_step
-from paddle_pp.topology import Topology, align_ranks, init_distributed
+from paddle_pp.topology import Topology, align_ranks, gather_objects, init_distributed
 
 
 class TrainingConfigError(ValueError):
@@ -83,14 +82,6 @@ def _build_optimizer(model, args, schedule: WarmupCosine, clip: ReportingGlobalN
         learning_rate=schedule, parameters=model.parameters(), beta1=args.adam_beta1, beta2=args.adam_beta2,
         epsilon=args.adam_epsilon, weight_decay=args.weight_decay, grad_clip=clip,
         apply_decay_param_fun=lambda name: name in matrices)
-
-
-def _gather_flags(flag: bool, topo: Topology) -> list[bool]:
-    if topo.layout.world_size == 1:
-        return [flag]
-    flags: list = []
-    dist.all_gather_object(flags, flag)
-    return flags
 
 
 class Pretrainer:
@@ -166,7 +157,7 @@ class Pretrainer:
         """Commit an asynchronous save; with `only_if_written`, only once every rank's files are down."""
         if self.pending_save is None:
             return
-        if only_if_written and not all(_gather_flags(self.pending_save.files_written(), self.topo)):
+        if only_if_written and not all(gather_objects(self.pending_save.files_written(), None, self.topo.layout.world_size)):
             return
         self.pending_save.finish()
         self.pending_save = None
