@@ -63,7 +63,7 @@ def _random_training_state(config, topo):
     import paddle
 
     from checkpoint.optimizer_state import ensure_states, states_by_parameter
-    from modeling import build_causal_lm
+    from modeling.registry import build_causal_lm
 
     model = build_causal_lm(config, topo)
     optimizer = paddle.optimizer.AdamW(parameters=model.parameters())
@@ -87,9 +87,10 @@ def _methods(model, optimizer, topo, config, arrays: dict[str, np.ndarray]) -> d
 
     from checkpoint.load import load_checkpoint
     from checkpoint.save import save_checkpoint
-    from modeling import split_axes
+    from modeling.registry import plan_of
+    from modeling.tp_plan import split_axes
 
-    axes, rank = split_axes(config), topo.global_rank
+    axes, rank = split_axes(plan_of(config)), topo.global_rank
     methods: dict[str, Method] = {
         "unified": (lambda path: save_checkpoint(path, 1, model, optimizer, topo, axes, config=config,
                                                  trainer_state={"step": 1, "consumed_samples": 0}),
@@ -115,9 +116,9 @@ def _methods(model, optimizer, topo, config, arrays: dict[str, np.ndarray]) -> d
 
 def worker(args: argparse.Namespace) -> int:
     from modeling.llama.config import LlamaConfig
-    from paddle_pp.launch import write_result
-    from paddle_pp.layout import Layout
-    from paddle_pp.topology import align_ranks, end_job, init_distributed
+    from paddle_pp.runtime.launch import write_result
+    from paddle_pp.runtime.layout import Layout
+    from paddle_pp.runtime.topology import align_ranks, end_job, init_distributed
 
     tp, pp = LAYOUTS[args.layout]
     config = LlamaConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.layout:
         return worker(args)
 
-    from paddle_pp.launch import launch
+    from paddle_pp.runtime.launch import launch
 
     work = Path(tempfile.mkdtemp(prefix="ckpt_bench_"))
     report = {"cpu_count": os.cpu_count(), "repeats": args.repeats, "measured": time.strftime("%Y-%m-%d"),

@@ -40,10 +40,10 @@ def _timed(owner, method: str, log: list[float]) -> None:
 
 
 def worker(flags: list[str]) -> int:
-    from paddle_pp.arguments import parse_args
-    from paddle_pp.launch import write_result
-    from paddle_pp.topology import end_job
-    from paddle_pp.trainer import Pretrainer
+    from paddle_pp.training.arguments import parse_args
+    from paddle_pp.runtime.launch import write_result
+    from paddle_pp.runtime.topology import end_job
+    from paddle_pp.training.trainer import Pretrainer
 
     trainer = Pretrainer(parse_args(flags))
     compute, pipeline = [], []
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker is not None:
         return worker(args.worker)
 
-    from paddle_pp.launch import launch
+    from paddle_pp.runtime.launch import launch
 
     work = Path(tempfile.mkdtemp(prefix="pipeline_bubble_"))
     rows = []

@@ -30,11 +30,11 @@ sys.path.insert(0, str(REPO))
 CHILD = """
 import json, os, sys, threading, time
 sys.path.insert(0, {repo!r})
-from paddle_pp.layout import Layout
+from paddle_pp.runtime.layout import Layout
 from checkpoint.fleet import merge_fleet
-from checkpoint.reshard import rechunk
+from checkpoint.unified_io import rechunk
 from checkpoint.split import join_split, split_checkpoint
-import modeling.pipeline, paddle  # imported before the clock starts, like everything above
+import modeling.registry, paddle  # imported before the clock starts, like everything above
 
 def rss():
     with open("/proc/self/statm") as handle:
@@ -68,14 +68,15 @@ OPERATIONS = {
 
 def write_random_checkpoint(folder: Path, config, seed: int = 0) -> int:
     """A unified checkpoint of `config` with random weights and AdamW states; returns its largest tensor's bytes."""
-    from checkpoint.format import MODEL, OPTIMIZER, TRAINER_STATE_FILE, tensor_nbytes, write_json_durably
-    from checkpoint.reshard import write_unified_kind
-    from checkpoint.save import single_card_config
-    from modeling import single_card_shapes, split_axes, tied_groups
+    from checkpoint.durable import write_json_durably
+    from checkpoint.format import CONFIG_FILE, MODEL, OPTIMIZER, TRAINER_STATE_FILE, tensor_nbytes
+    from checkpoint.save import model_metadata, single_card_config
+    from checkpoint.unified_io import write_unified_kind
+    from modeling.registry import plan_of
 
     rng = np.random.default_rng(seed)
-    shapes, axes = single_card_shapes(config), split_axes(config)
-    model = {n: {"dtype": "float32", "shape": list(s), "tp_axis": axes.get(n)} for n, s in shapes.items()}
+    model = {n: {"dtype": "float32", "shape": list(row.shape), "tp_axis": row.tp_axis}
+             for n, row in plan_of(config).items()}
     optimizer = {}
     for name, meta in model.items():
         optimizer |= {f"{name}/{state}": meta for state in ("moment1", "moment2")}
@@ -88,10 +89,9 @@ def write_random_checkpoint(folder: Path, config, seed: int = 0) -> int:
 
     folder.mkdir(parents=True)
     layout = {"describe": "random", "tensor_parallel_degree": 1, "pipeline_parallel_degree": 1}
-    write_unified_kind(folder, MODEL, model, random, {"saving_layout": layout, "model_type": config.model_type,
-                                                      "tied": tied_groups(config)}, 5 * 2**30)
+    write_unified_kind(folder, MODEL, model, random, {"saving_layout": layout, **model_metadata(config)}, 5 * 2**30)
     write_unified_kind(folder, OPTIMIZER, optimizer, random, {"saving_layout": layout}, 5 * 2**30)
-    write_json_durably(folder / "config.json", single_card_config(config, "LlamaForCausalLM"))
+    write_json_durably(folder / CONFIG_FILE, single_card_config(config))
     write_json_durably(folder / TRAINER_STATE_FILE, {"step": 1, "consumed_samples": 8, "lr_scheduler": {}})
     return max(tensor_nbytes(meta) for meta in model.values())
 
@@ -100,6 +100,7 @@ def write_fleet_files(split: Path, folder: Path) -> None:
     """PaddleNLP-style per-rank files (model_state / optimizer .pdparams / .pdopt) from a split copy."""
     import paddle
 
+    from checkpoint.format import CONFIG_FILE, TRAINER_STATE_FILE
     from checkpoint.shards import ShardReader
     from checkpoint.split import read_split_index
 
@@ -117,8 +118,8 @@ def write_fleet_files(split: Path, folder: Path) -> None:
         opt = {f"{table[k.split('/')[0]]}_{k.split('/')[1]}_0": states.read(k) for k in sorted(states.names)}
         paddle.save(opt, str(folder / f"optimizer.{key}.pdopt"))
         del opt
-    shutil.copyfile(split / "config.json", folder / "config.json")
-    (folder / "trainer_state.json").write_text(json.dumps({"global_step": 1, "consumed_samples": 8}))
+    shutil.copyfile(split / CONFIG_FILE, folder / CONFIG_FILE)
+    (folder / TRAINER_STATE_FILE).write_text(json.dumps({"global_step": 1, "consumed_samples": 8}))
 
 
 def run_child(call: str) -> dict:
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, default=REPO / "bench/results/reshard_memory.json")
     args = parser.parse_args(argv)
 
-    from checkpoint.reshard import UnifiedReader
+    from checkpoint.unified_io import UnifiedReader
     from modeling.llama.config import LlamaConfig
 
     config = LlamaConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size,

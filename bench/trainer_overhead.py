@@ -31,13 +31,14 @@ def _hand_loop(trainer):
     drifts as training moves, e.g. with subnormal optimizer states)."""
     import paddle
 
-    from modeling import build_causal_lm, split_axes
-    from modeling.state import init_single_card_weights
-    from paddle_pp.schedule import WarmupCosine
+    from checkpoint.single_card_state import init_single_card_weights
+    from modeling.registry import build_causal_lm
+    from paddle_pp.training.schedule import WarmupCosine
 
-    args, batch = trainer.args, trainer.batches.global_batch
+    args, batch = trainer.args.optim, trainer.batches.global_batch
     model = build_causal_lm(trainer.config, trainer.topo)
-    init_single_card_weights(model, split_axes(trainer.config), trainer.topo, args.seed, args.initializer_range)
+    init_single_card_weights(model, trainer.axes, trainer.topo, trainer.args.data.seed,
+                             trainer.args.model.initializer_range)
     schedule = WarmupCosine(args.learning_rate, args.warmup_steps, args.max_steps, args.min_learning_rate)
     optimizer = paddle.optimizer.AdamW(learning_rate=schedule, parameters=model.parameters(),
                                        weight_decay=args.weight_decay,
@@ -67,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, default=REPO / "bench/results/trainer_overhead.json")
     args = parser.parse_args(argv)
 
-    from paddle_pp.arguments import parse_args
-    from paddle_pp.trainer import Pretrainer
+    from paddle_pp.training.arguments import parse_args
+    from paddle_pp.training.trainer import Pretrainer
 
     work = Path(tempfile.mkdtemp(prefix="trainer_overhead_"))
     flags = ["--hidden_size", str(args.hidden_size), "--intermediate_size", str(args.hidden_size * 11 // 4),

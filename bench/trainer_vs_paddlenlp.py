@@ -35,8 +35,8 @@ IMPLEMENTATIONS = ("ours", "paddlenlp")
 
 
 def _our_step_times(args: argparse.Namespace, tp: int, pp: int, work: Path) -> list[float]:
-    from paddle_pp.arguments import parse_args
-    from paddle_pp.trainer import Pretrainer
+    from paddle_pp.training.arguments import parse_args
+    from paddle_pp.training.trainer import Pretrainer
 
     flags = ["--hidden_size", str(args.hidden_size), "--intermediate_size", str(args.intermediate_size),
              "--num_hidden_layers", str(args.num_hidden_layers), "--num_attention_heads", str(args.num_heads),
@@ -58,10 +58,10 @@ def _paddlenlp_step_times(args: argparse.Namespace, tp: int, pp: int, work: Path
     import paddle
     from paddle.distributed import fleet
 
-    from paddle_pp.backends import cpu
+    from paddle_pp.runtime.backends import cpu
     from paddle_pp.data.tokenizer import load_tokenizer
     from paddle_pp.data.tokens import PackedTokens, ensure_tokens
-    from paddle_pp.arguments import PretrainArguments
+    from paddle_pp.training.arguments import DataArguments
 
     cpu.apply()
     paddle.set_device("cpu")
@@ -78,7 +78,7 @@ def _paddlenlp_step_times(args: argparse.Namespace, tp: int, pp: int, work: Path
         pipeline_parallel_config="disable_partial_send_recv disable_batch_p2p_comm")
     if pp > 1:
         cpu.create_pipeline_edge_groups(fleet.get_hybrid_communicate_group(), wrap_around=False)
-    defaults = PretrainArguments()
+    defaults = DataArguments()
     ensure_tokens(defaults.corpus, defaults.tokenizer_dir, work / "data")
     samples = PackedTokens(work / "data", args.max_seq_length, defaults.eval_samples)
     config = LlamaConfig(
@@ -110,8 +110,8 @@ def _paddlenlp_step_times(args: argparse.Namespace, tp: int, pp: int, work: Path
 
 
 def worker(args: argparse.Namespace) -> int:
-    from paddle_pp.backends import cpu
-    from paddle_pp.launch import write_result
+    from paddle_pp.runtime.backends import cpu
+    from paddle_pp.runtime.launch import write_result
 
     tp, pp = LAYOUTS[args.layout]
     measure = _our_step_times if args.worker == "ours" else _paddlenlp_step_times
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker(args)
 
-    from paddle_pp.launch import launch
+    from paddle_pp.runtime.launch import launch
 
     work = Path(tempfile.mkdtemp(prefix="trainer_vs_paddlenlp_"))
     tokens = args.global_batch_size * args.max_seq_length

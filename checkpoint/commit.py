@@ -14,23 +14,11 @@ import shutil
 import warnings
 from pathlib import Path
 
+from checkpoint.durable import fsync_dir, fsync_file
 from checkpoint.format import CHECKPOINT_PREFIX, LATEST_FILE, CheckpointError, checkpoint_dir_name
 
 TEMP_PREFIX = ".tmp-"
 STEP_DIR = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
-
-
-def fsync_file(path: Path) -> None:
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def temp_dir(output_dir: Path, step: int) -> Path:

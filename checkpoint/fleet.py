@@ -21,21 +21,22 @@ from typing import Callable
 
 import numpy as np
 
-from checkpoint.format import CONFIG_FILE, FORMAT_VERSION, MODEL, OPTIMIZER, STATE_SEPARATOR, TRAINER_STATE_FILE
-from checkpoint.format import CheckpointError, write_json_durably
-from checkpoint.optimizer_state import MASTER_WEIGHT
-from checkpoint.reshard import load_config
-from checkpoint.save import single_card_config
+from checkpoint.durable import write_json_durably
+from checkpoint.format import (
+    CONFIG_FILE, FORMAT_VERSION, MODEL, OPTIMIZER, STATE_SEPARATOR, TOKENIZER_FILE, TRAINER_STATE_FILE, CheckpointError,
+)
+from checkpoint.optimizer_state import MASTER_WEIGHT, state_tp_axis
+from checkpoint.save import model_metadata, single_card_config
 from checkpoint.shards import TensorSpec, bf16_to_float32
-from checkpoint.split import DEFAULT_SHARD_BYTES, SplitWriter, join_split
-from modeling import split_axes, tied_groups
-from modeling.state import single_card_shape
+from checkpoint.split import DEFAULT_SHARD_BYTES, SplitWriter, join_split, split_layout
+from checkpoint.unified_io import load_config
+from modeling.registry import plan_of
+from modeling.tp_plan import single_card_shape, split_axes
 
 RANK_FILE = re.compile(r"^(model_state|optimizer)(?:\.([a-z0-9_]+))?\.(pdparams|pdopt)$")
 NAME_TABLE = "StructuredToParameterName@@"
 SCHEDULER_FILE = "scheduler.pdparams"
 UNIQUE_SUFFIX = re.compile(r"_\d+$")
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "gpt": "GPTForCausalLM"}
 
 
 def _rank_of(suffix: str | None) -> tuple[int, int, int]:
@@ -150,7 +151,7 @@ def _merge_rank(writer: SplitWriter, tp_rank: int, stage: int, model_file: Path,
 
     def axis(key: str, array: np.ndarray) -> int | None:
         param = key.split(STATE_SEPARATOR)[0]
-        return param_axes.get(param) if array.shape == weights[param].shape else None
+        return state_tp_axis(array.shape, weights[param].shape, param_axes.get(param))
 
     _write_rank(writer, OPTIMIZER, tp_rank, stage, _optimizer_arrays(optimizer_files, table), axis, tp)
 
@@ -165,20 +166,20 @@ def merge_fleet(source: Path, target: Path, max_shard_bytes: int = DEFAULT_SHARD
                               "how tensors split; copy the run's config.json there")
     config = load_config(source)
     tp, pp, models, optimizers = find_rank_files(source)
-    param_axes = split_axes(config)
+    param_axes = split_axes(plan_of(config))
     trainer_state = _trainer_state(source, optimizers)
     staging = target.with_name(target.name + ".split.partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        writer = SplitWriter(staging, tp, pp, 1)
+        writer = SplitWriter(staging, split_layout(tp, pp, 1))
         for (tp_rank, stage), path in sorted(models.items()):
             _merge_rank(writer, tp_rank, stage, path, optimizers.get((tp_rank, stage), []), param_axes, tp)
-        writer.finish({"model_type": config.model_type, "tied": tied_groups(config)})
-        write_json_durably(staging / CONFIG_FILE, single_card_config(config, _ARCHITECTURES[config.model_type]))
+        writer.finish(model_metadata(config))
+        write_json_durably(staging / CONFIG_FILE, single_card_config(config))
         write_json_durably(staging / TRAINER_STATE_FILE, trainer_state)
-        if (source / "tokenizer.model").is_file():
-            shutil.copyfile(source / "tokenizer.model", staging / "tokenizer.model")
+        if (source / TOKENIZER_FILE).is_file():
+            shutil.copyfile(source / TOKENIZER_FILE, staging / TOKENIZER_FILE)
         return join_split(staging, target, max_shard_bytes, on_tensor)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -5,16 +5,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from paddle_pp.runtime.errors import UserError
+
 FORMAT_VERSION = 2  # 2: files carry CRC-32 instead of SHA-256 (version 1 files still verify)
 MODEL, OPTIMIZER, GRADIENTS = "model", "optimizer", "gradients"
 CONFIG_FILE = "config.json"
 TRAINER_STATE_FILE = "trainer_state.json"
+TOKENIZER_FILE = "tokenizer.model"  # a SentencePiece model, copied into checkpoints that have one
 LATEST_FILE = "latest"
 CHECKPOINT_PREFIX = "checkpoint-"
 STATE_SEPARATOR = "/"  # optimizer keys are "<parameter name>/<state name>"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that is missing, incomplete, corrupted, or does not fit the model."""
 
 
@@ -62,10 +65,3 @@ def read_versioned_json(path: Path) -> dict:
         raise CheckpointError(f"{path} has format version {version}, newer than this reader's {FORMAT_VERSION}; "
                               "upgrade paddle-pp to read it")
     return index
-
-
-def write_json_durably(path: Path, payload: dict) -> None:
-    from checkpoint.commit import fsync_file
-
-    Path(path).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
-    fsync_file(path)

@@ -23,12 +23,12 @@ import paddle
 from checkpoint.format import (
     CONFIG_FILE, MODEL, OPTIMIZER, STATE_SEPARATOR, TRAINER_STATE_FILE, CheckpointError, index_name, read_index,
 )
-from checkpoint.optimizer_state import ensure_states, states_by_parameter
+from checkpoint.optimizer_state import ensure_states, state_tp_axis, states_by_parameter
 from checkpoint.shards import ShardReader, recorded_checksum
 from checkpoint.split import check_split_layout, is_split, rank_key, read_split_index
-from modeling.state import single_card_shape
-from paddle_pp.layout import Layout
-from paddle_pp.topology import Topology, gather_objects
+from modeling.tp_plan import single_card_shape
+from paddle_pp.runtime.layout import Layout
+from paddle_pp.runtime.topology import Topology, gather_objects
 
 ARCHITECTURE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                        "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
@@ -207,9 +207,8 @@ def _want_optimizer(files: _VerifiedFiles, model, optimizer, axes: dict, topo: T
     by_param = states_by_parameter(optimizer)
     for name, param in model.state_dict().items():
         for state_name, tensor in by_param.get(param.name, {}).items():
-            like_param = list(tensor.shape) == list(param.shape)
             files.want_local(f"{name}{STATE_SEPARATOR}{state_name}", list(tensor.shape),
-                             axes.get(name) if like_param else None, topo, tensor)
+                             state_tp_axis(tensor.shape, param.shape, axes.get(name)), topo, tensor)
 
 
 def load_checkpoint(folder: Path, model, optimizer, topo: Topology, axes: dict, verify: bool = True) -> dict:

@@ -21,15 +21,16 @@ import paddle
 import paddle.distributed as dist
 
 from checkpoint import commit as commits
+from checkpoint.durable import fsync_file, write_json_durably
 from checkpoint.format import (
     CONFIG_FILE, FORMAT_VERSION, GRADIENTS, MODEL, OPTIMIZER, STATE_SEPARATOR, TRAINER_STATE_FILE, index_name, shard_name,
-    tensor_nbytes, write_json_durably,
+    tensor_nbytes,
 )
-from checkpoint.optimizer_state import states_by_parameter
+from checkpoint.optimizer_state import state_tp_axis, states_by_parameter
 from checkpoint.shards import TensorSpec, write_shard
-from modeling import tied_groups
-from modeling.state import single_card_shape
-from paddle_pp.topology import Topology, gather_objects
+from modeling.registry import family_of
+from modeling.tp_plan import single_card_shape
+from paddle_pp.runtime.topology import Topology, gather_objects
 
 
 @dataclass
@@ -80,8 +81,8 @@ def _per_parameter_shard(kind: str, state: dict, owned: list[str], by_param: dic
     for name in owned:
         param = state[name]
         for state_name, tensor in by_param.get(param.name, {}).items():
-            like_param = list(tensor.shape) == list(param.shape)
-            keyed[f"{name}{STATE_SEPARATOR}{state_name}"] = (tensor, axes.get(name) if like_param else None)
+            keyed[f"{name}{STATE_SEPARATOR}{state_name}"] = (tensor, state_tp_axis(tensor.shape, param.shape,
+                                                                                    axes.get(name)))
     counts = gather_objects(len(keyed), topo.tp_group, tp)
     if len(set(counts)) > 1:
         raise RuntimeError(f"tp ranks hold different numbers of optimizer states {counts}; cannot merge them")
@@ -177,25 +178,32 @@ def _commit(pending: PendingSave, everyone: list[dict]) -> Path:
         write_json_durably(staged / name, payload)
     for source in pending.extra["copy_files"]:
         shutil.copyfile(source, staged / Path(source).name)
-        commits.fsync_file(staged / Path(source).name)
+        fsync_file(staged / Path(source).name)
     final = commits.commit(pending.output_dir, pending.step)
     commits.rotate(pending.output_dir, pending.keep)
     return final
 
 
-def single_card_config(config, architecture: str) -> dict:
+def single_card_config(config) -> dict:
     """config.json in single-card form: the layout that saved the checkpoint is in its index."""
     values = config.to_dict()
-    values.update(tensor_parallel_degree=1, tensor_parallel_rank=0, virtual_pp_degree=1, architectures=[architecture])
+    values.update(tensor_parallel_degree=1, tensor_parallel_rank=0, virtual_pp_degree=1,
+                  architectures=[family_of(config).architecture])
     return values
 
 
+def model_metadata(config) -> dict:
+    """What the model index records beside its tensors: the family and which names are one tensor."""
+    return {"model_type": config.model_type, "tied": family_of(config).tied_groups(config)}
+
+
 def save_checkpoint(output_dir: Path, step: int, model, optimizer, topo: Topology, axes: dict, *,
-                    config, trainer_state: dict, tokenizer_dir: Path | None = None, keep: int = 0,
+                    config, trainer_state: dict, extra_files: tuple[Path, ...] = (), keep: int = 0,
                     asynchronous: bool = False, gradients: dict | None = None) -> PendingSave:
     """Write checkpoint-<step> under `output_dir`. Synchronous saves return committed; asynchronous
-    ones return once host copies are taken, with a `PendingSave` to `finish()` later. `gradients`
-    ({parameter's internal name: {"grad": tensor}}) adds a gradients kind, for alignment checks."""
+    ones return once host copies are taken, with a `PendingSave` to `finish()` later. `extra_files`
+    (e.g. the tokenizer) are copied in; `gradients` ({parameter's internal name: {"grad": tensor}})
+    adds a gradients kind, for alignment checks."""
     output_dir = Path(output_dir)
     if topo.global_rank == 0:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -217,17 +225,12 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, topo: Topolog
             plans[shard.kind] = (shard_name(shard.kind, writers.index(topo.global_rank) + 1, len(writers)), shard)
         else:
             plans[shard.kind] = (None, shard)
-    layout = topo.layout
-    layout_info = {"describe": layout.describe(), "world_size": layout.world_size, "tensor_parallel_degree": layout.tp,
-                   "pipeline_parallel_degree": layout.pp, "sharding_parallel_degree": layout.sharding_degree,
-                   "data_parallel_degree": layout.dp, "virtual_pp_degree": layout.vpp}
-    config_dict = single_card_config(config, type(model).__name__.replace("Pipe", ""))
-    tied = tied_groups(config)
-    extra = {"json_files": {CONFIG_FILE: config_dict,
+    layout_info = topo.layout.record()
+    extra = {"json_files": {CONFIG_FILE: single_card_config(config),
                             TRAINER_STATE_FILE: {"format_version": FORMAT_VERSION, "saving_layout": layout_info,
                                                  **trainer_state}},
-             "copy_files": [str(Path(tokenizer_dir) / "tokenizer.model")] if tokenizer_dir else [],
-             "model_metadata": {"model_type": config.model_type, "tied": tied}}
+             "copy_files": [str(path) for path in extra_files],
+             "model_metadata": model_metadata(config)}
     pending = PendingSave(output_dir, step, topo, layout_info, plans, extra, keep)
     staged = commits.temp_dir(output_dir, step)
 

@@ -16,7 +16,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -103,6 +103,20 @@ class OverlappedDigest:
         if self.pending is not None:
             self.pending.result()
             self.pending = None
+
+
+def pack(names: Iterable[str], nbytes: Callable[[str], int], max_shard_bytes: int) -> list[list[str]]:
+    """`names`, in order, cut into shards of at most `max_shard_bytes` (a larger tensor gets a shard
+    of its own)."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        if groups[-1] and size + nbytes(name) > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes(name)
+    return groups
 
 
 def write_shard(path: Path, specs: list[TensorSpec], tensors: Iterable[np.ndarray],
@@ -284,8 +298,3 @@ def _piece(whole: np.ndarray, axis: int | None, parts: int, part: int) -> np.nda
 def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
     """bfloat16 held as its raw uint16 bits (numpy has no bfloat16) widened exactly to float32."""
     return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
-def iterate_specs(arrays: dict[str, np.ndarray]) -> Iterator[TensorSpec]:
-    for name in sorted(arrays):
-        yield TensorSpec(name, arrays[name].dtype, tuple(arrays[name].shape))

@@ -16,15 +16,14 @@ from typing import Callable
 
 import numpy as np
 
-from checkpoint.format import (
-    FORMAT_VERSION, MODEL, OPTIMIZER, CheckpointError, index_name, read_versioned_json, write_json_durably,
-)
-from checkpoint.reshard import (
-    UnifiedReader, load_config, new_folder, reading, stages_holding, write_unified_kind,
-)
+from checkpoint.durable import new_folder, write_json_durably
+from checkpoint.format import FORMAT_VERSION, MODEL, OPTIMIZER, CheckpointError, index_name, read_versioned_json
+from checkpoint.plan import tensor_stages
 from checkpoint.shards import ShardReader, TensorSpec, write_shard
-from modeling import tied_groups, validate_layout
-from paddle_pp.layout import Layout
+from checkpoint.unified_io import UnifiedReader, load_config, reading, write_unified_kind
+from modeling.registry import plan_of, validate_layout
+from modeling.tp_plan import local_shape
+from paddle_pp.runtime.layout import Layout
 
 SPLIT_INDEX = "split.index.json"
 DEFAULT_SHARD_BYTES = 5 * 2**30
@@ -66,12 +65,18 @@ def check_split_layout(folder: Path, layout: Layout) -> None:
             "again for this layout (tools/reshard.py split)")
 
 
+def split_layout(tp: int, pp: int, vpp: int) -> Layout:
+    """The layout a split copy is for: its tp, pp and vpp (dp and sharding stay free)."""
+    return Layout(world_size=tp * pp, tensor_parallel_degree=tp, pipeline_parallel_degree=pp, virtual_pp_degree=vpp,
+                  device="cpu")
+
+
 class SplitWriter:
     """Writes per-rank files into a folder and, at the end, the split index that lists them."""
 
-    def __init__(self, folder: Path, tp: int, pp: int, vpp: int):
+    def __init__(self, folder: Path, layout: Layout):
         self.folder = Path(folder)
-        self.layout = {"tensor_parallel_degree": tp, "pipeline_parallel_degree": pp, "virtual_pp_degree": vpp}
+        self.layout = layout.record()
         self.files: dict[str, dict] = {}
         self.ranks: dict[str, dict[str, str]] = {}
         self.tensors: dict[str, dict[str, dict]] = {kind: {} for kind in KINDS}
@@ -90,24 +95,17 @@ class SplitWriter:
             "ranks": self.ranks, "tensors": {kind: t for kind, t in self.tensors.items() if t}})
 
 
-def local_shape(meta: dict, tp: int) -> tuple[int, ...]:
-    shape = list(meta["shape"])
-    if meta.get("tp_axis") is not None and tp > 1:
-        shape[meta["tp_axis"]] //= tp
-    return tuple(shape)
-
-
 def split_checkpoint(source: Path, target: Path, layout: Layout,
                      on_tensor: Callable[[str, int], None] | None = None) -> Path:
     """Write `source` (unified) as per-rank files for `layout`'s tp, pp and vpp."""
     source = Path(source)
     config = load_config(source)
     validate_layout(config, layout)
-    tied = {group[0] for group in tied_groups(config)}
+    plan = plan_of(config)
     with new_folder(target) as partial:
         shutil.copytree(source, partial, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
-        writer = SplitWriter(partial, layout.tp, layout.pp, layout.vpp)
+        writer = SplitWriter(partial, split_layout(layout.tp, layout.pp, layout.vpp))
         model_metadata = {}
         for kind in KINDS:
             if not (source / index_name(kind)).is_file():
@@ -116,10 +114,11 @@ def split_checkpoint(source: Path, target: Path, layout: Layout,
             if kind == MODEL:
                 model_metadata = {k: unified.index["metadata"][k] for k in ("model_type", "tied")}
             for stage in range(layout.pp):
-                names = [n for n in sorted(unified.tensors) if stage in stages_holding(n, config, layout, tied)]
+                names = [n for n in sorted(unified.tensors) if stage in tensor_stages(plan, n, config, layout)]
                 for tp_rank in range(layout.tp):
                     specs = [TensorSpec(n, np.dtype(unified.tensors[n]["dtype"]),
-                                        local_shape(unified.tensors[n], layout.tp)) for n in names]
+                                        local_shape(unified.tensors[n]["shape"], _axis(unified.tensors[n], layout.tp),
+                                                    layout.tp)) for n in names]
                     writer.write(kind, tp_rank, stage, specs,
                                  reading(names, lambda n: unified.read(n, _axis(unified.tensors[n], layout.tp),
                                                                           layout.tp, tp_rank), on_tensor),
@@ -140,8 +139,7 @@ def join_split(source: Path, target: Path, max_shard_bytes: int = DEFAULT_SHARD_
     index = read_split_index(source)
     tp, pp, vpp = split_degrees(index)
     meta = index["metadata"]
-    saving_layout = {"describe": f"pre-split tp{tp} pp{pp} vpp{vpp}", "tensor_parallel_degree": tp,
-                     "pipeline_parallel_degree": pp, "virtual_pp_degree": vpp}
+    saving_layout = split_layout(tp, pp, vpp).record()
     with new_folder(target) as partial:
         shutil.copytree(source, partial, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("*.safetensors", SPLIT_INDEX))

@@ -7,6 +7,8 @@ from typing import Callable
 
 from checkpoint.format import MODEL, OPTIMIZER, STATE_SEPARATOR, CheckpointError, index_name, read_index
 from checkpoint.shards import ShardReader, file_checksum, recorded_checksum
+from checkpoint.unified_io import load_config
+from modeling.registry import plan_of
 
 
 def verify_checkpoint(folder: Path, on_file: Callable[[str, int], None] | None = None) -> list[str]:
@@ -61,16 +63,12 @@ def verify_checkpoint(folder: Path, on_file: Callable[[str, int], None] | None =
 
 def _against_config(folder: Path) -> list[str]:
     """The model index against the shapes `config.json` implies (single-card names and shapes)."""
-    from checkpoint.reshard import load_config
-    from modeling import single_card_shapes, tied_groups
-
     try:
         config = load_config(folder)
         tensors = read_index(folder, MODEL)["metadata"]["tensors"]
     except (CheckpointError, OSError, ValueError, KeyError) as err:
         return [f"{folder}: cannot compare with config.json ({err})"]
-    copies = {name for group in tied_groups(config) for name in group[1:]}
-    expected = {name: list(shape) for name, shape in single_card_shapes(config).items() if name not in copies}
+    expected = {name: list(row.shape) for name, row in plan_of(config).items()}
     problems = [f"{name}: missing; config.json describes it with shape {shape}"
                 for name, shape in sorted(expected.items()) if name not in tensors]
     problems += [f"{name}: shape {tensors[name]['shape']}, config.json implies {shape}"

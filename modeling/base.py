@@ -8,10 +8,11 @@ import paddle
 from paddlenlp.transformers.configuration_utils import PretrainedConfig
 from paddlenlp.transformers.model_utils import PretrainedModel
 
-from modeling.tp_utils import tensor_parallel_mappings
+from modeling.tp_plan import split_axes, tensor_parallel_mappings
+from paddle_pp.runtime.errors import UserError
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(UserError, ValueError):
     """A model config whose shapes do not fit together."""
 
 
@@ -44,14 +45,14 @@ class CausalLMConfig(PretrainedConfig):
 
 
 class CausalLMPretrainedModel(PretrainedModel):
-    """PaddleNLP hooks answered from the family's TP plan module (`tp_plan.split_axes`)."""
+    """PaddleNLP hooks answered from the family's TP plan module (`tp_plan.tensor_plan`)."""
 
     tp_plan: ModuleType
 
     @classmethod
     def _get_tensor_parallel_mappings(cls, config, is_split: bool = True) -> dict:
         return tensor_parallel_mappings(
-            cls.tp_plan.split_axes(config), is_split, config.tensor_parallel_degree, config.tensor_parallel_rank)
+            split_axes(cls.tp_plan.tensor_plan(config)), is_split, config.tensor_parallel_degree, config.tensor_parallel_rank)
 
     def _init_weights(self, layer):
         """Matrices (linears, embeddings, heads) from N(0, initializer_range); vectors keep their

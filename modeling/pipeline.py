@@ -6,8 +6,10 @@ from paddle import nn
 from paddle.distributed import fleet
 from paddle.distributed.fleet.meta_parallel import PipelineLayer
 
+from paddle_pp.runtime.errors import UserError
 
-class PipelineSplitError(ValueError):
+
+class PipelineSplitError(UserError, ValueError):
     """Decoder layers that cannot be spread over the requested pipeline chunks without loss."""
 
 

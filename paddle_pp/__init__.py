@@ -1,0 +1,5 @@
+"""paddle-pp's runtime and training layers (see README, "Layers").
+
+`paddle_pp.runtime` is the bottom layer (layout, topology, launch, Paddle backends); models,
+then the unified checkpoint, build on it; `paddle_pp.training` and `paddle_pp.data` sit on top.
+"""

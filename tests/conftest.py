@@ -1,21 +1,20 @@
-"""Shared fixtures: the worker scripts live in tests/workers and are importable for their case builders."""
+"""Shared fixtures: real launches of the worker scripts in tests/workers and of run_pretrain.py."""
 
 from __future__ import annotations
 
 import functools
-import sys
 from pathlib import Path
 
 import pytest
+from runs import CORPUS, RESUME_STEP, TOKENIZER, Run, pretrain
+
+from paddle_pp.runtime.launch import launch
 
 WORKERS = Path(__file__).parent / "workers"
-sys.path.insert(0, str(WORKERS))
 
 
 def _launcher(base: Path):
-    from paddle_pp.launch import launch
-
-    def run(script: str, nproc: int, args=(), timeout: float = 300.0, nnodes: int = 1, tag: str = "job"):
+    def run(script: str | Path, nproc: int, args=(), timeout: float = 300.0, nnodes: int = 1, tag: str = "job"):
         return launch(WORKERS / script, nproc, list(args), work_dir=base / tag, timeout=timeout, nnodes=nnodes,
                       retries_on_silent_abort=1)
 
@@ -37,8 +36,6 @@ def run_workers_module(tmp_path_factory):
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory):
     """The shipped corpus tokenized once per session (runs then skip preprocessing)."""
-    from pretrain_case import CORPUS, TOKENIZER
-
     from paddle_pp.data.tokens import preprocess
 
     prefix = tmp_path_factory.mktemp("data") / "jargon"
@@ -48,15 +45,17 @@ def data_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def pretrain_run(tmp_path_factory, data_cache):
-    """run_pretrain.py launched once per (tag, ranks, flags) for the whole session, so trainer and
-    checkpoint tests share their most expensive runs: (per-rank results, output dir)."""
-    from pretrain_case import pretrain
-
+    """Each `Run` launched once for the whole session, so trainer and checkpoint tests share their
+    most expensive runs: (per-rank results, output dir)."""
     launcher = _launcher(tmp_path_factory.mktemp("pretrain_jobs"))
 
     @functools.cache
-    def run(tag: str, nproc: int, flags: tuple[str, ...], nnodes: int = 1):
-        out = tmp_path_factory.mktemp(tag)
-        return pretrain(launcher, data_cache, out, nproc, list(flags), tag, nnodes), out
+    def run(description: Run):
+        flags = description.flags
+        if description.resume_from is not None:
+            _, saved = run(description.resume_from)
+            flags += ("--resume_from_checkpoint", str(saved / f"checkpoint-{RESUME_STEP}"))
+        out = tmp_path_factory.mktemp(description.tag)
+        return pretrain(launcher, data_cache, out, description.nproc, flags, description.tag, description.nnodes), out
 
     return run

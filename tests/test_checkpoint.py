@@ -15,82 +15,75 @@ import numpy as np
 import paddle
 import pytest
 from parity import assert_same_logits
-from pretrain_case import FOUR_D_SAVING, MODEL, PP2, REPO, SCRIPT, SHARDING2, TP2, pretrain
+from runs import FOUR_D_SAVING, GPT, HALF, MODEL, PP2, REPO, SCRIPT, SHARDING2, SINGLE, TP2, Run, pretrain
 
 from checkpoint.commit import latest_checkpoint, rotate
 from checkpoint.format import FORMAT_VERSION, CheckpointError
 from checkpoint.load import checking_ranks
 from checkpoint.shards import ShardReader, file_checksum
 from checkpoint.verify import verify_checkpoint
-from paddle_pp.launch import LaunchError
+from paddle_pp.runtime.launch import LaunchError
 
 RESUME_TOL = 1e-5
-HALF = ["--exit_after_steps", "10", "--save_steps", "10"]
-GPT = ["--model_type", "gpt", "--num_key_value_heads", "0"]
 LAYOUTS = {  # name: (nproc, flags)
-    "single": (1, []),
-    "4d": (16, list(FOUR_D_SAVING[2])),
+    "single": (1, ()),
+    "4d": (FOUR_D_SAVING.nproc, FOUR_D_SAVING.flags),
     "tp2pp2": (4, TP2 + PP2),
     "dp2_sharding2": (4, SHARDING2),
     "pp2": (2, PP2),
-    "pp2_vpp2": (2, PP2 + ["--virtual_pp_degree", "2"]),
+    "pp2_vpp2": (2, PP2 + ("--virtual_pp_degree", "2")),
 }
 MATRIX = [("single", "4d"), ("4d", "single"), ("tp2pp2", "dp2_sharding2"), ("pp2", "pp2_vpp2")]
 
 
-@pytest.fixture(scope="module")
-def runs(pretrain_run):
-    """'full:<model>' (20 steps on one card), 'first:<model>:<A>' (10 steps under A and a save; for
-    the 4D layout, the trainer suite's 20-step 4D run, which saves at step 10 too) and
-    'resumed:<model>:<A>:<B>' (steps 11-20 under B from A's step-10 checkpoint)."""
+def full(model: str) -> Run:
+    """20 uninterrupted steps on one card (LLaMA's is the trainer suite's single-card run)."""
+    return SINGLE if model == "llama" else Run("full_gpt", flags=GPT)
 
-    def get(key: str):
-        kind, model, *layouts = key.split(":")
-        flags = tuple(GPT if model == "gpt" else [])
-        tag = key.replace(":", "_")
-        if kind == "full":
-            return pretrain_run("single" if model == "llama" else tag, 1, flags)  # "single": the trainer suite's
-        if kind == "first":
-            if model == "llama" and layouts[0] == "4d":
-                return pretrain_run(*FOUR_D_SAVING)
-            nproc, layout = LAYOUTS[layouts[0]]
-            return pretrain_run(tag, nproc, flags + tuple(layout + HALF))
-        _, first_out = get(f"first:{model}:{layouts[0]}")
-        nproc, layout = LAYOUTS[layouts[1]]
-        return pretrain_run(tag, nproc, flags + tuple(layout + ["--resume_from_checkpoint",
-                                                                 str(first_out / "checkpoint-10")]))
 
-    return get
+def first(model: str, layout: str) -> Run:
+    """10 steps under `layout` and a save; for 4D, the trainer suite's run that saves at step 10 too."""
+    if layout == "4d":
+        return FOUR_D_SAVING
+    nproc, flags = LAYOUTS[layout]
+    return Run(f"first_{model}_{layout}", nproc, (GPT if model == "gpt" else ()) + flags + HALF)
+
+
+def resumed(model: str, saved_as: str, resumed_as: str) -> Run:
+    """Steps 11-20 under `resumed_as` from the step-10 checkpoint saved under `saved_as`."""
+    nproc, flags = LAYOUTS[resumed_as]
+    return Run(f"resumed_{model}_{saved_as}_{resumed_as}", nproc, (GPT if model == "gpt" else ()) + flags,
+               resume_from=first(model, saved_as))
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("saved_as, resumed_as", MATRIX, ids=[f"{a}->{b}" for a, b in MATRIX])
-def test_resume_under_another_layout_continues_the_single_card_run(runs, saved_as, resumed_as):
-    (full, *_), _ = runs("full:llama")
-    results, _ = runs(f"resumed:llama:{saved_as}:{resumed_as}")
-    np.testing.assert_allclose(results[0]["losses"], full["losses"][10:], rtol=RESUME_TOL)
+def test_resume_under_another_layout_continues_the_single_card_run(pretrain_run, saved_as, resumed_as):
+    (reference, *_), _ = pretrain_run(full("llama"))
+    results, _ = pretrain_run(resumed("llama", saved_as, resumed_as))
+    np.testing.assert_allclose(results[0]["losses"], reference["losses"][10:], rtol=RESUME_TOL)
 
 
 @pytest.mark.multiproc
-def test_tied_gpt_saved_from_pp2_resumes_on_one_card(runs):
-    (full, *_), _ = runs("full:gpt")
-    (resumed, *_), _ = runs("resumed:gpt:pp2:single")
-    np.testing.assert_allclose(resumed["losses"], full["losses"][10:], rtol=RESUME_TOL)
-    index = json.loads((runs("first:gpt:pp2")[1] / "checkpoint-10" / "model.safetensors.index.json").read_text())
+def test_tied_gpt_saved_from_pp2_resumes_on_one_card(pretrain_run):
+    (reference, *_), _ = pretrain_run(full("gpt"))
+    (result, *_), _ = pretrain_run(resumed("gpt", "pp2", "single"))
+    np.testing.assert_allclose(result["losses"], reference["losses"][10:], rtol=RESUME_TOL)
+    index = json.loads((pretrain_run(first("gpt", "pp2"))[1] / "checkpoint-10" / "model.safetensors.index.json").read_text())
     assert "gpt.embeddings.word_embeddings.weight" in index["weight_map"] and "lm_head.weight" not in index["weight_map"]
     assert index["metadata"]["tied"] == [["gpt.embeddings.word_embeddings.weight", "lm_head.weight"]]
 
 
 @pytest.mark.multiproc
-def test_same_layout_resume_is_bitwise_equal(runs):
-    (full, *_), _ = runs("full:llama")
-    (resumed, *_), _ = runs("resumed:llama:single:single")
-    assert resumed["losses"] == full["losses"][10:]
+def test_same_layout_resume_is_bitwise_equal(pretrain_run):
+    (reference, *_), _ = pretrain_run(full("llama"))
+    (result, *_), _ = pretrain_run(resumed("llama", "single", "single"))
+    assert result["losses"] == reference["losses"][10:]
 
 
 @pytest.mark.multiproc
-def test_index_records_layout_checksums_and_split_axes(runs):
-    _, out = runs("first:llama:4d")
+def test_index_records_layout_checksums_and_split_axes(pretrain_run):
+    _, out = pretrain_run(FOUR_D_SAVING)
     folder = out / "checkpoint-10"
     assert latest_checkpoint(out) == out / "checkpoint-20"
     index = json.loads((folder / "model.safetensors.index.json").read_text())
@@ -107,13 +100,13 @@ def test_index_records_layout_checksums_and_split_axes(runs):
 
 
 @pytest.mark.multiproc
-def test_paddlenlp_from_pretrained_gives_our_logits(runs):
+def test_paddlenlp_from_pretrained_gives_our_logits(pretrain_run):
     import paddlenlp.transformers as nlp
 
     from modeling.llama.config import LlamaConfig
     from modeling.llama.modeling import LlamaForCausalLM
 
-    folder = runs("first:llama:tp2pp2")[1] / "checkpoint-10"
+    folder = pretrain_run(first("llama", "tp2pp2"))[1] / "checkpoint-10"
     theirs = nlp.LlamaForCausalLM.from_pretrained(str(folder))
     config = json.loads((folder / "config.json").read_text())
     ours = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "architectures"}))
@@ -127,17 +120,17 @@ def test_paddlenlp_from_pretrained_gives_our_logits(runs):
 
 
 @pytest.mark.multiproc
-def test_corrupt_file_is_checked_by_one_rank_and_fails_every_rank(runs, run_workers, data_cache, tmp_path):
+def test_corrupt_file_is_checked_by_one_rank_and_fails_every_rank(pretrain_run, run_workers, data_cache, tmp_path):
     """A tp2 resume reads every file on both ranks; one checks each file's CRC and the other's
     failure names it too, so nobody trains on (or waits for) a damaged checkpoint."""
-    folder = _copy(runs("first:llama:tp2pp2")[1] / "checkpoint-10", tmp_path / "checkpoint-10")
+    folder = _copy(pretrain_run(first("llama", "tp2pp2"))[1] / "checkpoint-10", tmp_path / "checkpoint-10")
     shard = max(folder.glob("model-*.safetensors"), key=lambda path: path.stat().st_size)
     data = bytearray(shard.read_bytes())
     data[-5] ^= 0x01
     shard.write_bytes(bytes(data))
-    with pytest.raises(LaunchError):
-        pretrain(run_workers, data_cache, tmp_path / "out", 2, TP2 + ["--resume_from_checkpoint", folder], "corrupt")
-    logs = [(tmp_path / "corrupt" / "attempt0" / "log_node0" / f"workerlog.{rank}").read_text() for rank in (0, 1)]
+    with pytest.raises(LaunchError) as error:
+        pretrain(run_workers, data_cache, tmp_path / "out", 2, TP2 + ("--resume_from_checkpoint", folder), "corrupt")
+    logs = [error.value.rank_logs[rank] for rank in (0, 1)]
     checked = [rank for rank, log in enumerate(logs) if f"{shard.name} fails its crc32 checksum" in log
                and "failed on rank" not in log]
     assert len(checked) == 1, [log[-1500:] for log in logs]

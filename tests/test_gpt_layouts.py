@@ -11,7 +11,8 @@ import functools
 
 import paddle
 import pytest
-from parity import PP2, TP2, assert_matches, assert_same_logits, run_model, write_model_files
+from parity import assert_matches, assert_same_logits, run_model, write_model_files
+from runs import PP2, TP2
 
 from modeling.gpt.config import GPTConfig
 from modeling.gpt.modeling import GPTForCausalLM
@@ -22,7 +23,7 @@ CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_la
               max_position_embeddings=64)
 # SGD with a clip norm far below the gradient norm (1.24 at step 0): the update is the clipped gradient itself, so a
 # tied gradient counted twice in the global norm (Paddle#78680) changes every parameter.
-TIGHT_CLIP_SGD = ["--optimizer", "sgd", "--clip_norm", "0.05"]
+TIGHT_CLIP_SGD = ("--optimizer", "sgd", "--clip_norm", "0.05")
 LAYOUTS = {
     "pp2": (2, PP2),
     "tp2pp2": (4, TP2 + PP2),
@@ -37,7 +38,7 @@ def gpt_run(run_workers_module, tmp_path_factory):
 
     @functools.cache
     def get(name):
-        nproc, flags = (1, []) if name == "single" else LAYOUTS[name]
+        nproc, flags = (1, ()) if name == "single" else LAYOUTS[name]
         return run_model(run_workers_module, files, nproc, flags, name)
 
     return get

@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from runs import PP2, SHARDING2, TP2
 
 pytestmark = pytest.mark.multiproc
 
 RTOL = 1e-5
-SHARDING2 = ["--sharding_parallel_degree", "2", "--sharding", "stage1"]
-TP2 = ["--tensor_parallel_degree", "2"]
-PP2 = ["--pipeline_parallel_degree", "2"]
 
 LAYOUTS = {
-    "dp2": (2, []),
+    "dp2": (2, ()),
     "sharding2": (2, SHARDING2),
     "tp2": (2, TP2),
     "pp2": (2, PP2),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from paddle_pp.launch import LaunchError
+from paddle_pp.runtime.launch import LaunchError
 
 pytestmark = pytest.mark.multiproc
 

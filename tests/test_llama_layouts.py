@@ -10,7 +10,8 @@ import functools
 
 import paddle
 import pytest
-from parity import PP2, SHARDING2, TP2, VPP2, assert_matches, assert_same_logits, run_model, write_model_files
+from parity import assert_matches, assert_same_logits, run_model, write_model_files
+from runs import PP2, SHARDING2, TP2
 
 from modeling.llama.config import LlamaConfig
 from modeling.llama.modeling import LlamaForCausalLM
@@ -23,11 +24,11 @@ LAYOUTS = {
     "tp2": (2, TP2),
     "pp2": (2, PP2),
     "tp2pp2": (4, TP2 + PP2),
-    "dp2": (2, []),
+    "dp2": (2, ()),
     "sharding2": (2, SHARDING2),
     "dp2_sharding2_tp2_pp2": (16, TP2 + PP2 + SHARDING2),
-    "pp2_vpp2": (2, PP2 + VPP2 + ["--accumulate_steps", "4"]),
-    "pp4": (4, ["--pipeline_parallel_degree", "4", "--accumulate_steps", "4"]),
+    "pp2_vpp2": (2, PP2 + ("--virtual_pp_degree", "2", "--accumulate_steps", "4")),
+    "pp4": (4, ("--pipeline_parallel_degree", "4", "--accumulate_steps", "4")),
 }
 
 
@@ -42,7 +43,7 @@ def llama_run(run_workers_module, llama_files):
 
     @functools.cache
     def get(name):
-        nproc, flags = (1, []) if name == "single" else LAYOUTS[name]
+        nproc, flags = (1, ()) if name == "single" else LAYOUTS[name]
         return run_model(run_workers_module, llama_files, nproc, flags, name)
 
     return get

@@ -14,15 +14,15 @@ import sys
 import numpy as np
 import paddle
 import pytest
-from pretrain_case import MODEL, PP2, REPO, SCRIPT, TP2
+from runs import MODEL, PP2, REPO, SCRIPT, TP2
 
 from checkpoint.fleet import merge_fleet
 from checkpoint.format import CheckpointError
-from checkpoint.reshard import UnifiedReader
+from checkpoint.unified_io import UnifiedReader
 from checkpoint.shards import ShardReader
 from checkpoint.split import join_split, rank_file, split_checkpoint
 from checkpoint.verify import verify_checkpoint
-from paddle_pp.layout import Layout
+from paddle_pp.runtime.layout import Layout
 
 RESUME_TOL = 1e-5
 TOOL = REPO / "tools" / "reshard.py"

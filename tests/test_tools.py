@@ -9,14 +9,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pretrain_case import MODEL, REPO, SCRIPT
+from runs import MODEL, REPO, SCRIPT
 
 from checkpoint.hf import export_hf, import_hf
-from checkpoint.reshard import load_config, plan_layout, rechunk
+from checkpoint.plan import plan_layout
 from checkpoint.shards import ShardReader
+from checkpoint.unified_io import load_config, rechunk
 from checkpoint.verify import verify_checkpoint
-from modeling import single_card_shapes, split_axes
-from paddle_pp.layout import Layout, LayoutError
+from modeling.registry import plan_of
+from paddle_pp.runtime.layout import Layout, LayoutError
 
 TOOLS = REPO / "tools"
 
@@ -46,9 +47,8 @@ def test_plan_sizes_every_rank_and_covers_the_model(checkpoint):
                     sharding="stage1", device="gpu")
     shares = plan_layout(config, layout)
     assert {(s.stage, s.tp_rank) for s in shares} == {(0, 0), (0, 1), (1, 0), (1, 1)}
-    axes = split_axes(config)
-    held = sum(int(np.prod(shape)) * (1 if axes[name] is not None else 2)  # replicated: on both tp ranks
-               for name, shape in single_card_shapes(config).items())
+    held = sum(int(np.prod(row.shape)) * (1 if row.tp_axis is not None else 2)  # replicated: on both tp ranks
+               for row in plan_of(config).values())
     assert sum(s.parameters for s in shares) == held
     assert all(s.optimizer_bytes == s.parameters * 8 // 2 for s in shares), "AdamW states are sharded over 2"
     tool = subprocess.run([sys.executable, str(TOOLS / "reshard.py"), "plan", "--checkpoint", str(checkpoint),
@@ -130,11 +130,11 @@ def test_verify_names_weights_that_do_not_fit_config(checkpoint, tmp_path):
 
 @pytest.mark.multiproc
 def test_check_alignment_passes_tp2_and_fails_a_tampered_layout(checkpoint, tmp_path):
-    from paddle_pp.alignment import check_alignment, plot_alignment
+    from paddle_pp.training.alignment import check_alignment, plot_alignment
 
     report = check_alignment(checkpoint, ["--tensor_parallel_degree", "2"], 2, steps=2, work_dir=tmp_path / "tp2")
     assert report.steps == [3, 4] and report.aligned, report.table()
-    assert len(report.tensor_diffs) == len(report.gradient_diffs) == len(single_card_shapes(load_config(checkpoint)))
+    assert len(report.tensor_diffs) == len(report.gradient_diffs) == len(plan_of(load_config(checkpoint)))
     assert report.worst_gradient_rel <= 1e-5
     assert plot_alignment(report, tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
     tampered = check_alignment(checkpoint, ["--tensor_parallel_degree", "2", "--learning_rate", "0.01"], 2,

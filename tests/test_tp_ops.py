@@ -6,12 +6,33 @@ import numpy as np
 import paddle
 import pytest
 
-from tp_ops_worker import IGNORE_INDEX, make_case
-
 pytestmark = pytest.mark.multiproc
+
+VOCAB_PER_RANK = 5
+HIDDEN_PER_RANK = 3
+IGNORE_INDEX = -100
 
 RTOL = 1e-6
 ATOL = 1e-6  # absolute floor for entries that are sums of O(1) terms cancelling to near zero
+
+
+def make_case(tp: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    batch, seq = 2, 3
+    hidden, vocab = HIDDEN_PER_RANK * tp, VOCAB_PER_RANK * tp
+    labels = rng.integers(0, vocab, size=(batch, seq)).astype("int64")
+    labels[0, 1] = IGNORE_INDEX
+    return {
+        "x": rng.standard_normal((batch, seq, hidden)).astype("float32"),
+        "parts": rng.standard_normal((tp, batch, seq, hidden)).astype("float32"),
+        "grad_blocks": rng.standard_normal((tp, batch, seq, hidden)).astype("float32"),
+        "grad_full": rng.standard_normal((batch, seq, hidden)).astype("float32"),
+        "table": rng.standard_normal((vocab, hidden)).astype("float32"),
+        "ids": rng.integers(0, vocab, size=(batch, seq)).astype("int64"),
+        "logits": (3 * rng.standard_normal((batch, seq, vocab))).astype("float32"),
+        "labels": labels,
+        "loss_weights": rng.standard_normal((batch, seq, 1)).astype("float32"),
+    }
 
 
 def _grad(fn, *arrays):
@@ -50,9 +71,10 @@ def reference(case: dict, tp: int, rank: int) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_tp_ops_match_single_process(run_workers, tp):
-    results = run_workers("tp_ops_worker.py", tp, [str(tp)], timeout=180)
+def test_tp_ops_match_single_process(run_workers, tmp_path, tp):
     case = make_case(tp)
+    np.savez(tmp_path / "case.npz", ignore_index=IGNORE_INDEX, **case)
+    results = run_workers("tp_ops_worker.py", tp, [tmp_path / "case.npz"], timeout=180)
     assert sorted(r["tp_rank"] for r in results) == list(range(tp))
     for result in results:
         expected = reference(case, tp, result["tp_rank"])

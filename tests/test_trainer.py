@@ -14,34 +14,27 @@ import sys
 
 import numpy as np
 import pytest
-from pretrain_case import FOUR_D_SAVING, MODEL, PP2, REPO, SCRIPT, TP2
+from runs import FOUR_D_SAVING, MODEL, PP2, REPO, SCRIPT, SINGLE, TP2, Run
 
-from paddle_pp.arguments import parse_args
-from paddle_pp.precision import PrecisionError
-from paddle_pp.trainer import Pretrainer, TrainingConfigError
+from paddle_pp.training.arguments import parse_args
+from paddle_pp.training.precision import PrecisionError
+from paddle_pp.training.trainer import Pretrainer, TrainingConfigError
 
 LOSS_RTOL = 1e-4
-LAYOUTS = {
-    "single": (1, 1, []),
-    "tp2pp2": (4, 1, TP2 + PP2),
-    "tp2pp2_recompute": (4, 1, TP2 + PP2 + ["--recompute"]),
-    "pp4": (4, 1, ["--pipeline_parallel_degree", "4"]),
-    "dp2pp2": (4, 1, PP2),
-    "dp2pp2_two_nodes": (2, 2, PP2),
-}
+RUNS = {run.tag: run for run in (
+    SINGLE,
+    Run("tp2pp2", 4, TP2 + PP2),
+    Run("tp2pp2_recompute", 4, TP2 + PP2 + ("--recompute",)),
+    Run("pp4", 4, ("--pipeline_parallel_degree", "4")),
+    Run("dp2pp2", 4, PP2),
+    Run("dp2pp2_two_nodes", 2, PP2, nnodes=2),
+)} | {"dp2_sharding2_tp2_pp2": FOUR_D_SAVING}
 
 
 @pytest.fixture(scope="module")
 def trained(pretrain_run):
     """(per-rank results, rank 0's output dir) of a named layout's 20-step run."""
-
-    def get(name):
-        if name == "dp2_sharding2_tp2_pp2":
-            return pretrain_run(*FOUR_D_SAVING)
-        nproc, nnodes, flags = LAYOUTS[name]
-        return pretrain_run(name, nproc, tuple(flags), nnodes)
-
-    return get
+    return lambda name: pretrain_run(RUNS[name])
 
 
 @pytest.mark.multiproc
@@ -104,7 +97,7 @@ def test_yaml_config_is_overridden_by_flags(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("max_steps: 7\nlearning_rate: 0.01\n")
     args = parse_args(["--config", str(config), "--max_steps", "9"])
-    assert (args.max_steps, args.learning_rate) == (9, 0.01)
+    assert (args.optim.max_steps, args.optim.learning_rate) == (9, 0.01)
     config.write_text("max_stepz: 7\n")
     with pytest.raises(SystemExit):
         parse_args(["--config", str(config)])

@@ -12,9 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from paddle_pp.alignment import check_alignment, plot_alignment  # noqa: E402
+from paddle_pp.training.alignment import check_alignment, plot_alignment
 
 
 def main(argv: list[str] | None = None) -> int:

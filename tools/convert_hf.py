@@ -1,4 +1,4 @@
-"""Move LLaMA weights between our unified checkpoint and the Hugging Face transformers layout.
+"""Move weights between our unified checkpoint and the Hugging Face transformers layout (LLaMA).
 
   export CHECKPOINT OUT   a transformers folder (torch names, [out, in] linears, config.json)
   import HF_FOLDER OUT    a single-card folder our LlamaForCausalLM and the trainer's loader read
@@ -10,11 +10,9 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from checkpoint.format import CheckpointError  # noqa: E402
-from checkpoint.hf import export_hf, import_hf  # noqa: E402
-from paddle_pp.report import TensorProgress  # noqa: E402
+from checkpoint.hf import export_hf, import_hf
+from paddle_pp.runtime.errors import UserError
+from paddle_pp.training.report import tensor_progress
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,11 +23,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max_shard_gb", type=float, default=5.0, help="largest output shard")
     args = parser.parse_args(argv)
     convert = export_hf if args.direction == "export" else import_hf
-    progress = TensorProgress(sum(p.stat().st_size for p in args.source.glob("model*.safetensors")))
+    total = sum(p.stat().st_size for p in args.source.glob("model*.safetensors"))
     try:
-        out = convert(args.source, args.target, int(args.max_shard_gb * (1 << 30)), progress)
-        progress.close()
-    except (CheckpointError, FileExistsError, FileNotFoundError) as err:
+        with tensor_progress(total, args.direction) as on_tensor:
+            out = convert(args.source, args.target, int(args.max_shard_gb * (1 << 30)), on_tensor)
+    except (UserError, FileNotFoundError) as err:
         print(f"convert_hf.py: error: {err}", file=sys.stderr)
         return 1
     print(f"wrote {out}")

@@ -16,15 +16,15 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from checkpoint.fleet import merge_fleet  # noqa: E402
-from checkpoint.format import CheckpointError  # noqa: E402
-from checkpoint.reshard import load_config, plan_layout, rechunk  # noqa: E402
-from checkpoint.split import join_split, split_checkpoint  # noqa: E402
-from modeling import config_from_dict  # noqa: E402
-from paddle_pp.layout import Layout, LayoutError, add_layout_args  # noqa: E402
-from paddle_pp.report import TensorProgress  # noqa: E402
+from checkpoint.fleet import merge_fleet
+from checkpoint.format import CheckpointError
+from checkpoint.plan import plan_layout
+from checkpoint.split import join_split, split_checkpoint
+from checkpoint.unified_io import load_config, rechunk
+from modeling.registry import config_from_dict
+from paddle_pp.runtime.errors import UserError
+from paddle_pp.runtime.layout import Layout, add_layout_args
+from paddle_pp.training.report import tensor_progress
 
 DATA_SUFFIXES = {".safetensors", ".pdparams", ".pdopt"}
 
@@ -46,15 +46,15 @@ def _rewrite(args) -> int:
     """split, join, merge and rechunk: a streaming rewrite of SOURCE into TARGET with a progress bar."""
     if not args.source.is_dir():
         raise CheckpointError(f"{args.source} is not a folder")
-    progress = TensorProgress(sum(p.stat().st_size for p in args.source.iterdir() if p.suffix in DATA_SUFFIXES))
-    if args.command == "split":
-        layout = Layout.from_args(args, world_size=args.tensor_parallel_degree * args.pipeline_parallel_degree
-                                  * args.sharding_parallel_degree, device="cpu")
-        out = split_checkpoint(args.source, args.target, layout, progress)
-    else:
-        rewrite = {"join": join_split, "merge": merge_fleet, "rechunk": rechunk}[args.command]
-        out = rewrite(args.source, args.target, int(args.max_shard_mb * 2**20), progress)
-    progress.close()
+    total = sum(p.stat().st_size for p in args.source.iterdir() if p.suffix in DATA_SUFFIXES)
+    with tensor_progress(total, args.command) as on_tensor:
+        if args.command == "split":
+            layout = Layout.from_args(args, world_size=args.tensor_parallel_degree * args.pipeline_parallel_degree
+                                      * args.sharding_parallel_degree, device="cpu")
+            out = split_checkpoint(args.source, args.target, layout, on_tensor)
+        else:
+            rewrite = {"join": join_split, "merge": merge_fleet, "rechunk": rechunk}[args.command]
+            out = rewrite(args.source, args.target, int(args.max_shard_mb * 2**20), on_tensor)
     print(f"wrote {out}")
     return 0
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return _plan(args) if args.command == "plan" else _rewrite(args)
-    except (LayoutError, CheckpointError, ValueError) as err:
+    except (UserError, ValueError) as err:
         print(f"reshard.py: error: {err}", file=sys.stderr)
         return 1
 

@@ -6,9 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from paddle_pp.data.tokenizer import train_tokenizer  # noqa: E402
+from paddle_pp.data.tokenizer import train_tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:

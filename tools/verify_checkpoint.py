@@ -7,19 +7,16 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from checkpoint.verify import verify_checkpoint  # noqa: E402
-from paddle_pp.report import TensorProgress  # noqa: E402
+from checkpoint.verify import verify_checkpoint
+from paddle_pp.training.report import tensor_progress
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("folder", type=Path, help="a checkpoint-<step> folder")
     args = parser.parse_args(argv)
-    progress = TensorProgress(sum(p.stat().st_size for p in args.folder.glob("*.safetensors")))
-    problems = verify_checkpoint(args.folder, progress)
-    progress.close()
+    with tensor_progress(sum(p.stat().st_size for p in args.folder.glob("*.safetensors")), "verify") as on_file:
+        problems = verify_checkpoint(args.folder, on_file)
     for problem in problems:
         print(f"PROBLEM {problem}")
     print(f"{args.folder}: {'OK' if not problems else f'{len(problems)} problem(s)'}")

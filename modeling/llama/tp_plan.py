@@ -1,67 +1,44 @@
-"""How each LLaMA weight splits under tensor parallelism: the one source save, load and tools read.
+"""LLaMA's TP plan: every parameter's single-card shape, split axis and pipeline place, in one table.
 
-Paddle linears store weights as [in, out]: a column-parallel linear splits axis 1, a row-parallel
-one axis 0; the embedding splits its vocabulary rows. `None` means replicated on every tp rank.
+Save, load, the planner, the pre-split tools and the transformers mapping all read this table;
+`modeling.registry.check_model_against_plan` proves the built model agrees with it on every rank.
 """
 
 from __future__ import annotations
 
 from modeling.llama.config import LlamaConfig
-from modeling.tp_utils import TPPlanError
-
-COLUMN, ROW, REPLICATED = 1, 0, None
-
-_LAYER_AXES = {
-    "self_attn.q_proj.weight": COLUMN,
-    "self_attn.k_proj.weight": COLUMN,
-    "self_attn.v_proj.weight": COLUMN,
-    "self_attn.o_proj.weight": ROW,
-    "mlp.gate_proj.weight": COLUMN,
-    "mlp.up_proj.weight": COLUMN,
-    "mlp.down_proj.weight": ROW,
-    "input_layernorm.weight": REPLICATED,
-    "post_attention_layernorm.weight": REPLICATED,
-}
+from modeling.tp_plan import COLUMN, FIRST, LAST, REPLICATED, ROW, VOCAB_ROWS, TensorPlan, check_divisible
 
 
-def check_tensor_parallel(config: LlamaConfig, tp: int) -> None:
+def tensor_plan(config: LlamaConfig) -> dict[str, TensorPlan]:
+    """Single-card name -> TensorPlan, for every parameter of the model."""
+    h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    kv = config.num_key_value_heads * config.head_dim
+    layer = {  # name -> (shape, axis, linear)
+        "self_attn.q_proj.weight": ((h, h), COLUMN, True),
+        "self_attn.k_proj.weight": ((h, kv), COLUMN, True),
+        "self_attn.v_proj.weight": ((h, kv), COLUMN, True),
+        "self_attn.o_proj.weight": ((h, h), ROW, True),
+        "mlp.gate_proj.weight": ((h, i), COLUMN, True),
+        "mlp.up_proj.weight": ((h, i), COLUMN, True),
+        "mlp.down_proj.weight": ((i, h), ROW, True),
+        "input_layernorm.weight": ((h,), REPLICATED, False),
+        "post_attention_layernorm.weight": ((h,), REPLICATED, False),
+    }
+    plan = {"llama.embed_tokens.weight": TensorPlan((v, h), VOCAB_ROWS, FIRST)}
+    for n in range(config.num_hidden_layers):
+        plan |= {f"llama.layers.{n}.{name}": TensorPlan(shape, axis, n, linear)
+                 for name, (shape, axis, linear) in layer.items()}
+    plan["llama.norm.weight"] = TensorPlan((h,), REPLICATED, LAST)
+    plan["lm_head.weight"] = TensorPlan((h, v), COLUMN, LAST, linear=True)
+    return plan
+
+
+def check_tensor_parallel(config, tp: int) -> None:
     """Fail before any weight is built when heads, kv heads or vocabulary do not split over `tp`."""
-    checks = [
-        ("num_attention_heads", config.num_attention_heads),
-        ("num_key_value_heads", config.num_key_value_heads),
-        ("vocab_size", config.vocab_size),
-        ("intermediate_size", config.intermediate_size),
-    ]
-    for field, value in checks:
-        if value % tp:
-            raise TPPlanError(
-                f"LLaMA {field}={value} is not divisible by --tensor_parallel_degree {tp}; "
-                f"choose a degree that divides it{' (or pad the vocabulary)' if field == 'vocab_size' else ''}."
-            )
-
-
-def split_axes(config: LlamaConfig) -> dict[str, int | None]:
-    """Single-card parameter name -> tensor-parallel split axis, for every parameter of the model."""
-    axes: dict[str, int | None] = {"llama.embed_tokens.weight": ROW, "llama.norm.weight": REPLICATED}
-    for i in range(config.num_hidden_layers):
-        axes |= {f"llama.layers.{i}.{name}": axis for name, axis in _LAYER_AXES.items()}
-    axes["lm_head.weight"] = COLUMN
-    return axes
+    check_divisible("LLaMA", config, ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size"), tp)
 
 
 def tied_groups(config: LlamaConfig) -> list[list[str]]:
     """LLaMA keeps its head separate (tied LLaMA is refused by the models)."""
     return []
-
-
-def single_card_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter's single-card shape, computed from the config (no model is built)."""
-    h, i, v, kv = config.hidden_size, config.intermediate_size, config.vocab_size, \
-        config.num_key_value_heads * config.head_dim
-    layer = {"self_attn.q_proj.weight": (h, h), "self_attn.k_proj.weight": (h, kv), "self_attn.v_proj.weight": (h, kv),
-             "self_attn.o_proj.weight": (h, h), "mlp.gate_proj.weight": (h, i), "mlp.up_proj.weight": (h, i),
-             "mlp.down_proj.weight": (i, h), "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
-    shapes = {"llama.embed_tokens.weight": (v, h), "llama.norm.weight": (h,), "lm_head.weight": (h, v)}
-    for n in range(config.num_hidden_layers):
-        shapes |= {f"llama.layers.{n}.{name}": shape for name, shape in layer.items()}
-    return shapes

@@ -9,10 +9,12 @@ import hashlib
 import io
 from pathlib import Path
 
-TOKENIZER_FILE = "tokenizer.model"
+from checkpoint.format import TOKENIZER_FILE
+from paddle_pp.runtime.errors import UserError
 
 
-class TokenizerError(FileNotFoundError):
+
+class TokenizerError(UserError, FileNotFoundError):
     """The tokenizer model is missing or unreadable."""
 
 

@@ -18,11 +18,12 @@ from pathlib import Path
 import numpy as np
 
 from paddle_pp.data.tokenizer import load_tokenizer, tokenizer_digest
+from paddle_pp.runtime.errors import UserError
 
 INDEX_FORMAT = 1
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Missing, stale or too-small token data."""
 
 

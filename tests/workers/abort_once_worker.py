@@ -7,9 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from paddle_pp.launch import write_result  # noqa: E402
+from paddle_pp.runtime.launch import write_result
 
 marker, rank = Path(sys.argv[1]), int(os.environ.get("PADDLE_TRAINER_ID", "0"))
 if "--raise" in sys.argv:

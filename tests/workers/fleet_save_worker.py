@@ -12,14 +12,14 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import paddle
 
-import paddle  # noqa: E402
+from checkpoint.format import CONFIG_FILE, TRAINER_STATE_FILE
 
-from paddle_pp.arguments import parse_args  # noqa: E402
-from paddle_pp.launch import write_result  # noqa: E402
-from paddle_pp.topology import align_ranks, end_job  # noqa: E402
-from paddle_pp.trainer import Pretrainer  # noqa: E402
+from paddle_pp.training.arguments import parse_args
+from paddle_pp.runtime.launch import write_result
+from paddle_pp.runtime.topology import align_ranks, end_job
+from paddle_pp.training.trainer import Pretrainer
 
 
 def suffix(parts: list[tuple[str, int, int]]) -> str:
@@ -36,9 +36,9 @@ def save_like_paddlenlp(trainer: Pretrainer, folder: Path) -> None:
             paddle.save(trainer.raw_model.state_dict(), str(folder / f"model_state.{weights}.pdparams"))
         paddle.save(trainer.optimizer.state_dict(), str(folder / f"optimizer.{optimizer}.pdopt"))
     if topo.global_rank == 0:
-        (folder / "config.json").write_text(json.dumps(trainer.config.to_dict()))
+        (folder / CONFIG_FILE).write_text(json.dumps(trainer.config.to_dict()))
         paddle.save(trainer.schedule.state_dict(), str(folder / "scheduler.pdparams"))
-        (folder / "trainer_state.json").write_text(json.dumps(
+        (folder / TRAINER_STATE_FILE).write_text(json.dumps(
             {"global_step": trainer.step, "consumed_samples": trainer.consumed_samples}))
     align_ranks(topo)  # every file is down before anyone reads the folder
 

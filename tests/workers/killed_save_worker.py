@@ -1,4 +1,4 @@
-"""run_pretrain.py whose process SIGKILLs itself in the middle of its second checkpoint save.
+"""run_pretrain.py (its `main`) whose process SIGKILLs itself in the middle of its second checkpoint save.
 
 The first shard of the second save is written, then the process dies before the save commits:
 exactly a node lost mid-save. Fault injection wraps the shard writer; nothing in the library knows.
@@ -9,12 +9,9 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-import checkpoint.save as save  # noqa: E402
-import run_pretrain  # noqa: E402
+import checkpoint.save as save
+from paddle_pp.training import cli
 
 calls = {"count": 0}
 write_shard = save.write_shard
@@ -29,4 +26,4 @@ def write_then_die(*args, **kwargs):
 
 
 save.write_shard = write_then_die
-sys.exit(run_pretrain.main(sys.argv[1:]))
+sys.exit(cli.main(sys.argv[1:]))

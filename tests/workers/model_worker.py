@@ -15,13 +15,14 @@ import sys
 import numpy as np
 import paddle
 
-from modeling import build_causal_lm, config_from_dict, split_axes
-from modeling.state import gather_single_card_state, load_single_card_state
-from paddle_pp.launch import write_result
-from paddle_pp.layout import Layout, add_layout_args
-from paddle_pp.parallelize import wrap_model, wrap_optimizer
-from paddle_pp.step import eval_loss, replica_slice, train_step
-from paddle_pp.topology import end_job, init_distributed
+from checkpoint.single_card_state import gather_single_card_state, load_single_card_state
+from modeling.registry import build_causal_lm, config_from_dict, plan_of
+from modeling.tp_plan import split_axes
+from paddle_pp.runtime.fleet_wrappers import wrap_model, wrap_optimizer
+from paddle_pp.runtime.launch import write_result
+from paddle_pp.runtime.layout import Layout, add_layout_args
+from paddle_pp.runtime.topology import end_job, init_distributed
+from paddle_pp.training.step import eval_loss, replica_slice, train_step
 
 
 def global_batch(step: int, batch: int, seq: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
@@ -51,7 +52,7 @@ def main(argv: list[str]) -> None:
     topo = init_distributed(layout, micro_batch_size=micro, accumulate_steps=args.accumulate_steps)
     config = config_from_dict(json.loads(open(args.config).read()))
     raw = build_causal_lm(config, topo)
-    axes = split_axes(config)
+    axes = split_axes(plan_of(config))
     load_single_card_state(raw, dict(np.load(args.init)), axes, topo)
     criterion = getattr(raw, "criterion", None)
     clip = paddle.nn.ClipGradByGlobalNorm(args.clip_norm)

@@ -1,6 +1,7 @@
 """Runs each tensor-parallel op on its mp rank and reports outputs and input gradients.
 
-The test recomputes the same quantities in one plain process from `make_case` and compares.
+argv: a case file (.npz) the test wrote; the test recomputes the same quantities in one plain
+process from that case and compares.
 Every op is driven the way fleet's layers drive it: an upstream gradient `grad_*` per rank where
 the op's output is rank-local, one shared upstream gradient where it is replicated.
 """
@@ -10,30 +11,6 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-
-VOCAB_PER_RANK = 5
-HIDDEN_PER_RANK = 3
-IGNORE_INDEX = -100
-
-
-def make_case(tp: int, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    batch, seq = 2, 3
-    hidden, vocab = HIDDEN_PER_RANK * tp, VOCAB_PER_RANK * tp
-    labels = rng.integers(0, vocab, size=(batch, seq)).astype("int64")
-    labels[0, 1] = IGNORE_INDEX
-    return {
-        "x": rng.standard_normal((batch, seq, hidden)).astype("float32"),
-        "parts": rng.standard_normal((tp, batch, seq, hidden)).astype("float32"),
-        "grad_blocks": rng.standard_normal((tp, batch, seq, hidden)).astype("float32"),
-        "grad_full": rng.standard_normal((batch, seq, hidden)).astype("float32"),
-        "table": rng.standard_normal((vocab, hidden)).astype("float32"),
-        "ids": rng.integers(0, vocab, size=(batch, seq)).astype("int64"),
-        "logits": (3 * rng.standard_normal((batch, seq, vocab))).astype("float32"),
-        "labels": labels,
-        "loss_weights": rng.standard_normal((batch, seq, 1)).astype("float32"),
-    }
-
 
 def _tensor(array, grad=True):
     import paddle
@@ -47,16 +24,17 @@ def _block(array, rank, tp, axis=-1):
     return np.split(array, tp, axis=axis)[rank]
 
 
-def run(tp: int) -> dict[str, list]:
+def run(case_file: str) -> dict[str, list]:
     from paddle.distributed import collective
     from paddle.distributed.fleet.layers.mpu import mp_layers
 
-    from paddle_pp.layout import Layout
-    from paddle_pp.topology import init_distributed
+    from paddle_pp.runtime.layout import Layout
+    from paddle_pp.runtime.topology import init_distributed
 
+    case = dict(np.load(case_file))
+    tp, ignore_index = len(case["parts"]), int(case["ignore_index"])
     topo = init_distributed(Layout(world_size=tp, tensor_parallel_degree=tp))
     group, rank = topo.tp_group, topo.tp_rank
-    case = make_case(tp)
     out: dict[str, list] = {}
 
     x = _tensor(case["x"])
@@ -86,7 +64,7 @@ def run(tp: int) -> dict[str, list]:
     out["embedding_fwd"], out["embedding_grad"] = y.numpy().tolist(), embedding.weight.grad.numpy().tolist()
 
     logits = _tensor(_block(case["logits"], rank, tp))
-    loss = mp_layers.ParallelCrossEntropy(ignore_index=IGNORE_INDEX)(logits, _tensor(case["labels"], False))
+    loss = mp_layers.ParallelCrossEntropy(ignore_index=ignore_index)(logits, _tensor(case["labels"], False))
     (loss * _tensor(case["loss_weights"], False)).sum().backward()
     out["cross_entropy_fwd"], out["cross_entropy_grad"] = loss.numpy().tolist(), logits.grad.numpy().tolist()
     out["tp_rank"] = rank
@@ -94,6 +72,6 @@ def run(tp: int) -> dict[str, list]:
 
 
 if __name__ == "__main__":
-    from paddle_pp.launch import write_result
+    from paddle_pp.runtime.launch import write_result
 
-    write_result(run(int(sys.argv[1])))
+    write_result(run(sys.argv[1]))

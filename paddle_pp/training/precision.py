@@ -10,8 +10,10 @@ import contextlib
 
 import paddle
 
+from paddle_pp.runtime.errors import UserError
 
-class PrecisionError(ValueError):
+
+class PrecisionError(UserError, ValueError):
     """Mixed precision requested where it is not available."""
 
 

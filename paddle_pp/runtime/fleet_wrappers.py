@@ -1,4 +1,4 @@
-"""Wrap a model and its optimizer for the layout: fleet's wrappers, minus one upstream gap.
+"""Fleet's model and optimizer wrappers for a layout (minus one upstream gap), and the way back in.
 
 Paddle 3.3.1's `fleet.distributed_model` wraps any `PipelineLayer` on pp=1 in `NoPipelineParallel`,
 which never synchronises gradients, while `HybridParallelOptimizer` in pure data-parallel mode
@@ -15,7 +15,7 @@ from paddle.distributed import fleet
 from paddle.distributed.fleet.base.topology import ParallelMode
 from paddle.distributed.fleet.meta_parallel import PipelineLayer
 
-from paddle_pp.topology import Topology, align_ranks
+from paddle_pp.runtime.topology import Topology, align_ranks
 
 
 def wrap_model(model: paddle.nn.Layer, topo: Topology) -> paddle.nn.Layer:
@@ -35,3 +35,13 @@ def wrap_model(model: paddle.nn.Layer, topo: Topology) -> paddle.nn.Layer:
 def wrap_optimizer(optimizer: paddle.optimizer.Optimizer) -> Any:
     """Fleet's hybrid optimizer: sharding stage1 partitioning and global-norm clipping across all groups."""
     return fleet.distributed_optimizer(optimizer)
+
+
+def inner_optimizer(optimizer: Any) -> paddle.optimizer.Optimizer:
+    """The Paddle optimizer inside fleet's hybrid and sharding wrappers (the one holding states)."""
+    inner = optimizer
+    while not isinstance(inner, paddle.optimizer.Optimizer):
+        inner = getattr(inner, "_inner_opt", None)
+        if inner is None:
+            raise TypeError(f"{type(optimizer).__name__} wraps no paddle.optimizer.Optimizer")
+    return inner

@@ -10,8 +10,8 @@ from __future__ import annotations
 import paddle
 import paddle.distributed as dist
 
-from paddle_pp.precision import autocast
-from paddle_pp.topology import Topology
+from paddle_pp.runtime.topology import Topology
+from paddle_pp.training.precision import autocast
 
 
 def replica_slice(batch_size: int, topo: Topology) -> slice:

@@ -1,4 +1,5 @@
-"""Move weights between single-card form and any layout: each rank loads its slice; gathering rebuilds the whole.
+"""Single-card weights in memory into any layout and back: each rank takes its slice of every
+tensor (drawn at initialisation, or given); gathering rebuilds the whole (tests and tools).
 
 Every rank sees its parameters under single-card names (`state_dict()` of both the TP model and the
 pipeline model), so the model family's TP plan (name -> split axis) is all that is needed.
@@ -12,20 +13,12 @@ from typing import Callable, Mapping
 import numpy as np
 import paddle.distributed as dist
 
-from modeling.tp_utils import merge_tensors, split_tensor
-from paddle_pp.topology import Topology, gather_objects
+from modeling.tp_plan import merge_tensors, single_card_shape, split_tensor
+from paddle_pp.runtime.topology import Topology, gather_objects
 
 
 class TiedWeightError(RuntimeError):
     """Copies of one tied weight on different pipeline stages that have drifted apart."""
-
-
-def single_card_shape(local_shape, axis: int | None, tp: int) -> list[int]:
-    """The full shape of a tensor whose tp slice has `local_shape` (split along `axis`, if any)."""
-    shape = list(local_shape)
-    if axis is not None and tp > 1:
-        shape[axis] *= tp
-    return shape
 
 
 def _assign_slices(model, axes: Mapping[str, int | None], topo: Topology,

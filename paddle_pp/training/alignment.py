@@ -14,12 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
-from checkpoint.format import GRADIENTS, MODEL, CheckpointError
-from checkpoint.reshard import UnifiedReader
-from paddle_pp.launch import launch
-from paddle_pp.report import read_metrics
+from checkpoint.format import GRADIENTS, MODEL, TRAINER_STATE_FILE, CheckpointError
+from checkpoint.unified_io import UnifiedReader
+from paddle_pp.runtime.launch import launch
+from paddle_pp.training.report import read_metrics
 
-RUN_SCRIPT = Path(__file__).resolve().parents[1] / "run_pretrain.py"
+RUN_SCRIPT = Path(__file__).resolve().parents[2] / "run_pretrain.py"
 NOT_REPLAYED = {"config", "output_dir", "resume_from_checkpoint", "save_steps", "save_total_limit", "async_save",
                 "save_gradients", "exit_after_steps", "disable_progress_bar", "tensor_parallel_degree",
                 "pipeline_parallel_degree", "sharding_parallel_degree", "sharding", "virtual_pp_degree",
@@ -65,7 +65,7 @@ class AlignmentReport:
 def _replay_flags(checkpoint: Path) -> list[str]:
     """The saved run's own flags, minus layout and output ones, with its effective global batch
     pinned (a derived one would change with the data-parallel degree)."""
-    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    state = json.loads((checkpoint / TRAINER_STATE_FILE).read_text())
     args = {**state["args"], "global_batch_size": state["global_batch_size"]}
     flags = []
     for key, value in sorted(args.items()):
@@ -101,7 +101,7 @@ def check_alignment(checkpoint: Path, layout_flags: list[str], nproc: int, steps
                     rtol: float = 1e-5, timeout: float = 1800.0) -> AlignmentReport:
     """Train `steps` steps from `checkpoint` on one card and on `nproc` ranks with `layout_flags`."""
     checkpoint, work_dir = Path(checkpoint), Path(work_dir)
-    start = json.loads((checkpoint / "trainer_state.json").read_text())["step"]
+    start = json.loads((checkpoint / TRAINER_STATE_FILE).read_text())["step"]
     common = [*_replay_flags(checkpoint), "--resume_from_checkpoint", str(checkpoint), "--exit_after_steps",
               str(steps), "--save_steps", str(steps), "--logging_steps", "1", "--disable_progress_bar", "--save_gradients"]
     outputs = {}

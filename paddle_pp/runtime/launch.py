@@ -24,19 +24,23 @@ LOG_TAIL_CHARS = 4000
 
 
 class LaunchError(RuntimeError):
-    """A launched job failed, timed out, or a rank wrote no result."""
+    """A launched job failed, timed out, or a rank wrote no result. `rank_logs` holds every rank's
+    whole log by global rank, so a caller can ask what one rank said without knowing where the
+    launcher keeps its logs."""
 
-    def __init__(self, message: str, silent_abort: bool = False):
+    def __init__(self, message: str, silent_abort: bool = False, rank_logs: dict[int, str] | None = None):
         super().__init__(message)
         self.silent_abort = silent_abort
+        self.rank_logs = rank_logs or {}
 
 
 SIGNAL_EXIT = re.compile(r"Container rank \d+ status failed .* code -6 ")
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on at `host` now (the launcher's master, a gloo group's store)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 
@@ -70,6 +74,15 @@ def _logs_report(log_dirs: Sequence[Path], launcher_output: str) -> str:
         summary = "\n".join(errors[-20:]) or "(no error lines)"
         parts.append(f"--- {log}: error lines ---\n{summary}\n--- {log} (tail) ---\n{text[-LOG_TAIL_CHARS:]}")
     return "\n".join(parts)
+
+
+def _rank_logs(log_dirs: Sequence[Path], nproc: int) -> dict[int, str]:
+    """Every worker log by global rank (node n's local rank r is global rank n * nproc + r)."""
+    logs = {}
+    for node, log_dir in enumerate(log_dirs):
+        for log in log_dir.glob("workerlog.*"):
+            logs[node * nproc + int(log.suffix[1:])] = log.read_text(errors="replace")
+    return logs
 
 
 def launch(
@@ -129,7 +142,7 @@ def _launch_once(script, nproc: int, args: Sequence[str], work_dir: Path, timeou
         launcher_output = "".join(outputs)
         report = _logs_report(log_dirs, launcher_output)
         silent = bool(SIGNAL_EXIT.search(launcher_output)) and "Traceback" not in report and "timed out" not in failures[0]
-        raise LaunchError(f"{'; '.join(failures)}\n{report}", silent_abort=silent)
+        raise LaunchError(f"{'; '.join(failures)}\n{report}", silent_abort=silent, rank_logs=_rank_logs(log_dirs, nproc))
     results = []
     for rank in range(nproc * nnodes):
         path = result_dir / f"rank{rank}.json"

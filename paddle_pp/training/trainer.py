@@ -7,7 +7,6 @@ with the same message instead of hanging in a collective.
 
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,36 +14,31 @@ from pathlib import Path
 import numpy as np
 import paddle
 
-from modeling import build_causal_lm, config_from_dict, split_axes, validate_layout
-from modeling.state import init_single_card_weights
 from checkpoint.commit import latest_checkpoint
-from checkpoint.format import CheckpointError
+from checkpoint.format import TOKENIZER_FILE
 from checkpoint.load import check_compatible, load_checkpoint
-from checkpoint.optimizer_state import record_gradients, recorded_gradients
 from checkpoint.save import PendingSave, save_checkpoint
-from modeling.base import ModelConfigError
-from modeling.pipeline import PipelineSplitError
-from modeling.tp_utils import TPPlanError
-from paddle_pp import precision
-from paddle_pp.precision import PrecisionError
+from checkpoint.single_card_state import init_single_card_weights
+from modeling.registry import build_causal_lm, config_from_dict, plan_of, validate_layout
+from modeling.tp_plan import split_axes
 from paddle_pp.data.sampler import GlobalBatchSampler
-from paddle_pp.data.tokenizer import TokenizerError, load_tokenizer
-from paddle_pp.data.tokens import DataError, PackedTokens, ensure_tokens
-from paddle_pp.grad_norm import ReportingGlobalNormClip, observe_hybrid_norm
-from paddle_pp.layout import Layout, LayoutError
-from paddle_pp.parallelize import wrap_model, wrap_optimizer
-from paddle_pp.report import MetricsLog, ProgressBar, plot_loss
-from paddle_pp.schedule import ScheduleError, WarmupCosine
-from paddle_pp.step import eval_loss, train_step
-from paddle_pp.topology import Topology, align_ranks, gather_objects, init_distributed
+from paddle_pp.data.tokenizer import load_tokenizer
+from paddle_pp.data.tokens import PackedTokens, ensure_tokens
+from paddle_pp.runtime.errors import UserError
+from paddle_pp.runtime.fleet_wrappers import wrap_model, wrap_optimizer
+from paddle_pp.runtime.layout import Layout
+from paddle_pp.runtime.topology import Topology, align_ranks, gather_objects, init_distributed
+from paddle_pp.training import precision
+from paddle_pp.training.arguments import DataArguments, ModelArguments, OptimizerArguments, PretrainArguments
+from paddle_pp.training.gradient_record import record_gradients, recorded_gradients
+from paddle_pp.training.grad_norm import ReportingGlobalNormClip, observe_hybrid_norm
+from paddle_pp.training.report import MetricsLog, plot_loss, training_bar
+from paddle_pp.training.schedule import WarmupCosine
+from paddle_pp.training.step import eval_loss, train_step
 
 
-class TrainingConfigError(ValueError):
+class TrainingConfigError(UserError, ValueError):
     """A pretraining request that cannot run as given."""
-
-
-USER_ERRORS = (TrainingConfigError, LayoutError, PrecisionError, TokenizerError, DataError, TPPlanError,
-               PipelineSplitError, ScheduleError, ModelConfigError, CheckpointError)
 
 
 @dataclass(frozen=True)
@@ -54,7 +48,7 @@ class BatchPlan:
     global_batch: int
 
 
-def plan_batches(args: argparse.Namespace, layout: Layout) -> BatchPlan:
+def plan_batches(args: DataArguments, layout: Layout) -> BatchPlan:
     micro, replicas = args.per_device_train_batch_size, layout.data_replicas
     if args.global_batch_size == 0:
         return BatchPlan(micro, args.gradient_accumulation_steps, micro * args.gradient_accumulation_steps * replicas)
@@ -66,17 +60,17 @@ def plan_batches(args: argparse.Namespace, layout: Layout) -> BatchPlan:
     return BatchPlan(micro, args.global_batch_size // (micro * replicas), args.global_batch_size)
 
 
-def model_config(args: argparse.Namespace, vocab_size: int):
+def model_config(args: ModelArguments, max_seq_length: int, vocab_size: int):
     values = dict(model_type=args.model_type, vocab_size=vocab_size, hidden_size=args.hidden_size,
                   intermediate_size=args.intermediate_size, num_hidden_layers=args.num_hidden_layers,
-                  num_attention_heads=args.num_attention_heads, max_position_embeddings=args.max_seq_length,
+                  num_attention_heads=args.num_attention_heads, max_position_embeddings=max_seq_length,
                   initializer_range=args.initializer_range, recompute=args.recompute)
     if args.model_type == "llama":
         values["num_key_value_heads"] = args.num_key_value_heads or args.num_attention_heads
     return config_from_dict(values)
 
 
-def _build_optimizer(model, args, schedule: WarmupCosine, clip: ReportingGlobalNormClip):
+def _build_optimizer(model, args: OptimizerArguments, schedule: WarmupCosine, clip: ReportingGlobalNormClip):
     matrices = {p.name for p in model.parameters() if len(p.shape) >= 2}
     return paddle.optimizer.AdamW(
         learning_rate=schedule, parameters=model.parameters(), beta1=args.adam_beta1, beta2=args.adam_beta2,
@@ -85,17 +79,18 @@ def _build_optimizer(model, args, schedule: WarmupCosine, clip: ReportingGlobalN
 
 
 class Pretrainer:
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: PretrainArguments):
         self.args = args
-        self.layout = Layout.from_args(args)
-        self.batches = plan_batches(args, self.layout)
-        self.compute_dtype = precision.compute_dtype(args.bf16, args.fp16, args.amp_master_grad, self.layout.device)
-        self.vocab_size = load_tokenizer(args.tokenizer_dir).vocab_size()
-        self.config = model_config(args, self.vocab_size)
+        data, optim = args.data, args.optim
+        self.layout = Layout.from_args(args.layout)
+        self.batches = plan_batches(data, self.layout)
+        self.compute_dtype = precision.compute_dtype(optim.bf16, optim.fp16, optim.amp_master_grad, self.layout.device)
+        self.vocab_size = load_tokenizer(data.tokenizer_dir).vocab_size()
+        self.config = model_config(args.model, data.max_seq_length, self.vocab_size)
         validate_layout(self.config, self.layout)
-        if not Path(args.corpus).is_file():
-            raise TrainingConfigError(f"--corpus {args.corpus} does not exist")
-        self.schedule = WarmupCosine(args.learning_rate, args.warmup_steps, args.max_steps, args.min_learning_rate)
+        if not Path(data.corpus).is_file():
+            raise TrainingConfigError(f"--corpus {data.corpus} does not exist")
+        self.schedule = WarmupCosine(optim.learning_rate, optim.warmup_steps, optim.max_steps, optim.min_learning_rate)
         if self.layout.vpp > 1 and self.batches.accumulate_steps < self.layout.pp:
             raise TrainingConfigError(
                 f"--virtual_pp_degree needs at least --pipeline_parallel_degree {self.layout.pp} micro-batches per "
@@ -103,20 +98,21 @@ class Pretrainer:
         self.resume_dir = self._resume_dir()
 
         self.topo: Topology = init_distributed(self.layout, self.batches.micro_batch, self.batches.accumulate_steps)
-        paddle.seed(args.seed)
+        paddle.seed(data.seed)
         raw = build_causal_lm(self.config, self.topo)
+        self.axes = split_axes(plan_of(self.config))
         if self.resume_dir is None:
-            init_single_card_weights(raw, split_axes(self.config), self.topo, args.seed, args.initializer_range)
+            init_single_card_weights(raw, self.axes, self.topo, data.seed, args.model.initializer_range)
         self.criterion = getattr(raw, "criterion", None)
-        self.clip = ReportingGlobalNormClip(args.max_grad_norm)
-        optimizer = _build_optimizer(raw, args, self.schedule, self.clip)
-        raw, optimizer = precision.decorate(raw, optimizer, self.compute_dtype, args.amp_master_grad)
+        self.clip = ReportingGlobalNormClip(optim.max_grad_norm)
+        optimizer = _build_optimizer(raw, optim, self.schedule, self.clip)
+        raw, optimizer = precision.decorate(raw, optimizer, self.compute_dtype, optim.amp_master_grad)
         self.model, self.optimizer = wrap_model(raw, self.topo), wrap_optimizer(optimizer)
         observe_hybrid_norm(self.optimizer, self.clip)
-        if args.save_gradients:
+        if args.checkpoint.save_gradients:
             record_gradients(self.optimizer)
         self.scaler = precision.loss_scaler(self.compute_dtype)
-        self.raw_model, self.axes = raw, split_axes(self.config)
+        self.raw_model = raw
         self.consumed_samples, self.step = 0, 0
         if self.resume_dir is not None:
             state = load_checkpoint(self.resume_dir, raw, self.optimizer, self.topo, self.axes)
@@ -125,14 +121,14 @@ class Pretrainer:
         self.pending_save: PendingSave | None = None
         self.data = self._build_data()
         align_ranks(self.topo)  # only first and last stages built data; the others wait in p2p
-        self.sampler = GlobalBatchSampler(self.data.num_train if self.data else 1, self.batches.global_batch, args.seed)
+        self.sampler = GlobalBatchSampler(self.data.num_train if self.data else 1, self.batches.global_batch, data.seed)
 
     def _resume_dir(self) -> Path | None:
         """The checkpoint to resume from, checked against this model before any process group exists."""
-        wanted = self.args.resume_from_checkpoint
+        wanted = self.args.checkpoint.resume_from_checkpoint
         if not wanted:
             return None
-        folder = latest_checkpoint(Path(self.args.output_dir)) if wanted == "latest" else Path(wanted)
+        folder = latest_checkpoint(Path(self.args.output.output_dir)) if wanted == "latest" else Path(wanted)
         if folder is None:
             return None  # 'latest' with nothing saved yet: a fresh start
         check_compatible(folder, self.config, self.layout)
@@ -141,16 +137,16 @@ class Pretrainer:
     def save(self) -> None:
         """A unified checkpoint of this step; with --async_save the files are written in the background."""
         self.finish_pending_save()
-        trainer_state = {"step": self.step, "consumed_samples": self.consumed_samples, "seed": self.args.seed,
-                         "lr_scheduler": self.schedule.state_dict(), "max_steps": self.args.max_steps,
-                         "global_batch_size": self.batches.global_batch,
-                         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(self.args).items()}}
+        ckpt = self.args.checkpoint
+        trainer_state = {"step": self.step, "consumed_samples": self.consumed_samples, "seed": self.args.data.seed,
+                         "lr_scheduler": self.schedule.state_dict(), "max_steps": self.args.optim.max_steps,
+                         "global_batch_size": self.batches.global_batch, "args": self.args.flat()}
         self.pending_save = save_checkpoint(
-            Path(self.args.output_dir), self.step, self.raw_model, self.optimizer, self.topo, self.axes,
-            config=self.config, trainer_state=trainer_state, tokenizer_dir=self.args.tokenizer_dir,
-            keep=self.args.save_total_limit, asynchronous=self.args.async_save,
-            gradients=recorded_gradients(self.optimizer) if self.args.save_gradients else None)
-        if not self.args.async_save:
+            Path(self.args.output.output_dir), self.step, self.raw_model, self.optimizer, self.topo, self.axes,
+            config=self.config, trainer_state=trainer_state,
+            extra_files=(Path(self.args.data.tokenizer_dir) / TOKENIZER_FILE,), keep=ckpt.save_total_limit,
+            asynchronous=ckpt.async_save, gradients=recorded_gradients(self.optimizer) if ckpt.save_gradients else None)
+        if not ckpt.async_save:
             self.pending_save = None
 
     def finish_pending_save(self, only_if_written: bool = False) -> None:
@@ -170,8 +166,9 @@ class Pretrainer:
     def _build_data(self) -> PackedTokens | None:
         if not self.needs_data:
             return None
-        ensure_tokens(self.args.corpus, self.args.tokenizer_dir, self.args.data_cache)
-        return PackedTokens(Path(self.args.data_cache), self.args.max_seq_length, self.args.eval_samples)
+        data = self.args.data
+        ensure_tokens(data.corpus, data.tokenizer_dir, data.data_cache)
+        return PackedTokens(Path(data.data_cache), data.max_seq_length, data.eval_samples)
 
     def _tensors(self, indices, split: str):
         if self.data is None:
@@ -192,39 +189,42 @@ class Pretrainer:
         self.consumed_samples += self.batches.global_batch
         seconds = time.perf_counter() - started
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": self.clip.pop_norm(),
-                "tokens_per_sec": self.batches.global_batch * self.args.max_seq_length / seconds}
+                "tokens_per_sec": self.batches.global_batch * self.args.data.max_seq_length / seconds}
 
     def evaluate(self) -> float:
         """Mean loss over `eval_iters` global batches of the held-out samples."""
         losses = []
         local = self.batches.global_batch // self.topo.data_replica_count
-        for it in range(self.args.eval_iters):
+        for it in range(self.args.output.eval_iters):
             start = it * self.batches.global_batch + self.topo.data_replica_index * local
-            indices = [(start + j) % self.args.eval_samples for j in range(local)]
+            indices = [(start + j) % self.args.data.eval_samples for j in range(local)]
             losses.append(eval_loss(self.model, self.criterion, *self._tensors(indices, "eval"), self.topo))
         return float(np.mean(losses))
 
     def train(self) -> list[dict]:
         """Run to `--max_steps`; rank 0 writes metrics.jsonl, shows progress and plots loss.png."""
-        args, is_writer = self.args, self.topo.global_rank == 0
-        output = Path(args.output_dir)
+        out, max_steps, is_writer = self.args.output, self.args.optim.max_steps, self.topo.global_rank == 0
+        save_steps = self.args.checkpoint.save_steps
+        output = Path(out.output_dir)
         log = MetricsLog(output / "metrics.jsonl", resume=self.step > 0) if is_writer else None
-        bar = ProgressBar(args.max_steps, first_step=self.step) if is_writer and not args.disable_progress_bar else None
+        bar = training_bar(max_steps, self.step) if is_writer and not out.disable_progress_bar else None
         started, history = time.perf_counter(), []
-        stop = min(args.max_steps, self.step + args.exit_after_steps) if args.exit_after_steps else args.max_steps
+        stop = min(max_steps, self.step + out.exit_after_steps) if out.exit_after_steps else max_steps
         while self.step < stop:
             record = self.train_one_step()
             last = self.step == stop
-            if (args.eval_steps and self.step % args.eval_steps == 0) or last:
+            if (out.eval_steps and self.step % out.eval_steps == 0) or last:
                 record["eval_loss"] = self.evaluate()
             record["elapsed_s"] = time.perf_counter() - started
             history.append(record)
-            if log and (self.step % args.logging_steps == 0 or last or "eval_loss" in record):
+            if log and (self.step % out.logging_steps == 0 or last or "eval_loss" in record):
                 log.write(record)
             if bar:
-                bar.update(self.step, {"loss": record["loss"], "lr": record["lr"], "tok/s": record["tokens_per_sec"]})
+                bar.set_postfix(loss=f"{record['loss']:.4g}", lr=f"{record['lr']:.3g}",
+                                tok_s=f"{record['tokens_per_sec']:.0f}", refresh=False)
+                bar.update(1)
             self.finish_pending_save(only_if_written=True)
-            if args.save_steps and (self.step % args.save_steps == 0 or last):
+            if save_steps and (self.step % save_steps == 0 or last):
                 self.save()
         self.finish_pending_save()
         if bar:

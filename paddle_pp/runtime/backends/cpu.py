@@ -3,14 +3,13 @@
 Stock Paddle 3.3.1 fleet assumes NCCL: its tensor-parallel ops have no CPU kernels, its pipeline
 p2p uses calc-stream variants gloo lacks, and its gloo groups collide in one shared store. Each
 patch below names the failing upstream call it replaces. `apply()` is idempotent, is called by
-`paddle_pp.topology` only when the device is CPU, and fails loudly if an internal it replaces has
+`paddle_pp.runtime.topology` only when the device is CPU, and fails loudly if an internal it replaces has
 moved (a different Paddle version). Nothing here runs on GPU, where NCCL and stock fleet run.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +18,8 @@ from typing import Any
 import paddle
 import paddle.distributed as dist
 from paddle.autograd import PyLayer
+
+from paddle_pp.runtime.launch import free_port
 
 TARGET_PADDLE_VERSION = "3.3.1"
 
@@ -367,12 +368,6 @@ def _endpoint_host() -> str:
     return endpoint.rsplit(":", 1)[0]
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 def _make_new_process_group_impl(upstream):
     """Replaces `collective._new_process_group_impl` for gloo sub-groups.
 
@@ -391,7 +386,7 @@ def _make_new_process_group_impl(upstream):
         key = f"paddle_pp/gloo_group_store/{group_id}"
         if rank == 0:
             host = _endpoint_host()
-            port = _free_port(host)
+            port = free_port(host)
             store.set(key, f"{host}:{port}".encode())
             group_store = core.TCPStore(host, port, True, world_size, 900)
         else:

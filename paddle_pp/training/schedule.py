@@ -6,8 +6,10 @@ import math
 
 from paddle.optimizer.lr import LRScheduler
 
+from paddle_pp.runtime.errors import UserError
 
-class ScheduleError(ValueError):
+
+class ScheduleError(UserError, ValueError):
     """Warmup and total steps that do not form a schedule."""
 
 

@@ -9,9 +9,6 @@ import numpy as np
 import paddle
 
 EVAL_RTOL, TRAIN_TOL = 1e-6, 1e-5
-TP2, PP2 = ["--tensor_parallel_degree", "2"], ["--pipeline_parallel_degree", "2"]
-VPP2 = ["--virtual_pp_degree", "2"]
-SHARDING2 = ["--sharding_parallel_degree", "2", "--sharding", "stage1"]
 
 
 def write_model_files(base: Path, model_type: str, config: dict, model_class) -> Path:

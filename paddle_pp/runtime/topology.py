@@ -9,7 +9,7 @@ import paddle
 import paddle.distributed as dist
 from paddle.distributed import fleet
 
-from paddle_pp.layout import Layout, launched_world_size
+from paddle_pp.runtime.layout import Layout, launched_world_size
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def init_distributed(layout: Layout, micro_batch_size: int = 1, accumulate_steps
     for another launch cannot reach a collective.
     """
     if layout.device == "cpu":
-        from paddle_pp.backends import cpu
+        from paddle_pp.runtime.backends import cpu
 
         cpu.apply()
         paddle.set_device("cpu")
@@ -120,7 +120,7 @@ def align_ranks(topo: Topology) -> None:
 
     Only CPU needs it: gloo aborts any wait longer than 30 s, NCCL waits for minutes."""
     if topo.layout.device == "cpu" and topo.layout.world_size > 1:
-        from paddle_pp.backends import cpu
+        from paddle_pp.runtime.backends import cpu
 
         cpu.store_barrier()
 
@@ -129,7 +129,7 @@ def end_job(topo: Topology, code: int = 0) -> int:
     """The process's last call once its results are written. On a multi-rank CPU job it does not
     return: ranks align and exit without C++ teardown (see `backends.cpu.exit_process`)."""
     if topo.layout.device == "cpu" and topo.layout.world_size > 1:
-        from paddle_pp.backends import cpu
+        from paddle_pp.runtime.backends import cpu
 
         cpu.exit_process(code)
     return code

@@ -12,6 +12,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from paddle_pp.runtime.errors import UserError
+from paddle_pp.runtime.flags import add_flags, flag
+
 SHARDING_STAGES = ("stage1", "stage2", "stage3")
 
 # PaddleNLP's two rank orders (outermost first); "mp" is innermost so TP peers share a node.
@@ -21,7 +24,7 @@ TOPO_ORDERS = {
 }
 
 
-class LayoutError(ValueError):
+class LayoutError(UserError, ValueError):
     """A parallel layout that cannot run; the message names the flag and the fix."""
 
 
@@ -67,16 +70,11 @@ class Layout:
                 f"{product} processes or lower a degree."
             )
         object.__setattr__(self, "dp", self.world_size // product)
-        if stage in ("stage2", "stage3") and self.pipeline_parallel_degree > 1:
+        if stage in ("stage2", "stage3"):
             raise LayoutError(
-                f"--sharding {stage} cannot be combined with --pipeline_parallel_degree "
-                f"{self.pipeline_parallel_degree} (Paddle supports only stage1 inside a pipeline); "
-                "use --sharding stage1."
-            )
-        if stage in ("stage2", "stage3") and self.device == "cpu" and self.sharding_parallel_degree > 1:
-            raise LayoutError(
-                f"--sharding {stage} runs through paddle.distributed.sharding.group_sharded_parallel, "
-                "which supports only GPU/XPU devices; on CPU use --sharding stage1."
+                f"--sharding {stage} is not implemented yet: nothing applies Paddle's group_sharded_parallel, "
+                "so the run would silently train as stage1 on any device; use --sharding stage1 (optimizer "
+                "states sharded over --sharding_parallel_degree)."
             )
         if self.virtual_pp_degree > 1 and self.pipeline_parallel_degree < 2:
             raise LayoutError(
@@ -103,9 +101,9 @@ class Layout:
             "--pipeline_parallel_degree": self.pipeline_parallel_degree,
             "--virtual_pp_degree": self.virtual_pp_degree,
         }
-        for flag, value in degrees.items():
+        for name, value in degrees.items():
             if value < 1:
-                raise LayoutError(f"{flag} {value} must be a positive integer.")
+                raise LayoutError(f"{name} {value} must be a positive integer.")
         if self.sharding_parallel_degree < 1 and self.sharding_parallel_degree != -1:
             raise LayoutError(
                 f"--sharding_parallel_degree {self.sharding_parallel_degree} must be a positive integer "
@@ -153,6 +151,12 @@ class Layout:
             "order": self.order,
         }
 
+    def record(self) -> dict:
+        """The layout as checkpoints record it (index `saving_layout`, trainer_state, split index)."""
+        return {"describe": self.describe(), "world_size": self.world_size, "tensor_parallel_degree": self.tp,
+                "pipeline_parallel_degree": self.pp, "sharding_parallel_degree": self.sharding_degree,
+                "data_parallel_degree": self.dp, "virtual_pp_degree": self.vpp}
+
     def describe(self) -> str:
         text = f"dp{self.dp} x sharding{self.sharding_degree} x tp{self.tp} x pp{self.pp}"
         if self.vpp > 1:
@@ -160,7 +164,7 @@ class Layout:
         return text
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, world_size: int | None = None, device: str | None = None) -> "Layout":
+    def from_args(cls, args: LayoutArguments | argparse.Namespace, world_size: int | None = None, device: str | None = None) -> "Layout":
         return cls(
             world_size=world_size if world_size is not None else launched_world_size(),
             tensor_parallel_degree=args.tensor_parallel_degree,
@@ -185,25 +189,24 @@ def launched_device() -> str:
     return "gpu" if paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0 else "cpu"
 
 
+@dataclass
+class LayoutArguments:
+    """The layout flags, under PaddleNLP's names; `Layout.from_args` validates them."""
+
+    tensor_parallel_degree: int = flag(1, "tensor (model) parallel degree")
+    pipeline_parallel_degree: int = flag(1, "pipeline parallel degree")
+    sharding_parallel_degree: int = flag(
+        1, "ranks that shard optimizer state; -1 = every data-parallel rank (needs --sharding)")
+    sharding: str = flag("", "ZeRO stage: stage1 (optimizer states sharded); stage2/stage3 are refused until implemented")
+    virtual_pp_degree: int = flag(1, "virtual stages per pipeline rank (interleaved 1F1B)")
+    hybrid_parallel_topo_order: str = flag(
+        "pp_first", "rank order: pp_first = dp,pp,sharding,mp; sharding_first = dp,sharding,pp,mp",
+        choices=sorted(TOPO_ORDERS))
+
+
 def add_layout_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Register the layout flags under their PaddleNLP names."""
-    group = parser.add_argument_group("parallel layout (dp is derived: world / (tp * pp * sharding))")
-    group.add_argument("--tensor_parallel_degree", type=int, default=1, help="tensor (model) parallel degree")
-    group.add_argument("--pipeline_parallel_degree", type=int, default=1, help="pipeline parallel degree")
-    group.add_argument(
-        "--sharding_parallel_degree", type=int, default=1,
-        help="ranks that shard optimizer state; -1 = every data-parallel rank (needs --sharding)",
-    )
-    group.add_argument(
-        "--sharding", type=str, default="",
-        help="ZeRO stage: stage1 (optimizer states; works everywhere), stage2/stage3 (GPU only, no pipeline)",
-    )
-    group.add_argument("--virtual_pp_degree", type=int, default=1, help="virtual stages per pipeline rank (interleaved 1F1B)")
-    group.add_argument(
-        "--hybrid_parallel_topo_order", type=str, default="pp_first", choices=sorted(TOPO_ORDERS),
-        help="rank order: pp_first = dp,pp,sharding,mp; sharding_first = dp,sharding,pp,mp",
-    )
-    return parser
+    return add_flags(parser, LayoutArguments, "parallel layout (dp is derived: world / (tp * pp * sharding))")
 
 
 def parse_layout(argv: Sequence[str] | None = None, world_size: int | None = None, device: str | None = None) -> Layout:

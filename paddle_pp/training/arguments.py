@@ -1,0 +1,127 @@
+"""Pretraining arguments: typed groups under PaddleNLP's flag names, a YAML file as defaults, the
+command line on top."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+from modeling.registry import FAMILIES
+from paddle_pp.runtime.flags import add_flags, flag, read_flags
+from paddle_pp.runtime.layout import LayoutArguments, add_layout_args
+
+
+@dataclass
+class ModelArguments:
+    model_type: str = flag("llama", "model family", choices=sorted(FAMILIES))
+    hidden_size: int = flag(256, "model width")
+    intermediate_size: int = flag(688, "MLP width")
+    num_hidden_layers: int = flag(4, "decoder layers")
+    num_attention_heads: int = flag(8, "attention heads")
+    num_key_value_heads: int = flag(0, "LLaMA kv heads for GQA (0: as many as attention heads)")
+    initializer_range: float = flag(0.02, "std of the initial matrices")
+    recompute: bool = flag(False, "recompute each decoder layer in backward")
+
+
+@dataclass
+class DataArguments:
+    corpus: Path = flag(Path("data/jargon-4.4.7.txt"), "UTF-8 training text; blank lines separate documents")
+    tokenizer_dir: Path = flag(Path("data/tokenizer"), "folder holding tokenizer.model (SentencePiece)")
+    data_cache: Path = flag(Path("data/cache/jargon"), "prefix of the memory-mapped token ids (.bin/.idx.json)")
+    max_seq_length: int = flag(128, "tokens per training sample")
+    eval_samples: int = flag(64, "samples held out at the end of the corpus for evaluation")
+    per_device_train_batch_size: int = flag(4, "micro-batch size per data replica")
+    gradient_accumulation_steps: int = flag(2, "micro-batches per step (the pipeline's accumulate steps)")
+    global_batch_size: int = flag(0, "samples per step; 0 derives micro x accumulation x dp x sharding")
+    seed: int = flag(42, "seed of weights and data order")
+
+
+@dataclass
+class OptimizerArguments:
+    learning_rate: float = flag(3e-3, "peak learning rate")
+    min_learning_rate: float = flag(3e-4, "learning rate at the end of the cosine decay")
+    warmup_steps: int = flag(20, "linear warmup steps")
+    max_steps: int = flag(300, "optimizer steps")
+    weight_decay: float = flag(0.1, "AdamW decay, applied to matrices only")
+    adam_beta1: float = flag(0.9, "AdamW beta1")
+    adam_beta2: float = flag(0.95, "AdamW beta2")
+    adam_epsilon: float = flag(1e-8, "AdamW epsilon")
+    max_grad_norm: float = flag(1.0, "global-norm clip across all hybrid groups")
+    bf16: bool = flag(False, "bfloat16 compute with fp32 master weights (GPU only)")
+    fp16: bool = flag(False, "float16 compute with loss scaling and fp32 master weights (GPU only)")
+    amp_master_grad: bool = flag(False, "keep fp32 gradients under --bf16/--fp16")
+
+
+@dataclass
+class OutputArguments:
+    output_dir: Path = flag(Path("output"), "metrics.jsonl, loss.png and checkpoints go here")
+    logging_steps: int = flag(1, "write metrics every N steps")
+    eval_steps: int = flag(0, "evaluate every N steps (0: only at the end)")
+    eval_iters: int = flag(2, "global batches of held-out data per evaluation")
+    disable_progress_bar: bool = flag(False, "no progress bar")
+    exit_after_steps: int = flag(0, "stop this run after N steps (saving if --save_steps > 0) while the schedule "
+                                    "still spans --max_steps: for job time limits; 0: run to --max_steps")
+
+
+@dataclass
+class CheckpointArguments:
+    save_steps: int = flag(0, "save a unified checkpoint every N steps (0: never; the last step is saved when > 0)")
+    save_total_limit: int = flag(0, "keep at most N checkpoints, deleting the oldest (0: keep all)")
+    resume_from_checkpoint: str = flag("", "a checkpoint folder, or 'latest' for output_dir's newest committed one")
+    async_save: bool = flag(False, "write checkpoints in the background while training continues")
+    save_gradients: bool = flag(False, "also write the last step's reduced, unclipped gradients into each checkpoint "
+                                       "(tools/check_alignment.py compares them)")
+
+
+GROUPS = {"model": ModelArguments, "data": DataArguments, "optim": OptimizerArguments, "output": OutputArguments,
+          "checkpoint": CheckpointArguments}
+
+
+@dataclass
+class PretrainArguments:
+    model: ModelArguments
+    data: DataArguments
+    optim: OptimizerArguments
+    output: OutputArguments
+    checkpoint: CheckpointArguments
+    layout: LayoutArguments
+
+    def flat(self) -> dict[str, Any]:
+        """Every flag by its name (what trainer_state.json records and `check_alignment` replays)."""
+        values = {}
+        for name in (*GROUPS, "layout"):
+            values |= {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(getattr(self, name)).items()}
+        return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Pretrain a LLaMA or GPT model under any data x sharding x tensor x pipeline layout.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--config", type=Path, default=None, help="YAML file of flag: value defaults")
+    for name, group in GROUPS.items():
+        add_flags(parser, group, name)
+    return add_layout_args(parser)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> PretrainArguments:
+    """Command line over YAML over built-in defaults; an unknown YAML key is an error, not ignored."""
+    parser = build_parser()
+    first, _ = parser.parse_known_args(argv)
+    if first.config is not None:
+        if not first.config.is_file():
+            parser.error(f"--config {first.config} does not exist")
+        values = yaml.safe_load(first.config.read_text()) or {}
+        known = {action.dest for action in parser._actions}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            parser.error(f"{first.config}: unknown keys {unknown}")
+        parser.set_defaults(**values)
+    namespace = parser.parse_args(argv)
+    return PretrainArguments(**{name: read_flags(group, namespace) for name, group in GROUPS.items()},
+                             layout=read_flags(LayoutArguments, namespace))

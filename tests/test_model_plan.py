@@ -1,0 +1,85 @@
+"""Each family's TP plan is the truth about its model: one process builds the single-card model and
+compares every parameter with the table, at every tp the config allows; a table that disagrees is
+named. (Every multi-process job runs the same check on each rank's TP and pipeline model as it
+builds it, `ModelFamily.check_built`, so the tp2/pp/vpp layout tests cover the split forms.)"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import paddle
+import pytest
+
+from modeling.family import PlanMismatchError
+from modeling.registry import FAMILIES, UnknownModelError, config_from_dict
+from modeling.tp_plan import COLUMN, ROW, TPPlanError, local_shape, stages_holding
+
+CONFIGS = {
+    "llama": dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16),
+    "gpt": dict(model_type="gpt", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                num_attention_heads=4, max_position_embeddings=16),
+}
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def built(request):
+    config = config_from_dict(CONFIGS[request.param])
+    paddle.seed(0)
+    return FAMILIES[request.param], config, FAMILIES[request.param].causal_lm(config)
+
+
+def test_single_card_state_dict_is_the_plan(built):
+    family, config, model = built
+    plan = family.tensor_plan(config)
+    assert {name: tuple(p.shape) for name, p in model.state_dict().items()} == {n: r.shape for n, r in plan.items()}
+    family.check_built(model, config, pp=1, stage=0)
+
+
+def test_every_split_divides_and_reassembles_at_every_allowed_tp(built):
+    family, config, _ = built
+    allowed = []
+    for tp in (1, 2, 4, 8):
+        try:
+            family.check_tensor_parallel(config, tp)
+        except TPPlanError:
+            continue
+        allowed.append(tp)
+        for name, row in family.tensor_plan(config).items():
+            local = local_shape(row.shape, row.tp_axis, tp)
+            if row.tp_axis is None:
+                assert local == row.shape, name
+            else:
+                assert local[row.tp_axis] * tp == row.shape[row.tp_axis], (name, tp)
+    assert allowed[:2] == [1, 2]
+
+
+def test_linears_split_by_column_or_row_and_every_layer_sits_on_one_stage(built):
+    family, config, _ = built
+    plan = family.tensor_plan(config)
+    assert all(row.tp_axis in (COLUMN, ROW) for row in plan.values() if row.linear and len(row.shape) == 2)
+    for pp, vpp in ((2, 1), (2, 2), (4, 1)):
+        stages = {name: stages_holding(row, config.num_hidden_layers, pp, vpp) for name, row in plan.items()}
+        assert all(len(held) == 1 for name, held in stages.items() if isinstance(plan[name].place, int))
+        assert {s for held in stages.values() for s in held} == set(range(pp)), (pp, vpp)
+
+
+def test_a_plan_that_disagrees_with_the_model_is_named(built):
+    family, config, model = built
+    plan = family.tensor_plan(config)
+    name = next(n for n, row in plan.items() if row.tp_axis == COLUMN)
+    doubled = (2 * plan[name].shape[0], *plan[name].shape[1:])
+    wrong = {**plan, name: dataclasses.replace(plan[name], shape=doubled)}
+    with pytest.raises(PlanMismatchError, match=name):
+        dataclasses.replace(family, tensor_plan=lambda _: wrong).check_built(model, config, pp=1, stage=0)
+    missing = {n: r for n, r in plan.items() if n != name}
+    with pytest.raises(PlanMismatchError, match=f"{name}: held but not planned"):
+        dataclasses.replace(family, tensor_plan=lambda _: missing).check_built(model, config, pp=1, stage=0)
+
+
+def test_unknown_family_and_indivisible_tp_are_user_errors():
+    with pytest.raises(UnknownModelError, match="'bert' is not one of"):
+        config_from_dict({"model_type": "bert"})
+    config = config_from_dict(CONFIGS["llama"])
+    with pytest.raises(TPPlanError, match="num_key_value_heads=2 is not divisible by --tensor_parallel_degree 4"):
+        FAMILIES["llama"].check_tensor_parallel(config, 4)
