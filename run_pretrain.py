@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import sys
 
-from paddle_pp.training.cli import main
+from paddle_pp.runtime.lifetime import die_with_launcher
 
 if __name__ == "__main__":
+    die_with_launcher()  # first, before the heavy imports: a killed launcher takes its ranks along
+    from paddle_pp.training.cli import main
+
     sys.exit(main())

@@ -26,7 +26,9 @@ def temp_dir(output_dir: Path, step: int) -> Path:
 
 
 def commit(output_dir: Path, step: int) -> Path:
-    """Rename the fully written temporary folder into place and point `latest` at it."""
+    """Rename the fully written temporary folder into place and point `latest` at it, unless
+    `latest` names a newer step: it only ever moves forward, so a stray writer of an older step
+    (a job restarted from an earlier checkpoint while another still runs) cannot move it back."""
     output_dir = Path(output_dir)
     staged, final = temp_dir(output_dir, step), output_dir / checkpoint_dir_name(step)
     fsync_dir(staged)
@@ -34,12 +36,21 @@ def commit(output_dir: Path, step: int) -> Path:
         shutil.rmtree(final)
     os.replace(staged, final)
     fsync_dir(output_dir)
-    marker = output_dir / f".{LATEST_FILE}.tmp"
-    marker.write_text(final.name + "\n")
-    fsync_file(marker)
-    os.replace(marker, output_dir / LATEST_FILE)
-    fsync_dir(output_dir)
+    named = latest_step(output_dir)
+    if named is None or step >= named:
+        marker = output_dir / f".{LATEST_FILE}.tmp"
+        marker.write_text(final.name + "\n")
+        fsync_file(marker)
+        os.replace(marker, output_dir / LATEST_FILE)
+        fsync_dir(output_dir)
     return final
+
+
+def latest_step(output_dir: Path) -> int | None:
+    """The step `latest` names, or None when there is no readable marker."""
+    marker = Path(output_dir) / LATEST_FILE
+    match = STEP_DIR.match(marker.read_text().strip()) if marker.is_file() else None
+    return int(match.group(1)) if match else None
 
 
 def committed_steps(output_dir: Path) -> list[int]:

@@ -170,6 +170,8 @@ def test_sigkill_mid_save_keeps_the_last_good_checkpoint(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     reference = _single_card(tmp_path, "--max_steps", "4", "--output_dir", str(tmp_path / "ref"))
     assert reference.returncode == 0, reference.stderr[-2000:]
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4], "the resumed run supersedes the killed run's records of steps 3-4"
     assert _losses(out)[-2:] == _losses(tmp_path / "ref")[2:], "resumed steps 3-4 must equal the uninterrupted run"
     assert (out / "latest").read_text().strip() == "checkpoint-4"
 

@@ -4,6 +4,8 @@ and the byte-progress bar of the offline checkpoint tools."""
 from __future__ import annotations
 
 import json
+import os
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
@@ -26,12 +28,25 @@ def tensor_progress(total_bytes: int, description: str) -> Iterator[Callable[[st
 
 
 class MetricsLog:
-    """Appends one JSON object per logged step to `metrics.jsonl`, flushed so a crash keeps them."""
+    """`metrics.jsonl`: one JSON object per logged step, flushed so a crash keeps them.
 
-    def __init__(self, path: Path, resume: bool = False):
+    Opened by a run resumed at `resume_step`, it first rewrites the file (atomically) without the
+    records of later steps, which the resumed run trains again, and without lines torn by a kill,
+    so every step appears once, in order, and nothing is appended to a torn line. A fresh run
+    (`resume_step` 0) starts the file empty."""
+
+    def __init__(self, path: Path, resume_step: int = 0):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.handle = open(self.path, "a" if resume else "w")
+        kept, self.torn_lines, self.superseded = [], 0, 0
+        if resume_step and self.path.is_file():
+            records, self.torn_lines = parse_metrics(self.path.read_text())
+            kept = [record for record in records if record.get("step", 0) <= resume_step]
+            self.superseded = len(records) - len(kept)
+        staged = self.path.with_name(f".{self.path.name}.tmp")
+        staged.write_text("".join(json.dumps(record) + "\n" for record in kept))
+        os.replace(staged, self.path)
+        self.handle = open(self.path, "a")
 
     def write(self, record: dict) -> None:
         self.handle.write(json.dumps(record) + "\n")
@@ -41,8 +56,26 @@ class MetricsLog:
         self.handle.close()
 
 
+def parse_metrics(text: str) -> tuple[list[dict], int]:
+    """(records, number of torn lines): a kill mid-write leaves at most a torn last line, which
+    is not JSON; it is skipped, never fatal."""
+    records, torn = [], 0
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            torn += 1
+    return records, torn
+
+
 def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The records of a metrics.jsonl, warning about (and skipping) lines torn by a kill."""
+    records, torn = parse_metrics(Path(path).read_text())
+    if torn:
+        warnings.warn(f"{path}: skipped {torn} torn line(s) left by a killed run", stacklevel=2)
+    return records
 
 
 def plot_loss(metrics_path: Path, png_path: Path) -> Path:

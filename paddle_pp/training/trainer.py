@@ -7,6 +7,7 @@ with the same message instead of hanging in a collective.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,7 +207,10 @@ class Pretrainer:
         out, max_steps, is_writer = self.args.output, self.args.optim.max_steps, self.topo.global_rank == 0
         save_steps = self.args.checkpoint.save_steps
         output = Path(out.output_dir)
-        log = MetricsLog(output / "metrics.jsonl", resume=self.step > 0) if is_writer else None
+        log = MetricsLog(output / "metrics.jsonl", resume_step=self.step) if is_writer else None
+        if log and (log.torn_lines or log.superseded):
+            print(f"metrics.jsonl: dropped {log.torn_lines} torn line(s) and {log.superseded} record(s) of steps "
+                  f"after {self.step}, which this run trains again", file=sys.stderr)
         bar = training_bar(max_steps, self.step) if is_writer and not out.disable_progress_bar else None
         started, history = time.perf_counter(), []
         stop = min(max_steps, self.step + out.exit_after_steps) if out.exit_after_steps else max_steps

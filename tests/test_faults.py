@@ -1,0 +1,95 @@
+"""Faults as a scheduler deals them: the launcher killed with its ranks still training, a metrics
+line torn by a kill, an older writer committing after a newer one."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from runs import MODEL, SCRIPT
+
+from checkpoint.commit import commit, latest_checkpoint, temp_dir
+from paddle_pp.training.report import MetricsLog, read_metrics
+
+
+def _processes_naming(text: str) -> set[int]:
+    """Live (not zombie) processes whose command line contains `text`."""
+    found = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if text in (proc / "cmdline").read_bytes().decode(errors="replace") and \
+                    (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found.add(int(proc.name))
+        except OSError:  # the process ended while we looked
+            continue
+    return found
+
+
+def _wait_for(condition, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {seconds:.0f}s waiting for {what}"
+        time.sleep(0.2)
+
+
+@pytest.mark.multiproc
+def test_killing_the_launcher_leaves_no_rank_behind(tmp_path, data_cache):
+    """SIGKILL to the launcher's process group (what a scheduler sends) must end every rank,
+    though paddle.distributed.launch starts each rank in a session of its own."""
+    out = tmp_path / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PADDLE_TRAINER_ID", None)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir", str(tmp_path / "log"),
+         str(SCRIPT), *MODEL, "--max_steps", "100000", "--data_cache", str(data_cache), "--output_dir", str(out)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        metrics = out / "metrics.jsonl"
+        _wait_for(lambda: launcher.poll() is None and metrics.is_file() and metrics.read_text().strip()
+                  or launcher.poll() is not None, 300, "the first logged step")
+        assert launcher.poll() is None, "the job ended before it could be killed"
+        ranks = _processes_naming(str(out)) - {launcher.pid}
+        assert len(ranks) == 2, ranks
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        _wait_for(lambda: not (_processes_naming(str(out)) & ranks), 30, f"ranks {sorted(ranks)} to end")
+    finally:
+        for pid in _processes_naming(str(out)):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_latest_only_moves_forward(tmp_path):
+    for step in (2, 6):
+        temp_dir(tmp_path, step).mkdir()
+        commit(tmp_path, step)
+    temp_dir(tmp_path, 4).mkdir()
+    commit(tmp_path, 4)  # a stray writer of an older run commits after the newer one
+    assert (tmp_path / "checkpoint-4").is_dir()
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-6"
+    temp_dir(tmp_path, 6).mkdir()
+    commit(tmp_path, 6)  # re-saving the newest step keeps it latest
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-6"
+
+
+def test_resumed_metrics_hold_every_step_once_without_the_torn_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 9.0 - s}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo')
+    with pytest.warns(UserWarning, match="skipped 1 torn line"):
+        assert [r["step"] for r in read_metrics(path)] == [1, 2, 3, 4, 5]
+    log = MetricsLog(path, resume_step=3)  # resumed from checkpoint-3: steps 4-6 are trained again
+    assert (log.torn_lines, log.superseded) == (1, 2)
+    for step in (4, 5):
+        log.write({"step": step, "loss": 1.0})
+    log.close()
+    assert [(r["step"], r["loss"]) for r in read_metrics(path)] == [(1, 8.0), (2, 7.0), (3, 6.0), (4, 1.0), (5, 1.0)]
+    fresh = MetricsLog(path)
+    fresh.close()
+    assert path.read_text() == ""
