@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import ml_dtypes
+import numpy as np
+
 from paddle_pp.runtime.errors import UserError
 
 FORMAT_VERSION = 2  # 2: files carry CRC-32 instead of SHA-256 (version 1 files still verify)
@@ -15,6 +18,7 @@ TOKENIZER_FILE = "tokenizer.model"  # a SentencePiece model, copied into checkpo
 LATEST_FILE = "latest"
 CHECKPOINT_PREFIX = "checkpoint-"
 STATE_SEPARATOR = "/"  # optimizer keys are "<parameter name>/<state name>"
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)  # importing ml_dtypes also makes np.dtype("bfloat16") parse index dtypes
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -23,8 +27,6 @@ class CheckpointError(UserError, RuntimeError):
 
 def tensor_nbytes(meta: dict) -> int:
     """Bytes of a tensor described by index metadata ({"dtype": ..., "shape": [...]})."""
-    import numpy as np
-
     return int(np.prod(meta["shape"], dtype=np.int64)) * np.dtype(meta["dtype"]).itemsize
 
 

@@ -33,34 +33,35 @@ def _transformers_family(config: dict, folder: Path) -> ModelFamily:
     return model_family
 
 
-def _hf_config(model_family: ModelFamily, config: dict) -> dict:
+def _hf_config(model_family: ModelFamily, config: dict, dtype: str = "float32") -> dict:
     names = model_family.transformers
     return {"architectures": [model_family.architecture], "model_type": model_family.model_type,
-            "torch_dtype": "float32", **names.fixed_config, **{k: config[k] for k in names.config_keys if k in config}}
+            "torch_dtype": dtype, **names.fixed_config, **{k: config[k] for k in names.config_keys if k in config}}
 
 
 def _stream_copy(names: list[str], shape_of: Callable[[str], list[int]], read: Callable[[str], np.ndarray],
                  rename: Callable[[str], str], transposed: Callable[[str], bool], target: Path, max_shard_bytes: int,
-                 fmt: str) -> dict:
-    """Write `names` (renamed, linear ones transposed) into shards; returns the HF weight map."""
-    groups = pack(names, lambda name: int(np.prod(shape_of(name))) * 4, max_shard_bytes)
+                 fmt: str, dtype: str = "float32") -> dict:
+    """Write `names` (renamed, linear ones transposed, cast to `dtype`) into shards; returns the HF weight map."""
+    itemsize = np.dtype(dtype).itemsize
+    groups = pack(names, lambda name: int(np.prod(shape_of(name))) * itemsize, max_shard_bytes)
     weight_map = {}
     for number, group in enumerate(groups, start=1):
         fname = "model.safetensors" if len(groups) == 1 else f"model-{number:05d}-of-{len(groups):05d}.safetensors"
         shapes = [tuple(reversed(shape_of(n))) if transposed(n) else tuple(shape_of(n)) for n in group]
-        specs = [TensorSpec(rename(n), np.dtype("float32"), s) for n, s in zip(group, shapes)]
+        specs = [TensorSpec(rename(n), np.dtype(dtype), s) for n, s in zip(group, shapes)]
         order = sorted(range(len(group)), key=lambda k: specs[k].name)
         write_shard(target / fname, [specs[k] for k in order],
                     (np.ascontiguousarray(read(group[k]).T if transposed(group[k]) else read(group[k]))
-                     .astype(np.float32) for k in order), {"format": fmt})
+                     .astype(dtype) for k in order), {"format": fmt})
         weight_map |= {specs[k].name: fname for k in order}
     return weight_map
 
 
 def export_hf(folder: Path, target: Path, max_shard_bytes: int = 5 << 30,
-              on_tensor: Callable[[str, int], None] | None = None) -> Path:
+              on_tensor: Callable[[str, int], None] | None = None, dtype: str = "float32") -> Path:
     """A transformers-loadable folder (config.json, model.safetensors[ + index], tokenizer) from a
-    unified checkpoint."""
+    unified checkpoint, its weights in `dtype` (shards.EXPORT_DTYPES)."""
     folder = Path(folder)
     config = json.loads((folder / CONFIG_FILE).read_text())
     model_family = _transformers_family(config, folder)
@@ -69,8 +70,8 @@ def export_hf(folder: Path, target: Path, max_shard_bytes: int = 5 << 30,
     with new_folder(target) as partial:
         weight_map = _stream_copy(sorted(unified.tensors), lambda n: unified.tensors[n]["shape"],
                                   lambda n: _reported(n, unified.read(n), on_tensor), model_family.transformers.to_hf,
-                                  lambda n: plan[n].linear, partial, max_shard_bytes, "pt")
-        _finish(partial, weight_map, _hf_config(model_family, config), folder)
+                                  lambda n: plan[n].linear, partial, max_shard_bytes, "pt", dtype)
+        _finish(partial, weight_map, _hf_config(model_family, config, dtype), folder)
     return Path(target)
 
 

@@ -20,10 +20,12 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from checkpoint.format import CheckpointError
+from checkpoint.format import BFLOAT16, CheckpointError
 
 DTYPES = {np.dtype("float32"): "F32", np.dtype("float64"): "F64", np.dtype("float16"): "F16",
-          np.dtype("int64"): "I64", np.dtype("int32"): "I32", np.dtype("uint16"): "U16", np.dtype("uint8"): "U8"}
+          BFLOAT16: "BF16", np.dtype("int64"): "I64", np.dtype("int32"): "I32",
+          np.dtype("uint16"): "U16", np.dtype("uint8"): "U8"}
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # what weights can be exported as (ml_dtypes rounds to nearest even)
 CODES = {code: dtype for dtype, code in DTYPES.items()}
 
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from checkpoint.durable import new_folder, write_json_durably
 from checkpoint.format import (
-    CONFIG_FILE, FORMAT_VERSION, MODEL, OPTIMIZER, index_name, read_index, shard_name, tensor_nbytes,
+    CONFIG_FILE, FORMAT_VERSION, MODEL, OPTIMIZER, TOKENIZER_FILE, index_name, read_index, shard_name, tensor_nbytes,
 )
 from checkpoint.shards import ShardReader, TensorSpec, pack, write_shard
 from modeling.registry import config_from_dict
@@ -79,6 +79,23 @@ def rechunk(source: Path, target: Path, max_shard_bytes: int,
                 unified = UnifiedReader(source, kind)
                 write_unified_kind(partial, kind, unified.tensors, unified.read, unified.index["metadata"],
                                    max_shard_bytes, on_tensor)
+    return Path(target)
+
+
+def export_weights(source: Path, target: Path, dtype: str = "float32", max_shard_bytes: int = 5 << 30,
+                   on_tensor: Callable[[str, int], None] | None = None) -> Path:
+    """A weights-only copy of a checkpoint to hand a model on: its model shards in `dtype`,
+    config.json and tokenizer; no optimizer and no trainer state (so nobody resumes from it by
+    mistake). The model index keeps the family and tied names."""
+    source = Path(source)
+    unified = UnifiedReader(source, MODEL)
+    metadata = {k: v for k, v in unified.index["metadata"].items() if k in ("saving_layout", "model_type", "tied")}
+    with new_folder(target) as partial:
+        for name in (CONFIG_FILE, TOKENIZER_FILE):
+            if (source / name).is_file():
+                shutil.copyfile(source / name, partial / name)
+        write_unified_kind(partial, MODEL, {n: {**meta, "dtype": dtype} for n, meta in unified.tensors.items()},
+                           lambda n: unified.read(n).astype(dtype), metadata, max_shard_bytes, on_tensor)
     return Path(target)
 
 

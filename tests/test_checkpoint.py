@@ -20,7 +20,7 @@ from runs import FOUR_D_SAVING, GPT, HALF, MODEL, PP2, REPO, SCRIPT, SHARDING2, 
 from checkpoint.commit import latest_checkpoint, rotate
 from checkpoint.format import FORMAT_VERSION, CheckpointError
 from checkpoint.load import checking_ranks
-from checkpoint.shards import ShardReader, file_checksum
+from checkpoint.shards import ShardReader
 from checkpoint.verify import verify_checkpoint
 from paddle_pp.runtime.launch import LaunchError
 
@@ -218,24 +218,38 @@ def test_flipped_byte_fails_verification_and_resume_naming_the_file(saved, tmp_p
     assert resumed.returncode == 2 and shard.name in resumed.stderr and "crc32 checksum" in resumed.stderr
 
 
-def test_format_version_1_checkpoint_with_sha256_still_verifies_and_resumes(saved, tmp_path):
-    """Version 1 recorded SHA-256 per file; readers must keep accepting it (and catching damage)."""
-    folder = _copy(saved / "sync" / "checkpoint-3", tmp_path / "checkpoint-3")
-    for index_file in folder.glob("*.index.json"):
-        index = json.loads(index_file.read_text())
-        index["metadata"]["format_version"] = 1
-        index["metadata"]["files"] = {name: {"sha256": file_checksum(folder / name, "sha256"), "size": entry["size"]}
-                                      for name, entry in index["metadata"]["files"].items()}
-        index_file.write_text(json.dumps(index))
-    assert verify_checkpoint(folder) == []
-    resumed = _single_card(tmp_path, "--max_steps", "4", "--output_dir", str(tmp_path / "out"),
-                           "--resume_from_checkpoint", str(folder))
+V1 = REPO / "tests" / "data" / "checkpoint-v1"
+V1_MODEL = ["--hidden_size", "8", "--intermediate_size", "16", "--num_hidden_layers", "2", "--num_attention_heads", "2",
+            "--num_key_value_heads", "2"]
+
+
+def test_stored_format_version_1_checkpoint_verifies_and_resumes(tmp_path):
+    """A folder written in format version 1 (SHA-256 per file), stored in the repository: readers
+    must keep verifying it (and catching damage) and resuming from it."""
+    assert json.loads((V1 / "model.safetensors.index.json").read_text())["metadata"]["format_version"] == 1
+    assert verify_checkpoint(V1) == []
+    resumed = _single_card(tmp_path, *V1_MODEL, "--max_steps", "3", "--output_dir", str(tmp_path / "out"),
+                           "--resume_from_checkpoint", str(V1))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert [json.loads(line)["step"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()] == [3]
+    folder = _copy(V1, tmp_path / "damaged")
     shard = folder / "model-00001-of-00001.safetensors"
     data = bytearray(shard.read_bytes())
     data[-5] ^= 0x01
     shard.write_bytes(bytes(data))
     assert [p for p in verify_checkpoint(folder) if "sha256 checksum mismatch" in p and shard.name in p]
+
+
+def test_a_newer_format_version_is_refused_naming_both_versions(tmp_path):
+    folder = _copy(V1, tmp_path / "future")
+    index_file = folder / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    index["metadata"]["format_version"] = FORMAT_VERSION + 1
+    index_file.write_text(json.dumps(index))
+    resumed = _single_card(tmp_path, *V1_MODEL, "--max_steps", "3", "--output_dir", str(tmp_path / "out"),
+                           "--resume_from_checkpoint", str(folder))
+    assert resumed.returncode == 2
+    assert f"format version {FORMAT_VERSION + 1}, newer than this reader's {FORMAT_VERSION}" in resumed.stderr
 
 
 def test_truncated_shard_fails_clearly(saved, tmp_path):

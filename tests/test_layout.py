@@ -91,3 +91,15 @@ def test_init_rejects_world_size_mismatch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "validated for 4 processes but this job has 1" in proc.stderr
+
+
+def test_gpu_tensor_parallel_strategy_syncs_replicated_parameters_and_cpu_does_not():
+    """On GPU, fleet broadcasts TP-replicated parameters and gradients from TP rank 0 every step,
+    RMSNorm weights included (its default name list misses them); CPU runs are deterministic."""
+    from paddle_pp.runtime.topology import build_strategy
+
+    gpu = build_strategy(Layout(world_size=2, tensor_parallel_degree=2, device="gpu"))
+    assert gpu.hybrid_configs["mp_configs"].sync_param and gpu.hybrid_configs["mp_configs"].sync_grad
+    assert any(pattern in "llama_rms_norm_0.w_0" for pattern in gpu.sync_param_name)
+    cpu = build_strategy(Layout(world_size=2, tensor_parallel_degree=2, device="cpu"))
+    assert not cpu.hybrid_configs["mp_configs"].sync_grad

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -141,3 +142,61 @@ def test_check_alignment_passes_tp2_and_fails_a_tampered_layout(checkpoint, tmp_
                                steps=3, work_dir=tmp_path / "tampered")
     assert not tampered.aligned and tampered.worst_tensor_rel > 1e-3
     assert tampered.worst_gradient_rel > 1e-3, "step 5's gradients follow step 4's larger update"
+
+
+def _header_dtypes(folder: Path) -> set[str]:
+    dtypes = set()
+    for shard in folder.glob("*.safetensors"):
+        (length,) = struct.unpack("<Q", shard.read_bytes()[:8])
+        header = json.loads(shard.read_bytes()[8:8 + length])
+        dtypes |= {entry["dtype"] for name, entry in header.items() if name != "__metadata__"}
+    return dtypes
+
+
+def test_bf16_weights_export_loads_in_ours_and_paddlenlp_within_bf16_rounding(checkpoint, tmp_path):
+    """A weights-only bfloat16 copy: no optimizer or trainer state; its tensors are the fp32 ones
+    rounded to nearest bfloat16; our model and PaddleNLP's give the same logits from it, and those
+    differ from the fp32 model's only by that rounding."""
+    import ml_dtypes
+    import paddle
+    import paddlenlp.transformers as nlp
+    from parity import assert_same_logits
+
+    from modeling.llama.modeling import LlamaForCausalLM
+
+    tool = subprocess.run([sys.executable, str(TOOLS / "reshard.py"), "weights", str(checkpoint), str(tmp_path / "bf16"),
+                           "--dtype", "bfloat16"], capture_output=True, text=True, timeout=120)
+    assert tool.returncode == 0, tool.stderr[-2000:]
+    out = tmp_path / "bf16"
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model-00001-of-00001.safetensors",
+                                                     "model.safetensors.index.json", "tokenizer.model"]
+    assert _header_dtypes(out) == {"BF16"} and verify_checkpoint(out) == []
+    fp32 = {name: value for name, value in _tensors(checkpoint).items() if "/" not in name}
+    exported = _tensors(out)
+    for name, value in fp32.items():
+        assert np.array_equal(exported[name], value.astype(ml_dtypes.bfloat16).astype(np.float32)), name
+    config = load_config(checkpoint)
+
+    def model(state):
+        built = LlamaForCausalLM(config)
+        built.set_state_dict({k: paddle.to_tensor(v) for k, v in state.items()})
+        return built.eval()
+
+    theirs = nlp.LlamaForCausalLM.from_pretrained(str(out), dtype="float32")
+    assert_same_logits(model(exported), theirs, config.vocab_size, seed=11, rtol=1e-5)
+    ids = paddle.to_tensor(np.random.default_rng(11).integers(0, config.vocab_size, size=(2, 12)))
+    rounded, exact = model(exported)(ids).numpy(), model(fp32)(ids).numpy()
+    # every weight carries bfloat16's 2^-9 relative rounding; through 4 layers the logits stay within 2^-5 of their scale
+    assert 0 < np.abs(rounded - exact).max() <= 2**-5 * np.abs(exact).max()
+
+
+def test_transformers_export_in_bf16_writes_rounded_transposed_weights(checkpoint, tmp_path):
+    import ml_dtypes
+
+    exported = export_hf(checkpoint, tmp_path / "hf", dtype="bfloat16")
+    assert _header_dtypes(exported) == {"BF16"}
+    assert json.loads((exported / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    ours, hf = _tensors(checkpoint), _tensors(exported)
+    q = ours["llama.layers.0.self_attn.q_proj.weight"]
+    assert np.array_equal(hf["model.layers.0.self_attn.q_proj.weight"],
+                          q.T.astype(ml_dtypes.bfloat16).astype(np.float32))

@@ -1,6 +1,6 @@
 """Move weights between our unified checkpoint and the Hugging Face transformers layout (LLaMA).
 
-  export CHECKPOINT OUT   a transformers folder (torch names, [out, in] linears, config.json)
+  export CHECKPOINT OUT   a transformers folder (torch names, [out, in] linears, config.json); --dtype bfloat16|float16
   import HF_FOLDER OUT    a single-card folder our LlamaForCausalLM and the trainer's loader read
 """
 
@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from checkpoint.hf import export_hf, import_hf
+from checkpoint.shards import EXPORT_DTYPES
 from paddle_pp.runtime.errors import UserError
 from paddle_pp.training.report import tensor_progress
 
@@ -21,12 +22,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("source", type=Path)
     parser.add_argument("target", type=Path)
     parser.add_argument("--max_shard_gb", type=float, default=5.0, help="largest output shard")
+    parser.add_argument("--dtype", choices=EXPORT_DTYPES, default="float32", help="weights' dtype (export)")
     args = parser.parse_args(argv)
-    convert = export_hf if args.direction == "export" else import_hf
+    if args.direction == "import" and args.dtype != "float32":
+        parser.error("--dtype applies to export; import keeps the folder's weights as float32")
     total = sum(p.stat().st_size for p in args.source.glob("model*.safetensors"))
     try:
         with tensor_progress(total, args.direction) as on_tensor:
-            out = convert(args.source, args.target, int(args.max_shard_gb * (1 << 30)), on_tensor)
+            max_shard_bytes = int(args.max_shard_gb * (1 << 30))
+            out = export_hf(args.source, args.target, max_shard_bytes, on_tensor, args.dtype) \
+                if args.direction == "export" else import_hf(args.source, args.target, max_shard_bytes, on_tensor)
     except (UserError, FileNotFoundError) as err:
         print(f"convert_hf.py: error: {err}", file=sys.stderr)
         return 1

@@ -7,6 +7,7 @@
   merge   SOURCE TARGET: Paddle fleet per-rank files (model_state.tpXX_ppYY.pdparams,
           optimizer.tpXX_ppYY[_shardZZ].pdopt, config.json, trainer_state.json) to the unified format
   rechunk SOURCE TARGET --max_shard_mb N: rewrite a unified checkpoint with another shard size
+  weights SOURCE TARGET [--dtype bfloat16]: a weights-only copy (no optimizer, no trainer state) to hand on
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from checkpoint.fleet import merge_fleet
 from checkpoint.format import CheckpointError
 from checkpoint.plan import plan_layout
 from checkpoint.split import join_split, split_checkpoint
-from checkpoint.unified_io import load_config, rechunk
+from checkpoint.shards import EXPORT_DTYPES
+from checkpoint.unified_io import export_weights, load_config, rechunk
 from modeling.registry import config_from_dict
 from paddle_pp.runtime.errors import UserError
 from paddle_pp.runtime.layout import Layout, add_layout_args
@@ -43,7 +45,7 @@ def _plan(args) -> int:
 
 
 def _rewrite(args) -> int:
-    """split, join, merge and rechunk: a streaming rewrite of SOURCE into TARGET with a progress bar."""
+    """split, join, merge, rechunk and weights: a streaming rewrite of SOURCE into TARGET with a progress bar."""
     if not args.source.is_dir():
         raise CheckpointError(f"{args.source} is not a folder")
     total = sum(p.stat().st_size for p in args.source.iterdir() if p.suffix in DATA_SUFFIXES)
@@ -52,6 +54,8 @@ def _rewrite(args) -> int:
             layout = Layout.from_args(args, world_size=args.tensor_parallel_degree * args.pipeline_parallel_degree
                                       * args.sharding_parallel_degree, device="cpu")
             out = split_checkpoint(args.source, args.target, layout, on_tensor)
+        elif args.command == "weights":
+            out = export_weights(args.source, args.target, args.dtype, int(args.max_shard_mb * 2**20), on_tensor)
         else:
             rewrite = {"join": join_split, "merge": merge_fleet, "rechunk": rechunk}[args.command]
             out = rewrite(args.source, args.target, int(args.max_shard_mb * 2**20), on_tensor)
@@ -70,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
     plan.add_argument("--bf16", action="store_true", help="size for bf16 compute with fp32 master weights")
     helps = {"split": "write a per-rank pre-split copy for a layout", "join": "a pre-split copy back to unified",
-             "merge": "fleet per-rank .pdparams/.pdopt files to unified", "rechunk": "change the shard size"}
+             "merge": "fleet per-rank .pdparams/.pdopt files to unified", "rechunk": "change the shard size",
+             "weights": "a weights-only copy to hand a model on (optionally bfloat16/float16)"}
     for name, text in helps.items():
         sub = commands.add_parser(name, help=text)
         sub.add_argument("source", type=Path)
@@ -80,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             sub.add_argument("--max_shard_mb", type=float, required=name == "rechunk", default=5 * 1024,
                              help="largest output shard")
+        if name == "weights":
+            sub.add_argument("--dtype", choices=EXPORT_DTYPES, default="float32")
     args = parser.parse_args(argv)
     try:
         return _plan(args) if args.command == "plan" else _rewrite(args)

@@ -61,10 +61,22 @@ class Topology:
         return {"dp": self.dp_rank, "sharding": self.sharding_rank, "tp": self.tp_rank, "pp": self.pp_rank}
 
 
+# Parameters fleet keeps identical across TP ranks on GPU (matched in their internal names): its
+# default list misses RMSNorm ("llama_rms_norm_0.w_0"), whose copies can then drift apart.
+TP_SYNCED_PARAMETERS = ["embedding", "norm", ".b_"]
+
+
 def build_strategy(layout: Layout, micro_batch_size: int = 1, accumulate_steps: int = 1) -> fleet.DistributedStrategy:
-    """Fleet strategy for `layout`; on CPU the pipeline avoids partial send/recv (an all-gather gloo lacks)."""
+    """Fleet strategy for `layout`; on CPU the pipeline avoids partial send/recv (an all-gather gloo lacks).
+
+    On GPU with TP, replicated parameters and their gradients are broadcast from TP rank 0 every
+    step (PaddleNLP's `--tensor_parallel_config "sync_param sync_grad"`), as non-deterministic GPU
+    kernels can make the copies drift; CPU runs are deterministic and skip it. Untested here (no GPU)."""
     strategy = fleet.DistributedStrategy()
-    strategy.hybrid_configs = layout.hybrid_configs()
+    hybrid = layout.hybrid_configs()
+    if layout.device != "cpu" and layout.tp > 1:
+        hybrid["mp_configs"] = {"sync_param": True, "sync_grad": True, "sync_param_name": list(TP_SYNCED_PARAMETERS)}
+    strategy.hybrid_configs = hybrid
     strategy.pipeline_configs = {
         "micro_batch_size": micro_batch_size,
         "accumulate_steps": accumulate_steps,

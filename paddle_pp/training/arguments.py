@@ -76,6 +76,15 @@ class CheckpointArguments:
     async_save: bool = flag(False, "write checkpoints in the background while training continues")
     save_gradients: bool = flag(False, "also write the last step's reduced, unclipped gradients into each checkpoint "
                                        "(tools/check_alignment.py compares them)")
+    ignore_load_lr_and_optim: bool = flag(False, "resume weights, step and data position only: fresh optimizer "
+                                                 "states and a fresh learning-rate schedule")
+    ignore_data_skip: bool = flag(False, "resume without skipping the samples the checkpoint consumed (data from "
+                                         "the start)")
+    skip_data_intervals: str = flag("", "global batches of these steps are skipped, e.g. '[[100, 120]]' (1-based, "
+                                        "inclusive; kept in checkpoints, so later resumes skip them too)")
+    replica_check: str = flag("error", "before each save, compare checksums of tensors that must be equal on every "
+                                       "replica (TP-replicated, data-parallel, tied): error fails the save, warn "
+                                       "writes and warns", choices=["error", "warn"])
 
 
 GROUPS = {"model": ModelArguments, "data": DataArguments, "optim": OptimizerArguments, "output": OutputArguments,

@@ -18,7 +18,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"run_pretrain.py: error: {err}", file=sys.stderr)
         return 2
     history = trainer.train()
-    write_result({"rank": trainer.topo.global_rank, "losses": [r["loss"] for r in history],
+    write_result({"rank": trainer.topo.global_rank, "losses": [r["loss"] for r in history if "loss" in r],
+                  "trained_steps": [r["step"] for r in history if "loss" in r],
                   "eval_loss": history[-1].get("eval_loss") if history else None,
                   "dataset_built": trainer.data is not None, "stage": trainer.topo.pp_rank})
     return end_job(trainer.topo)

@@ -35,6 +35,7 @@ from paddle_pp.training.gradient_record import record_gradients, recorded_gradie
 from paddle_pp.training.grad_norm import ReportingGlobalNormClip, observe_hybrid_norm
 from paddle_pp.training.report import MetricsLog, plot_loss, training_bar
 from paddle_pp.training.schedule import WarmupCosine
+from paddle_pp.training.skips import merge, parse_intervals, skipped
 from paddle_pp.training.step import eval_loss, train_step
 
 
@@ -96,6 +97,7 @@ class Pretrainer:
             raise TrainingConfigError(
                 f"--virtual_pp_degree needs at least --pipeline_parallel_degree {self.layout.pp} micro-batches per "
                 f"step; got {self.batches.accumulate_steps} (raise --gradient_accumulation_steps)")
+        self.skip_intervals = parse_intervals(args.checkpoint.skip_data_intervals)
         self.resume_dir = self._resume_dir()
 
         self.topo: Topology = init_distributed(self.layout, self.batches.micro_batch, self.batches.accumulate_steps)
@@ -116,9 +118,8 @@ class Pretrainer:
         self.raw_model = raw
         self.consumed_samples, self.step = 0, 0
         if self.resume_dir is not None:
-            state = load_checkpoint(self.resume_dir, raw, self.optimizer, self.topo, self.axes)
-            self.step, self.consumed_samples = state["step"], state["consumed_samples"]
-            self.schedule.set_state_dict(state["lr_scheduler"])
+            self._resume(state=load_checkpoint(self.resume_dir, raw, None if args.checkpoint.ignore_load_lr_and_optim
+                                               else self.optimizer, self.topo, self.axes))
         self.pending_save: PendingSave | None = None
         self.data = self._build_data()
         align_ranks(self.topo)  # only first and last stages built data; the others wait in p2p
@@ -135,18 +136,30 @@ class Pretrainer:
         check_compatible(folder, self.config, self.layout)
         return folder
 
+    def _resume(self, state: dict) -> None:
+        """Step, data position, schedule and skipped intervals from a loaded trainer state, as the
+        resume flags allow (PaddleNLP's `ignore_load_lr_and_optim` and `ignore_data_skip`)."""
+        ckpt = self.args.checkpoint
+        self.step = state["step"]
+        self.consumed_samples = 0 if ckpt.ignore_data_skip else state["consumed_samples"]
+        if not ckpt.ignore_load_lr_and_optim:
+            self.schedule.set_state_dict(state["lr_scheduler"])
+        self.skip_intervals = merge(self.skip_intervals, state.get("skip_data_intervals", []))
+
     def save(self) -> None:
         """A unified checkpoint of this step; with --async_save the files are written in the background."""
         self.finish_pending_save()
         ckpt = self.args.checkpoint
         trainer_state = {"step": self.step, "consumed_samples": self.consumed_samples, "seed": self.args.data.seed,
                          "lr_scheduler": self.schedule.state_dict(), "max_steps": self.args.optim.max_steps,
-                         "global_batch_size": self.batches.global_batch, "args": self.args.flat()}
+                         "global_batch_size": self.batches.global_batch, "args": self.args.flat(),
+                         "skip_data_intervals": [list(pair) for pair in self.skip_intervals]}
         self.pending_save = save_checkpoint(
             Path(self.args.output.output_dir), self.step, self.raw_model, self.optimizer, self.topo, self.axes,
             config=self.config, trainer_state=trainer_state,
             extra_files=(Path(self.args.data.tokenizer_dir) / TOKENIZER_FILE,), keep=ckpt.save_total_limit,
-            asynchronous=ckpt.async_save, gradients=recorded_gradients(self.optimizer) if ckpt.save_gradients else None)
+            asynchronous=ckpt.async_save, gradients=recorded_gradients(self.optimizer) if ckpt.save_gradients else None,
+            replica_check=ckpt.replica_check)
         if not ckpt.async_save:
             self.pending_save = None
 
@@ -177,8 +190,17 @@ class Pretrainer:
         inputs, labels = self.data.batch(indices, split)
         return paddle.to_tensor(inputs), paddle.to_tensor(labels)
 
+    def skip_one_step(self) -> dict:
+        """Advance step, data position and schedule past a skipped step's global batch, unread."""
+        record = {"step": self.step + 1, "skipped": True, "consumed_samples": self.consumed_samples}
+        self.schedule.step()
+        self.step += 1
+        self.consumed_samples += self.batches.global_batch
+        return record
+
     def train_one_step(self) -> dict:
         started = time.perf_counter()
+        consumed = self.consumed_samples
         indices = self.sampler.replica_batch(self.consumed_samples, self.topo.data_replica_index,
                                              self.topo.data_replica_count)
         inputs, labels = self._tensors(indices, "train")
@@ -190,7 +212,8 @@ class Pretrainer:
         self.consumed_samples += self.batches.global_batch
         seconds = time.perf_counter() - started
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": self.clip.pop_norm(),
-                "tokens_per_sec": self.batches.global_batch * self.args.data.max_seq_length / seconds}
+                "tokens_per_sec": self.batches.global_batch * self.args.data.max_seq_length / seconds,
+                "consumed_samples": consumed}
 
     def evaluate(self) -> float:
         """Mean loss over `eval_iters` global batches of the held-out samples."""
@@ -215,7 +238,7 @@ class Pretrainer:
         started, history = time.perf_counter(), []
         stop = min(max_steps, self.step + out.exit_after_steps) if out.exit_after_steps else max_steps
         while self.step < stop:
-            record = self.train_one_step()
+            record = self.skip_one_step() if skipped(self.step + 1, self.skip_intervals) else self.train_one_step()
             last = self.step == stop
             if (out.eval_steps and self.step % out.eval_steps == 0) or last:
                 record["eval_loss"] = self.evaluate()
@@ -224,8 +247,9 @@ class Pretrainer:
             if log and (self.step % out.logging_steps == 0 or last or "eval_loss" in record):
                 log.write(record)
             if bar:
-                bar.set_postfix(loss=f"{record['loss']:.4g}", lr=f"{record['lr']:.3g}",
-                                tok_s=f"{record['tokens_per_sec']:.0f}", refresh=False)
+                if "loss" in record:
+                    bar.set_postfix(loss=f"{record['loss']:.4g}", lr=f"{record['lr']:.3g}",
+                                    tok_s=f"{record['tokens_per_sec']:.0f}", refresh=False)
                 bar.update(1)
             self.finish_pending_save(only_if_written=True)
             if save_steps and (self.step % save_steps == 0 or last):
