@@ -1,20 +1,23 @@
-"""Faults as a scheduler deals them: the launcher killed with its ranks still training, a metrics
-line torn by a kill, an older writer committing after a newer one."""
+"""Faults as a scheduler deals them: the launcher killed with its ranks still training, a second
+job started into the same output_dir, a metrics line torn by a kill, an older writer committing
+after a newer one."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from runs import MODEL, SCRIPT
+from runs import MODEL, REPO, SCRIPT
 
 from checkpoint.commit import commit, latest_checkpoint, temp_dir
+from paddle_pp.training.output_lock import LOCK_FILE, OutputDirInUseError, acquire, release
 from paddle_pp.training.report import MetricsLog, read_metrics
 
 
@@ -93,3 +96,51 @@ def test_resumed_metrics_hold_every_step_once_without_the_torn_line(tmp_path):
     fresh = MetricsLog(path)
     fresh.close()
     assert path.read_text() == ""
+
+
+def test_a_second_job_into_the_same_output_dir_is_refused_naming_the_owner(tmp_path, data_cache):
+    out = tmp_path / "out"
+    flags = [*MODEL, "--data_cache", str(data_cache), "--output_dir", str(out)]
+    first = subprocess.Popen([sys.executable, str(SCRIPT), *flags, "--max_steps", "100000"], cwd=REPO,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        metrics = out / "metrics.jsonl"
+        _wait_for(lambda: first.poll() is not None or (metrics.is_file() and metrics.read_text().strip()), 300,
+                  "the first job's first step")
+        assert first.poll() is None, "the first job ended early"
+        second = subprocess.run([sys.executable, str(SCRIPT), *flags, "--max_steps", "6"], cwd=REPO,
+                                capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert f"is in use by another job (host {socket.gethostname()}, pid {first.pid})" in second.stderr
+    finally:
+        first.kill()
+        first.wait()
+    after = subprocess.run([sys.executable, str(SCRIPT), *flags, "--max_steps", "6"], cwd=REPO,
+                           capture_output=True, text=True, timeout=300)
+    assert after.returncode == 0, after.stderr[-2000:]
+    assert not (out / LOCK_FILE).exists(), "a finished run releases the lock it took over"
+
+
+def _write_lock(folder: Path, host: str, pid: int, started: int) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / LOCK_FILE).write_text(json.dumps({"host": host, "pid": pid, "started": started}))
+    return folder / LOCK_FILE
+
+
+def test_lock_owners_dead_alive_elsewhere_or_torn(tmp_path, monkeypatch):
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    _write_lock(tmp_path / "dead", socket.gethostname(), finished.pid, 12345)
+    assert json.loads(acquire(tmp_path / "dead").read_text())["pid"] == os.getpid(), "a dead owner's lock is taken over"
+    assert acquire(tmp_path / "dead") == tmp_path / "dead" / LOCK_FILE, "the owner may take its own lock again"
+    reused = _write_lock(tmp_path / "reused", socket.gethostname(), os.getppid(), 1)  # a live pid, another start
+    assert json.loads(acquire(reused.parent).read_text())["pid"] == os.getpid()
+    _write_lock(tmp_path / "remote", "another-host", 4242, 7)
+    with pytest.raises(OutputDirInUseError, match="host another-host, pid 4242"):
+        acquire(tmp_path / "remote")
+    monkeypatch.setattr("paddle_pp.training.output_lock.WRITE_GRACE_S", 0.05)
+    (tmp_path / "torn").mkdir()
+    (tmp_path / "torn" / LOCK_FILE).write_text('{"host": "x", "pi')
+    lock = acquire(tmp_path / "torn")
+    release(lock)
+    assert not lock.exists()

@@ -70,11 +70,12 @@ def test_ignore_data_skip_restarts_the_data_but_not_the_step(skipping, data_cach
 
 
 @pytest.mark.parametrize("ignore", [True, False], ids=["ignore_load_lr_and_optim", "full_resume"])
-def test_ignore_load_lr_and_optim_keeps_weights_and_position_with_a_fresh_optimizer(skipping, data_cache, ignore):
+def test_ignore_load_lr_and_optim_keeps_weights_and_position_with_a_fresh_optimizer(skipping, data_cache, tmp_path,
+                                                                                      ignore):
     folder = skipping / "full" / "checkpoint-9"
     probe = subprocess.run([sys.executable, str(REPO / "tests" / "workers" / "resume_probe_worker.py"), *MODEL,
                             "--max_steps", "10", "--data_cache", str(data_cache), "--resume_from_checkpoint",
-                            str(folder), *(["--ignore_load_lr_and_optim"] if ignore else [])],
+                            str(folder), "--output_dir", str(tmp_path), *(["--ignore_load_lr_and_optim"] if ignore else [])],
                            capture_output=True, text=True, timeout=300, cwd=REPO)
     assert probe.returncode == 0, probe.stderr[-3000:]
     seen = json.loads(probe.stdout.strip().splitlines()[-1])

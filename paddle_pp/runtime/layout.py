@@ -182,6 +182,11 @@ def launched_world_size() -> int:
     return int(os.environ.get("PADDLE_TRAINERS_NUM", "1"))
 
 
+def launched_rank() -> int:
+    """This process's global rank as `paddle.distributed.launch` exports it (0 for a plain run)."""
+    return int(os.environ.get("PADDLE_TRAINER_ID", "0"))
+
+
 def launched_device() -> str:
     """'gpu' when this Paddle build sees a CUDA device, else 'cpu' (the layout rules differ on CPU)."""
     import paddle

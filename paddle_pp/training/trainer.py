@@ -27,7 +27,7 @@ from paddle_pp.data.tokenizer import load_tokenizer
 from paddle_pp.data.tokens import PackedTokens, ensure_tokens
 from paddle_pp.runtime.errors import UserError
 from paddle_pp.runtime.fleet_wrappers import wrap_model, wrap_optimizer
-from paddle_pp.runtime.layout import Layout
+from paddle_pp.runtime.layout import Layout, launched_rank
 from paddle_pp.runtime.topology import Topology, align_ranks, gather_objects, init_distributed
 from paddle_pp.training import precision
 from paddle_pp.training.arguments import DataArguments, ModelArguments, OptimizerArguments, PretrainArguments
@@ -35,6 +35,7 @@ from paddle_pp.training.gradient_record import record_gradients, recorded_gradie
 from paddle_pp.training.grad_norm import ReportingGlobalNormClip, observe_hybrid_norm
 from paddle_pp.training.report import MetricsLog, plot_loss, training_bar
 from paddle_pp.training.schedule import WarmupCosine
+from paddle_pp.training.output_lock import acquire, release
 from paddle_pp.training.skips import merge, parse_intervals, skipped
 from paddle_pp.training.step import eval_loss, train_step
 
@@ -98,6 +99,7 @@ class Pretrainer:
                 f"--virtual_pp_degree needs at least --pipeline_parallel_degree {self.layout.pp} micro-batches per "
                 f"step; got {self.batches.accumulate_steps} (raise --gradient_accumulation_steps)")
         self.skip_intervals = parse_intervals(args.checkpoint.skip_data_intervals)
+        self.lock = acquire(Path(args.output.output_dir)) if launched_rank() == 0 else None
         self.resume_dir = self._resume_dir()
 
         self.topo: Topology = init_distributed(self.layout, self.batches.micro_batch, self.batches.accumulate_steps)
@@ -260,4 +262,6 @@ class Pretrainer:
         if log:
             log.close()
             plot_loss(output / "metrics.jsonl", output / "loss.png")
+        if self.lock is not None:
+            release(self.lock)
         return history
