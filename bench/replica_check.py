@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
 import statistics
 import tempfile
@@ -19,15 +18,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+from machine import cpu_model
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         saves.append(time.perf_counter() - started)
         shutil.rmtree(work / str(repeat))
     shutil.rmtree(work)
-    report = {"cpu": _cpu_model(), "measured": time.strftime("%Y-%m-%d"), "weight_bytes": weight_bytes,
+    report = {"cpu": cpu_model(), "measured": time.strftime("%Y-%m-%d"), "weight_bytes": weight_bytes,
               "check_s": checks, "save_with_check_s": saves,
               "median_check_fraction_of_save": statistics.median(checks) / statistics.median(saves),
               "check_gb_per_s": weight_bytes / statistics.median(checks) / 1e9}

@@ -6,6 +6,8 @@ read a batch, forward, loss, backward, step, clear_grad, from the same initial w
 same batches; the trainer step adds what a real run does: its sampler and data path, the schedule,
 the reported gradient norm, replica averaging of the loss and the metrics record. Steps alternate
 one by one after a warmup, the order swapped every pair; the ratio of median step rates is reported.
+Between them the data path alone is timed (a global batch's samples read from the indexed files and
+made tensors, as the trainer does): its share of the trainer's step time (target < 1%).
 Writes bench/results/trainer_overhead.json.
 
   .venv/bin/python bench/trainer_overhead.py --hidden_size 256 --num_hidden_layers 4
@@ -20,6 +22,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from machine import cpu_model
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -46,9 +50,9 @@ def _hand_loop(trainer):
     criterion, consumed = trainer.criterion, [0]
 
     def step() -> float:
-        inputs, labels = trainer.data.batch(trainer.sampler.replica_batch(consumed[0], 0, 1), "train")
+        inputs, labels = trainer.batch_tensors(trainer.train_data, trainer.sampler.replica_batch(consumed[0], 0, 1))
         consumed[0] += batch
-        loss = criterion(model(paddle.to_tensor(inputs)), paddle.to_tensor(labels))
+        loss = criterion(model(inputs), labels)
         loss.backward()
         optimizer.step()
         optimizer.clear_grad()
@@ -85,22 +89,30 @@ def main(argv: list[str] | None = None) -> int:
     for run in runners.values():  # warmup: first-step allocations and kernel selection
         run()
     rates: dict[str, list[float]] = {name: [] for name in runners}
+    data_seconds: list[float] = []
     for step in range(args.steps):
         order = list(runners.items())
         for name, run in order if step % 2 == 0 else order[::-1]:  # neither always goes first
             started = time.perf_counter()
             run()
             rates[name].append(tokens / (time.perf_counter() - started))
+        started = time.perf_counter()
+        trainer.batch_tensors(trainer.train_data, trainer.sampler.replica_batch(trainer.consumed_samples, 0, 1))
+        data_seconds.append(time.perf_counter() - started)
     medians = {name: statistics.median(values) for name, values in rates.items()}
     ratio = medians["trainer"] / medians["hand loop"]
     for name, values in rates.items():
         print(f"{name:<10} median {medians[name]:>9.0f} tokens/s over {len(values)} steps "
               f"(min {min(values):.0f}, max {max(values):.0f})")
     print(f"trainer / hand loop = {ratio:.3f} (target >= 0.97)")
+    data_share = statistics.median(data_seconds) / (tokens / medians["trainer"])
+    print(f"data path: median {statistics.median(data_seconds) * 1e3:.3f} ms per global batch = {data_share:.2%} "
+          "of the trainer's step (target < 1%)")
     report = {"model": {"hidden_size": args.hidden_size, "num_hidden_layers": args.num_hidden_layers,
                         "max_seq_length": args.max_seq_length, "global_batch_size": args.global_batch_size},
               "device": "CPU, 1 process", "tokens_per_s": rates, "median_tokens_per_s": medians,
-              "ratio_trainer_over_hand_loop": ratio, "measured": time.strftime("%Y-%m-%d")}
+              "ratio_trainer_over_hand_loop": ratio, "data_path_seconds": data_seconds,
+              "data_path_share_of_step": data_share, "cpu": cpu_model(), "measured": time.strftime("%Y-%m-%d")}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")
     return 0

@@ -59,8 +59,8 @@ def _paddlenlp_step_times(args: argparse.Namespace, tp: int, pp: int, work: Path
     from paddle.distributed import fleet
 
     from paddle_pp.runtime.backends import cpu
-    from paddle_pp.data.tokenizer import load_tokenizer
-    from paddle_pp.data.tokens import PackedTokens, ensure_tokens
+    from paddle_pp.data.source import build_data, dataset_sizes, plan_data
+    from paddle_pp.data.tokenizer import load_text_tokenizer
     from paddle_pp.training.arguments import DataArguments
 
     cpu.apply()
@@ -79,10 +79,12 @@ def _paddlenlp_step_times(args: argparse.Namespace, tp: int, pp: int, work: Path
     if pp > 1:
         cpu.create_pipeline_edge_groups(fleet.get_hybrid_communicate_group(), wrap_around=False)
     defaults = DataArguments()
-    ensure_tokens(defaults.corpus, defaults.tokenizer_dir, work / "data")
-    samples = PackedTokens(work / "data", args.max_seq_length, defaults.eval_samples)
+    vocab_size = load_text_tokenizer(defaults.tokenizer_dir).vocab_size
+    samples, _ = build_data(plan_data(
+        "", defaults.corpus, defaults.tokenizer_dir, work / "data", defaults.split, defaults.data_impl,
+        args.max_seq_length, 42, dataset_sizes(args.global_batch_size, args.warmup + args.steps, 0, 1), vocab_size))
     config = LlamaConfig(
-        vocab_size=load_tokenizer(defaults.tokenizer_dir).vocab_size(), hidden_size=args.hidden_size,
+        vocab_size=vocab_size, hidden_size=args.hidden_size,
         intermediate_size=args.intermediate_size, num_hidden_layers=args.num_hidden_layers,
         num_attention_heads=args.num_heads, num_key_value_heads=args.num_heads, rms_norm_eps=1e-6,
         max_position_embeddings=args.max_seq_length, tensor_parallel_degree=tp,
@@ -91,11 +93,11 @@ def _paddlenlp_step_times(args: argparse.Namespace, tp: int, pp: int, work: Path
 
     class Samples(paddle.io.Dataset):
         def __len__(self):
-            return samples.num_train
+            return len(samples)
 
         def __getitem__(self, i):
-            inputs, labels = samples.batch([i])
-            return {"input_ids": inputs[0], "labels": labels[0]}
+            ids = samples[i]
+            return {"input_ids": ids[:-1], "labels": ids[1:]}
 
     step_ends: list[float] = []
 

@@ -18,6 +18,7 @@ from checkpoint.durable import fsync_dir, fsync_file
 from checkpoint.format import CHECKPOINT_PREFIX, LATEST_FILE, CheckpointError, checkpoint_dir_name
 
 TEMP_PREFIX = ".tmp-"
+REPLACED_PREFIX = ".replaced-"  # a committed folder moved aside while a re-save of its step takes its name
 STEP_DIR = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
 
 
@@ -32,10 +33,14 @@ def commit(output_dir: Path, step: int) -> Path:
     output_dir = Path(output_dir)
     staged, final = temp_dir(output_dir, step), output_dir / checkpoint_dir_name(step)
     fsync_dir(staged)
-    if final.exists():  # a re-save of the same step (e.g. after resuming): replace it whole
-        shutil.rmtree(final)
+    retired = output_dir / f"{REPLACED_PREFIX}{final.name}"
+    if final.exists():  # a re-save of the same step: the old copy stays whole until the new one is in place
+        shutil.rmtree(retired, ignore_errors=True)
+        os.replace(final, retired)
     os.replace(staged, final)
     fsync_dir(output_dir)
+    if retired.exists():
+        shutil.rmtree(retired)
     named = latest_step(output_dir)
     if named is None or step >= named:
         marker = output_dir / f".{LATEST_FILE}.tmp"
@@ -87,6 +92,30 @@ def rotate(output_dir: Path, keep: int) -> list[Path]:
         shutil.rmtree(folder)
         removed.append(folder)
     return removed
+
+
+def clear_interrupted_saves(output_dir: Path) -> list[str]:
+    """What killed jobs left: folders of saves that never committed (deleted: each can be as large
+    as a checkpoint, and nothing reads them), and a committed folder moved aside by a re-save cut
+    between its two renames (put back when the new copy never arrived). Only the job holding the
+    output_dir lock calls this, before it saves anything. Returns the names it removed or restored."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return []
+    cleared = []
+    for stale in sorted(output_dir.glob(f"{TEMP_PREFIX}{CHECKPOINT_PREFIX}*")):
+        shutil.rmtree(stale)
+        cleared.append(stale.name)
+    for retired in sorted(output_dir.glob(f"{REPLACED_PREFIX}{CHECKPOINT_PREFIX}*")):
+        final = output_dir / retired.name[len(REPLACED_PREFIX):]
+        if final.exists():
+            shutil.rmtree(retired)
+        else:
+            os.replace(retired, final)
+        cleared.append(retired.name)
+    if cleared:
+        fsync_dir(output_dir)
+    return cleared
 
 
 def clear_stale_temp(output_dir: Path, step: int) -> None:

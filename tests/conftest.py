@@ -35,12 +35,13 @@ def run_workers_module(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory):
-    """The shipped corpus tokenized once per session (runs then skip preprocessing)."""
-    from paddle_pp.data.tokens import preprocess
+    """A --data_cache folder holding the shipped corpus tokenized once per session (runs then skip
+    preprocessing; their index files accumulate here too)."""
+    from paddle_pp.data.preprocess import ensure_corpus
 
-    prefix = tmp_path_factory.mktemp("data") / "jargon"
-    preprocess(CORPUS, TOKENIZER, prefix)
-    return prefix
+    folder = tmp_path_factory.mktemp("data")
+    ensure_corpus(CORPUS, TOKENIZER, folder)
+    return folder
 
 
 @pytest.fixture(scope="session")

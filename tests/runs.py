@@ -12,7 +12,7 @@ CORPUS, TOKENIZER = REPO / "data" / "jargon-4.4.7.txt", REPO / "data" / "tokeniz
 MODEL = ("--hidden_size", "64", "--intermediate_size", "128", "--num_hidden_layers", "4", "--num_attention_heads", "4",
          "--num_key_value_heads", "2", "--max_seq_length", "32", "--global_batch_size", "8",
          "--per_device_train_batch_size", "1", "--max_steps", "20", "--warmup_steps", "5", "--eval_steps", "10",
-         "--eval_iters", "1", "--eval_samples", "16", "--disable_progress_bar")
+         "--eval_iters", "1", "--disable_progress_bar")
 GPT = ("--model_type", "gpt", "--num_key_value_heads", "0")
 TP2, PP2 = ("--tensor_parallel_degree", "2"), ("--pipeline_parallel_degree", "2")
 SHARDING2 = ("--sharding_parallel_degree", "2", "--sharding", "stage1")

@@ -16,24 +16,10 @@ from pathlib import Path
 import pytest
 from runs import MODEL, REPO, SCRIPT
 
-from checkpoint.commit import commit, latest_checkpoint, temp_dir
+from checkpoint.commit import clear_interrupted_saves, commit, latest_checkpoint, temp_dir
+from paddle_pp.runtime.launch import processes_naming
 from paddle_pp.training.output_lock import LOCK_FILE, OutputDirInUseError, acquire, release
 from paddle_pp.training.report import MetricsLog, read_metrics
-
-
-def _processes_naming(text: str) -> set[int]:
-    """Live (not zombie) processes whose command line contains `text`."""
-    found = set()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if text in (proc / "cmdline").read_bytes().decode(errors="replace") and \
-                    (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                found.add(int(proc.name))
-        except OSError:  # the process ended while we looked
-            continue
-    return found
 
 
 def _wait_for(condition, seconds: float, what: str) -> None:
@@ -59,13 +45,13 @@ def test_killing_the_launcher_leaves_no_rank_behind(tmp_path, data_cache):
         _wait_for(lambda: launcher.poll() is None and metrics.is_file() and metrics.read_text().strip()
                   or launcher.poll() is not None, 300, "the first logged step")
         assert launcher.poll() is None, "the job ended before it could be killed"
-        ranks = _processes_naming(str(out)) - {launcher.pid}
+        ranks = processes_naming(str(out)) - {launcher.pid}
         assert len(ranks) == 2, ranks
         os.killpg(launcher.pid, signal.SIGKILL)
         launcher.wait()
-        _wait_for(lambda: not (_processes_naming(str(out)) & ranks), 30, f"ranks {sorted(ranks)} to end")
+        _wait_for(lambda: not (processes_naming(str(out)) & ranks), 30, f"ranks {sorted(ranks)} to end")
     finally:
-        for pid in _processes_naming(str(out)):
+        for pid in processes_naming(str(out)):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -80,6 +66,24 @@ def test_latest_only_moves_forward(tmp_path):
     temp_dir(tmp_path, 6).mkdir()
     commit(tmp_path, 6)  # re-saving the newest step keeps it latest
     assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-6"
+
+
+def test_a_resave_keeps_the_old_copy_until_the_new_is_in_and_a_restart_clears_what_kills_left(tmp_path):
+    for content in ("old", "new"):
+        temp_dir(tmp_path, 4).mkdir()
+        (temp_dir(tmp_path, 4) / "weights").write_text(content)
+        commit(tmp_path, 4)
+    assert (tmp_path / "checkpoint-4" / "weights").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4", "latest"]
+    # A re-save killed between its two renames (old copy moved aside, new one not in), and a save
+    # killed while writing: the next job that holds the lock restores the one and deletes the other.
+    os.replace(tmp_path / "checkpoint-4", tmp_path / ".replaced-checkpoint-4")
+    temp_dir(tmp_path, 6).mkdir()
+    (temp_dir(tmp_path, 6) / "weights").write_text("half")
+    assert clear_interrupted_saves(tmp_path) == [".tmp-checkpoint-6", ".replaced-checkpoint-4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4", "latest"]
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-4"
+    assert (tmp_path / "checkpoint-4" / "weights").read_text() == "new"
 
 
 def test_resumed_metrics_hold_every_step_once_without_the_torn_line(tmp_path):
@@ -115,9 +119,12 @@ def test_a_second_job_into_the_same_output_dir_is_refused_naming_the_owner(tmp_p
     finally:
         first.kill()
         first.wait()
+    temp_dir(out, 3).mkdir()  # what a job killed mid-save leaves; the next owner of the folder deletes it
     after = subprocess.run([sys.executable, str(SCRIPT), *flags, "--max_steps", "6"], cwd=REPO,
                            capture_output=True, text=True, timeout=300)
     assert after.returncode == 0, after.stderr[-2000:]
+    assert "cleared 1 save(s) a stopped job left unfinished: .tmp-checkpoint-3" in after.stderr
+    assert not temp_dir(out, 3).exists()
     assert not (out / LOCK_FILE).exists(), "a finished run releases the lock it took over"
 
 

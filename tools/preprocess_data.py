@@ -1,4 +1,5 @@
-"""Tokenize a corpus into the memory-mapped ids the trainer reads (`<prefix>.bin` + `<prefix>.idx.json`)."""
+"""Tokenize a corpus into prepared data (`<prefix>.bin` + `<prefix>.idx`, the MMapIndexedDataset format
+PaddleNLP and Megatron-LM read): JSON lines (.jsonl, .jsonl.gz) or blank-line-separated text (.txt)."""
 
 from __future__ import annotations
 
@@ -6,17 +7,29 @@ import argparse
 import sys
 from pathlib import Path
 
-from paddle_pp.data.tokens import preprocess
+from paddle_pp.data.preprocess import preprocess
+from paddle_pp.runtime.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--corpus", type=Path, default=Path("data/jargon-4.4.7.txt"))
-    parser.add_argument("--tokenizer_dir", type=Path, default=Path("data/tokenizer"))
-    parser.add_argument("--output_prefix", type=Path, default=Path("data/cache/jargon"))
+    parser.add_argument("--input", nargs="+", default=["data/jargon-4.4.7.txt"],
+                        help="files or globs, read in the order given (each glob sorted)")
+    parser.add_argument("--tokenizer_dir", type=Path, default=Path("data/tokenizer"),
+                        help="tokenizer.model (SentencePiece) or a folder PaddleNLP's AutoTokenizer loads")
+    parser.add_argument("--output_prefix", type=Path, required=True, help="writes <prefix>.bin and <prefix>.idx")
+    parser.add_argument("--json_key", default="text", help="the text's key in each JSON line")
+    parser.add_argument("--workers", type=int, default=1, help="tokenizing processes (output does not depend on it)")
+    parser.add_argument("--append_eos", action="store_true", help="end every document with the EOS id")
+    parser.add_argument("--disable_progress_bar", action="store_true")
     args = parser.parse_args(argv)
-    index = preprocess(args.corpus, args.tokenizer_dir, args.output_prefix)
-    print(f"{index['num_tokens']} tokens from {index['num_documents']} documents -> {args.output_prefix}.bin")
+    try:
+        summary = preprocess(args.input, args.tokenizer_dir, args.output_prefix, args.json_key, args.workers,
+                             args.append_eos, show_progress=not args.disable_progress_bar)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(summary.describe())
     return 0
 
 

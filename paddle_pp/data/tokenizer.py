@@ -1,17 +1,21 @@
-"""The SentencePiece tokenizer the repo trains and ships, and its loader.
+"""Tokenizers: the SentencePiece model the repo trains and ships, and any tokenizer folder
+PaddleNLP's `AutoTokenizer` loads offline (a LLaMA or GPT-2 style folder), behind one interface.
 
-LLaMA's conventions: byte fallback (no unknown characters), unk=0, bos=1, eos=2, no pad piece.
+The shipped model follows LLaMA's conventions: byte fallback (no unknown characters), unk=0, bos=1,
+eos=2, no pad piece.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from checkpoint.format import TOKENIZER_FILE
 from paddle_pp.runtime.errors import UserError
-
 
 
 class TokenizerError(UserError, FileNotFoundError):
@@ -57,6 +61,61 @@ def load_tokenizer(tokenizer_dir: Path):
     return processor
 
 
-def tokenizer_digest(tokenizer_dir: Path) -> str:
-    """SHA-256 of the tokenizer model: token files record it so stale ids are never trained on."""
-    return hashlib.sha256((Path(tokenizer_dir) / TOKENIZER_FILE).read_bytes()).hexdigest()
+TOKENIZER_CONFIG = "tokenizer_config.json"
+# Files a tokenizer folder may hold, copied into each checkpoint so it carries its tokenizer.
+TOKENIZER_FILE_PATTERNS = ("tokenizer*", "vocab*", "merges.txt", "special_tokens_map.json", "added_tokens.json",
+                           "spiece.model", "sentencepiece*.model")
+
+
+@dataclass(frozen=True)
+class TextTokenizer:
+    """What preprocessing and training need from a tokenizer: text to ids (no special tokens,
+    as PaddleNLP's create_pretraining_data.py does), the end-of-document id and the id range."""
+
+    folder: Path
+    encode: Callable[[str], list[int]]
+    eos_id: int | None
+    vocab_size: int
+
+    def files(self) -> list[Path]:
+        """The folder's tokenizer files (copied into checkpoints)."""
+        found = {path for pattern in TOKENIZER_FILE_PATTERNS for path in self.folder.glob(pattern) if path.is_file()}
+        return sorted(found)
+
+    def digest(self) -> str:
+        """SHA-256 over the tokenizer files: preprocessed ids are named by it, so a changed
+        tokenizer never reuses stale ids."""
+        digest = hashlib.sha256()
+        for path in self.files():
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+        return digest.hexdigest()
+
+
+def load_text_tokenizer(tokenizer_dir: Path) -> TextTokenizer:
+    """The shipped SentencePiece model when the folder holds only `tokenizer.model`; otherwise the
+    folder through PaddleNLP's `AutoTokenizer`, offline."""
+    folder = Path(tokenizer_dir)
+    if (folder / TOKENIZER_FILE).is_file() and not (folder / TOKENIZER_CONFIG).is_file():
+        sp = load_tokenizer(folder)
+        return TextTokenizer(folder, sp.encode, sp.eos_id(), sp.vocab_size())
+    if not folder.is_dir() or not any(folder.iterdir()):
+        raise TokenizerError(
+            f"no tokenizer in {folder}: pass --tokenizer_dir a folder holding {TOKENIZER_FILE} (SentencePiece) or a "
+            f"tokenizer PaddleNLP's AutoTokenizer loads ({TOKENIZER_CONFIG} with its vocabulary files), or train one "
+            f"with `python tools/train_tokenizer.py --corpus <text> --output_dir {folder}`")
+    tokenizer = _auto_tokenizer(folder)
+    return TextTokenizer(folder, lambda text: tokenizer.convert_tokens_to_ids(tokenizer.tokenize(text)),
+                         tokenizer.eos_token_id, len(tokenizer))
+
+
+def _auto_tokenizer(folder: Path) -> Any:
+    from paddlenlp.transformers import AutoTokenizer
+
+    # PaddleNLP's LlamaTokenizer looks for `sentencepiece.bpe.model`; transformers-style folders
+    # name the same SentencePiece file `tokenizer.model`.
+    named = {"vocab_file": str(folder / TOKENIZER_FILE)} if (folder / TOKENIZER_FILE).is_file() else {}
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), **named)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise TokenizerError(f"PaddleNLP's AutoTokenizer cannot load {folder} ({type(err).__name__}: {err}); "
+                             f"check its {TOKENIZER_CONFIG} and vocabulary files") from err

@@ -44,6 +44,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def processes_naming(text: str) -> set[int]:
+    """Live (not zombie) processes on this machine whose command line contains `text`: how a
+    caller finds the ranks of a job it did not start itself (they run in sessions of their own)."""
+    found = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if text in (proc / "cmdline").read_bytes().decode(errors="replace") and \
+                    (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found.add(int(proc.name))
+        except OSError:  # the process ended while we looked
+            continue
+    return found
+
+
 def write_result(payload: dict[str, Any]) -> None:
     """Called inside a worker: store this rank's JSON result where `launch` collects it."""
     result_dir = os.environ.get(RESULT_DIR_ENV)

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import paddle
 import paddle.distributed as dist
 from paddle.distributed import fleet
 
+from paddle_pp.runtime.errors import UserError
 from paddle_pp.runtime.layout import Layout, launched_world_size
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,34 @@ def align_ranks(topo: Topology) -> None:
         from paddle_pp.runtime.backends import cpu
 
         cpu.store_barrier()
+
+
+def rank0_first(topo: Topology, key: str, work: Callable[[], T]) -> T:
+    """Run `work` on global rank 0 first, then on the other ranks that call this: building shared
+    files once (rank 0 must be among the callers). The others wait on the job's TCP store, not in a
+    collective (gloo aborts any wait over 30 s); if rank 0 fails with a UserError they raise its
+    message instead of waiting for ever."""
+    if topo.layout.world_size == 1:
+        return work()
+    from paddle.base import core
+
+    store, key = core.create_or_get_global_tcp_store(), f"paddle_pp/rank0_first/{key}"
+    if topo.global_rank == 0:
+        try:
+            result = work()
+        except UserError as err:
+            store.set(key, f"error:{err}".encode())
+            raise
+        except BaseException:
+            store.set(key, b"error:rank 0 failed; its log has the traceback")
+            raise
+        store.set(key, b"ok")
+        return result
+    store.wait(key)
+    status = bytes(store.get(key)).decode()
+    if status.startswith("error:"):
+        raise UserError(status[len("error:"):])
+    return work()
 
 
 def end_job(topo: Topology, code: int = 0) -> int:

@@ -30,11 +30,16 @@ class ModelArguments:
 
 @dataclass
 class DataArguments:
-    corpus: Path = flag(Path("data/jargon-4.4.7.txt"), "UTF-8 training text; blank lines separate documents")
-    tokenizer_dir: Path = flag(Path("data/tokenizer"), "folder holding tokenizer.model (SentencePiece)")
-    data_cache: Path = flag(Path("data/cache/jargon"), "prefix of the memory-mapped token ids (.bin/.idx.json)")
+    input_dir: str = flag("", "prepared data (.bin/.idx): a prefix, a folder of prefixes, or a weighted blend "
+                              "'w1 prefix1 w2 prefix2 ...'; empty: --corpus, preprocessed on first use")
+    split: str = flag("949,50,1", "train/valid/test shares of the documents")
+    data_impl: str = flag("mmap", "format of the prepared data (only PaddleNLP's 'mmap')")
+    corpus: Path = flag(Path("data/jargon-4.4.7.txt"), "UTF-8 training text (blank lines separate documents), "
+                                                     "used when --input_dir is empty")
+    tokenizer_dir: Path = flag(Path("data/tokenizer"), "tokenizer folder: tokenizer.model (SentencePiece) or one "
+                                                       "PaddleNLP's AutoTokenizer loads")
+    data_cache: Path = flag(Path("data/cache"), "folder for index files and the preprocessed --corpus")
     max_seq_length: int = flag(128, "tokens per training sample")
-    eval_samples: int = flag(64, "samples held out at the end of the corpus for evaluation")
     per_device_train_batch_size: int = flag(4, "micro-batch size per data replica")
     gradient_accumulation_steps: int = flag(2, "micro-batches per step (the pipeline's accumulate steps)")
     global_batch_size: int = flag(0, "samples per step; 0 derives micro x accumulation x dp x sharding")

@@ -15,20 +15,19 @@ from pathlib import Path
 import numpy as np
 import paddle
 
-from checkpoint.commit import latest_checkpoint
-from checkpoint.format import TOKENIZER_FILE
+from checkpoint.commit import clear_interrupted_saves, latest_checkpoint
 from checkpoint.load import check_compatible, load_checkpoint
 from checkpoint.save import PendingSave, save_checkpoint
 from checkpoint.single_card_state import init_single_card_weights
 from modeling.registry import build_causal_lm, config_from_dict, plan_of, validate_layout
 from modeling.tp_plan import split_axes
-from paddle_pp.data.sampler import GlobalBatchSampler
-from paddle_pp.data.tokenizer import load_tokenizer
-from paddle_pp.data.tokens import PackedTokens, ensure_tokens
+from paddle_pp.data.sampler import SequentialBatches
+from paddle_pp.data.source import build_data, dataset_sizes, plan_data
+from paddle_pp.data.tokenizer import load_text_tokenizer
 from paddle_pp.runtime.errors import UserError
 from paddle_pp.runtime.fleet_wrappers import wrap_model, wrap_optimizer
 from paddle_pp.runtime.layout import Layout, launched_rank
-from paddle_pp.runtime.topology import Topology, align_ranks, gather_objects, init_distributed
+from paddle_pp.runtime.topology import Topology, align_ranks, gather_objects, init_distributed, rank0_first
 from paddle_pp.training import precision
 from paddle_pp.training.arguments import DataArguments, ModelArguments, OptimizerArguments, PretrainArguments
 from paddle_pp.training.gradient_record import record_gradients, recorded_gradients
@@ -88,11 +87,14 @@ class Pretrainer:
         self.layout = Layout.from_args(args.layout)
         self.batches = plan_batches(data, self.layout)
         self.compute_dtype = precision.compute_dtype(optim.bf16, optim.fp16, optim.amp_master_grad, self.layout.device)
-        self.vocab_size = load_tokenizer(data.tokenizer_dir).vocab_size()
-        self.config = model_config(args.model, data.max_seq_length, self.vocab_size)
+        self.tokenizer = load_text_tokenizer(data.tokenizer_dir)
+        self.config = model_config(args.model, data.max_seq_length, self.tokenizer.vocab_size)
         validate_layout(self.config, self.layout)
-        if not Path(data.corpus).is_file():
-            raise TrainingConfigError(f"--corpus {data.corpus} does not exist")
+        self.data_plan = plan_data(
+            data.input_dir, data.corpus, data.tokenizer_dir, data.data_cache, data.split, data.data_impl,
+            data.max_seq_length, data.seed, dataset_sizes(self.batches.global_batch, optim.max_steps,
+                                                          args.output.eval_steps, args.output.eval_iters),
+            self.tokenizer.vocab_size)
         self.schedule = WarmupCosine(optim.learning_rate, optim.warmup_steps, optim.max_steps, optim.min_learning_rate)
         if self.layout.vpp > 1 and self.batches.accumulate_steps < self.layout.pp:
             raise TrainingConfigError(
@@ -100,6 +102,11 @@ class Pretrainer:
                 f"step; got {self.batches.accumulate_steps} (raise --gradient_accumulation_steps)")
         self.skip_intervals = parse_intervals(args.checkpoint.skip_data_intervals)
         self.lock = acquire(Path(args.output.output_dir)) if launched_rank() == 0 else None
+        if self.lock is not None:
+            cleared = clear_interrupted_saves(Path(args.output.output_dir))
+            if cleared:
+                print(f"{args.output.output_dir}: cleared {len(cleared)} save(s) a stopped job left unfinished: "
+                      f"{', '.join(cleared)}", file=sys.stderr)
         self.resume_dir = self._resume_dir()
 
         self.topo: Topology = init_distributed(self.layout, self.batches.micro_batch, self.batches.accumulate_steps)
@@ -123,9 +130,10 @@ class Pretrainer:
             self._resume(state=load_checkpoint(self.resume_dir, raw, None if args.checkpoint.ignore_load_lr_and_optim
                                                else self.optimizer, self.topo, self.axes))
         self.pending_save: PendingSave | None = None
-        self.data = self._build_data()
+        self.train_data, self.valid_data = (
+            rank0_first(self.topo, "data", lambda: build_data(self.data_plan)) if self.needs_data else (None, None))
         align_ranks(self.topo)  # only first and last stages built data; the others wait in p2p
-        self.sampler = GlobalBatchSampler(self.data.num_train if self.data else 1, self.batches.global_batch, data.seed)
+        self.sampler = SequentialBatches(self.data_plan.num_samples[0], self.batches.global_batch)
 
     def _resume_dir(self) -> Path | None:
         """The checkpoint to resume from, checked against this model before any process group exists."""
@@ -147,6 +155,11 @@ class Pretrainer:
         if not ckpt.ignore_load_lr_and_optim:
             self.schedule.set_state_dict(state["lr_scheduler"])
         self.skip_intervals = merge(self.skip_intervals, state.get("skip_data_intervals", []))
+        saved_samples = state.get("train_samples", self.data_plan.num_samples[0])
+        if saved_samples != self.data_plan.num_samples[0] and self.topo.global_rank == 0:
+            print(f"warning: the training dataset is built for {self.data_plan.num_samples[0]} samples (--max_steps x "
+                  f"global batch) but the checkpoint's run used {saved_samples}; the sample order after this step "
+                  "follows the new size (as in PaddleNLP), not the original run's", file=sys.stderr)
 
     def save(self) -> None:
         """A unified checkpoint of this step; with --async_save the files are written in the background."""
@@ -155,11 +168,12 @@ class Pretrainer:
         trainer_state = {"step": self.step, "consumed_samples": self.consumed_samples, "seed": self.args.data.seed,
                          "lr_scheduler": self.schedule.state_dict(), "max_steps": self.args.optim.max_steps,
                          "global_batch_size": self.batches.global_batch, "args": self.args.flat(),
+                         "train_samples": self.data_plan.num_samples[0],
                          "skip_data_intervals": [list(pair) for pair in self.skip_intervals]}
         self.pending_save = save_checkpoint(
             Path(self.args.output.output_dir), self.step, self.raw_model, self.optimizer, self.topo, self.axes,
             config=self.config, trainer_state=trainer_state,
-            extra_files=(Path(self.args.data.tokenizer_dir) / TOKENIZER_FILE,), keep=ckpt.save_total_limit,
+            extra_files=tuple(self.tokenizer.files()), keep=ckpt.save_total_limit,
             asynchronous=ckpt.async_save, gradients=recorded_gradients(self.optimizer) if ckpt.save_gradients else None,
             replica_check=ckpt.replica_check)
         if not ckpt.async_save:
@@ -179,18 +193,12 @@ class Pretrainer:
         """Inputs enter at the first stage and labels at the last; middle stages read nothing."""
         return self.topo.is_first_stage or self.topo.is_last_stage
 
-    def _build_data(self) -> PackedTokens | None:
-        if not self.needs_data:
-            return None
-        data = self.args.data
-        ensure_tokens(data.corpus, data.tokenizer_dir, data.data_cache)
-        return PackedTokens(Path(data.data_cache), data.max_seq_length, data.eval_samples)
-
-    def _tensors(self, indices, split: str):
-        if self.data is None:
+    def batch_tensors(self, dataset, indices):
+        """(inputs, labels) of the samples at `indices`: each sample's first and last seq_length ids."""
+        if dataset is None:
             return None, None
-        inputs, labels = self.data.batch(indices, split)
-        return paddle.to_tensor(inputs), paddle.to_tensor(labels)
+        rows = np.stack([dataset[int(i)] for i in indices])
+        return paddle.to_tensor(rows[:, :-1]), paddle.to_tensor(rows[:, 1:])
 
     def skip_one_step(self) -> dict:
         """Advance step, data position and schedule past a skipped step's global batch, unread."""
@@ -205,7 +213,7 @@ class Pretrainer:
         consumed = self.consumed_samples
         indices = self.sampler.replica_batch(self.consumed_samples, self.topo.data_replica_index,
                                              self.topo.data_replica_count)
-        inputs, labels = self._tensors(indices, "train")
+        inputs, labels = self.batch_tensors(self.train_data, indices)
         lr = self.schedule.last_lr  # the rate this update applies (after a resume: the saved one)
         loss = train_step(self.model, self.optimizer, self.criterion, inputs, labels, self.topo,
                           self.batches.accumulate_steps, self.compute_dtype, self.scaler)
@@ -218,13 +226,15 @@ class Pretrainer:
                 "consumed_samples": consumed}
 
     def evaluate(self) -> float:
-        """Mean loss over `eval_iters` global batches of the held-out samples."""
+        """Mean loss over the first `eval_iters` global batches of the valid split (the same
+        samples at every evaluation, so the curve compares like with like)."""
+        valid = SequentialBatches(self.data_plan.num_samples[1], self.batches.global_batch)
         losses = []
-        local = self.batches.global_batch // self.topo.data_replica_count
         for it in range(self.args.output.eval_iters):
-            start = it * self.batches.global_batch + self.topo.data_replica_index * local
-            indices = [(start + j) % self.args.data.eval_samples for j in range(local)]
-            losses.append(eval_loss(self.model, self.criterion, *self._tensors(indices, "eval"), self.topo))
+            indices = valid.replica_batch(it * self.batches.global_batch, self.topo.data_replica_index,
+                                          self.topo.data_replica_count)
+            inputs, labels = self.batch_tensors(self.valid_data, indices)
+            losses.append(eval_loss(self.model, self.criterion, inputs, labels, self.topo))
         return float(np.mean(losses))
 
     def train(self) -> list[dict]:
