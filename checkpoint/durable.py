@@ -1,5 +1,5 @@
-"""Writes that survive a crash: fsync of files and folders, JSON written durably, and folders that
-appear under their final name only once complete."""
+"""Writes that survive a crash: fsync of files and folders, JSON written durably, and files and
+folders that appear under their final name only once complete."""
 
 from __future__ import annotations
 
@@ -29,6 +29,21 @@ def fsync_dir(path: Path) -> None:
 def write_json_durably(path: Path, payload: dict) -> None:
     Path(path).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
     fsync_file(path)
+
+
+@contextmanager
+def replaced_when_written(target: Path) -> Iterator[Path]:
+    """A hidden sibling path to write; once the block ends it is fsynced and renamed to `target`
+    (several processes may write the same target: each has its own sibling, the last rename wins).
+    An exception removes the sibling and leaves `target` as it was."""
+    target = Path(target)
+    staged = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        yield staged
+        fsync_file(staged)
+        os.replace(staged, target)
+    finally:
+        staged.unlink(missing_ok=True)
 
 
 @contextmanager

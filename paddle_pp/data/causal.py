@@ -15,41 +15,15 @@ and the compiled `fast_dataindex` helpers); what differs is how the index files 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
 
+from checkpoint.durable import replaced_when_written
 from paddle_pp.data.errors import DataError
-from paddle_pp.data.indexed import open_indexed
-
-
-@contextlib.contextmanager
-def _quiet():
-    """PaddleNLP's index functions (and the C++ helpers, through file descriptor 1) print progress
-    on every rank; keep the job's log readable."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        with open(os.devnull, "w") as null, contextlib.redirect_stdout(io.StringIO()):
-            os.dup2(null.fileno(), 1)
-            yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
-def _save_atomically(path: Path, array: np.ndarray) -> None:
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(temporary, "wb") as handle:
-        np.save(handle, array, allow_pickle=False)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+from paddle_pp.data.indexed import open_indexed, quiet_stdout
 
 
 def _load_all(paths: dict[str, Path]) -> dict[str, np.ndarray] | None:
@@ -81,10 +55,10 @@ def cached_arrays(desc: str, folders: list[Path], names: tuple[str, ...], build)
     folders[-1].mkdir(parents=True, exist_ok=True)
     arrays = build()
     for name in names:
-        _save_atomically(paths[name], arrays[name])
-    temporary = paths["desc"].with_name(f".{paths['desc'].name}.{os.getpid()}.tmp")
-    temporary.write_text(desc)
-    os.replace(temporary, paths["desc"])
+        with replaced_when_written(paths[name]) as staged, open(staged, "wb") as handle:
+            np.save(handle, arrays[name], allow_pickle=False)
+    with replaced_when_written(paths["desc"]) as staged:
+        staged.write_text(desc)
     return _load_all(paths)
 
 
@@ -136,7 +110,7 @@ def _build_mappings(documents: np.ndarray, sizes: np.ndarray, num_samples: int, 
         from_earlier_epochs = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
         per_epoch = (tokens_per_epoch - 1) // seq_length
         separate_last_epoch = num_samples - from_earlier_epochs < int(0.80 * per_epoch)
-    with _quiet():
+    with quiet_stdout():
         doc_idx = _build_doc_idx(documents, num_epochs, rng, separate_last_epoch)
         sample_idx = helpers.build_sample_idx(sizes, doc_idx, seq_length, num_epochs, tokens_per_epoch)
         shuffled = from_earlier_epochs if separate_last_epoch else sample_idx.shape[0] - 1

@@ -12,11 +12,14 @@ import io
 import json
 import os
 import struct
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from checkpoint.durable import replaced_when_written
 from paddle_pp.data.errors import DataError
 from paddle_pp.data.indexed_writer import (
     DTYPE_CODES,
@@ -35,7 +38,6 @@ class IndexHeader:
     prefix: Path
     dtype: np.dtype
     documents: int
-    tokens: int
 
 
 def read_header(prefix: Path) -> IndexHeader:
@@ -60,14 +62,13 @@ def read_header(prefix: Path) -> IndexHeader:
     index = np.memmap(idx_path, mode="r", dtype=np.uint8)
     sizes = np.frombuffer(index, dtype=np.int32, count=items, offset=_HEADER)
     pointers = np.frombuffer(index, dtype=np.int64, count=items, offset=_HEADER + 4 * items)
-    tokens = int(sizes.sum(dtype=np.int64))
     expected = int(pointers[-1]) + int(sizes[-1]) * dtype.itemsize if items else 0
     actual = bin_path.stat().st_size
     if actual != expected:
         raise DataError(f"{bin_path} holds {actual} bytes but {idx_path.name} describes {expected} "
-                        f"({items} documents, {tokens} {dtype.name} tokens): the pair is truncated or from different "
-                        "runs; rerun the preprocessing")
-    return IndexHeader(Path(prefix), dtype, items, tokens)
+                        f"({items} documents, {int(sizes.sum(dtype=np.int64))} {dtype.name} tokens): the pair is "
+                        "truncated or from different runs; rerun the preprocessing")
+    return IndexHeader(Path(prefix), dtype, items)
 
 
 def max_token_id(header: IndexHeader, cache_dir: Path) -> int:
@@ -83,9 +84,8 @@ def max_token_id(header: IndexHeader, cache_dir: Path) -> int:
     step = SCAN_CHUNK // header.dtype.itemsize
     largest = max((int(ids[start:start + step].max()) for start in range(0, ids.size, step)), default=-1)
     cached.parent.mkdir(parents=True, exist_ok=True)
-    temporary = cached.with_name(f".{cached.name}.{os.getpid()}.tmp")
-    temporary.write_text(json.dumps({"file": str(bin_path), "max_token_id": largest}))
-    os.replace(temporary, cached)
+    with replaced_when_written(cached) as staged:
+        staged.write_text(json.dumps({"file": str(bin_path), "max_token_id": largest}))
     return largest
 
 
@@ -97,9 +97,24 @@ def check_vocabulary(header: IndexHeader, vocab_size: int, cache_dir: Path) -> N
                         "folder as --tokenizer_dir, or preprocess again with this one")
 
 
+@contextlib.contextmanager
+def quiet_stdout() -> Iterator[None]:
+    """PaddleNLP's dataset code (and its C++ index helpers, through file descriptor 1) prints
+    progress on every rank; keep the job's log readable."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null, contextlib.redirect_stdout(io.StringIO()):
+            os.dup2(null.fileno(), 1)
+            yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def open_indexed(prefix: Path):
     """PaddleNLP's MMapIndexedDataset over the prefix (its progress prints silenced)."""
     from paddlenlp.data.indexed_dataset import MMapIndexedDataset
 
-    with contextlib.redirect_stdout(io.StringIO()):
+    with quiet_stdout():
         return MMapIndexedDataset(str(prefix), skip_warmup=True)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from checkpoint.durable import fsync_dir
+
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
 DTYPE_CODES = {np.dtype(np.uint8): 1, np.dtype(np.int8): 2, np.dtype(np.int16): 3, np.dtype(np.int32): 4,
@@ -97,11 +99,7 @@ class IndexedWriter:
             _fsync(idx)
         os.replace(self._temps[0], self.bin_path)
         os.replace(self._temps[1], self.idx_path)
-        directory = os.open(self.bin_path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
+        fsync_dir(self.bin_path.parent)
 
     def _size_chunks(self):
         while True:

@@ -19,11 +19,10 @@ import hashlib
 import io
 import json
 import multiprocessing
-import os
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +30,11 @@ from tqdm import tqdm
 
 from paddle_pp.data.errors import DataError
 from paddle_pp.data.indexed_writer import IndexedWriter, prefix_paths, token_dtype
-from paddle_pp.data.tokenizer import TextTokenizer, load_text_tokenizer
+from paddle_pp.data.tokenizer import (
+    TextTokenizer,
+    load_text_tokenizer,
+    tokenizer_digest,
+)
 
 BATCH_BYTES = 1 << 20
 IN_FLIGHT_PER_WORKER = 4
@@ -59,7 +62,6 @@ class Summary:
     skipped_empty: int = 0
     seconds: float = 0.0
     dtype: str = ""
-    inputs: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
         rate = self.input_bytes / max(self.seconds, 1e-9) / 2 ** 20
@@ -186,8 +188,7 @@ def _encoded(batches: Iterator[Batch], workers: int, init_args: tuple) -> Iterat
         _init_worker(*init_args)
         yield from map(encode_batch, batches)
         return
-    context = multiprocessing.get_context("spawn" if os.name != "posix" else "fork")
-    with context.Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
+    with multiprocessing.get_context("fork").Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
         pending: deque = deque()
         for batch in batches:
             pending.append(pool.apply_async(encode_batch, (batch,)))
@@ -205,7 +206,7 @@ def preprocess(inputs: list[str], tokenizer_dir: Path, prefix: Path, json_key: s
     if append_eos and tokenizer.eos_id is None:
         raise DataError(f"the tokenizer in {tokenizer_dir} has no end-of-sequence token; drop --append_eos")
     dtype = token_dtype(tokenizer.vocab_size)
-    summary = Summary(prefix=str(prefix), files=len(paths), dtype=dtype.name, inputs=[str(p) for p in paths])
+    summary = Summary(prefix=str(prefix), files=len(paths), dtype=dtype.name)
     total = sum(path.stat().st_size for path in paths)
     started = time.perf_counter()
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="tokenizing",
@@ -234,7 +235,7 @@ def corpus_prefix(corpus: Path, tokenizer_dir: Path, cache_dir: Path) -> Path:
     """Where the preprocessed `corpus` lives in `cache_dir`: named by a digest of the corpus, the
     tokenizer and this preprocessing's version, so changing any of them never reuses stale ids."""
     digest = hashlib.sha256(Path(corpus).read_bytes())
-    digest.update(load_text_tokenizer(tokenizer_dir).digest().encode() + str(PREPROCESS_VERSION).encode())
+    digest.update(tokenizer_digest(tokenizer_dir).encode() + str(PREPROCESS_VERSION).encode())
     return Path(cache_dir) / f"{Path(corpus).stem}-{digest.hexdigest()[:16]}"
 
 

@@ -79,16 +79,21 @@ class TextTokenizer:
 
     def files(self) -> list[Path]:
         """The folder's tokenizer files (copied into checkpoints)."""
-        found = {path for pattern in TOKENIZER_FILE_PATTERNS for path in self.folder.glob(pattern) if path.is_file()}
-        return sorted(found)
+        return tokenizer_files(self.folder)
 
-    def digest(self) -> str:
-        """SHA-256 over the tokenizer files: preprocessed ids are named by it, so a changed
-        tokenizer never reuses stale ids."""
-        digest = hashlib.sha256()
-        for path in self.files():
-            digest.update(path.name.encode() + b"\0" + path.read_bytes())
-        return digest.hexdigest()
+
+def tokenizer_files(folder: Path) -> list[Path]:
+    found = {path for pattern in TOKENIZER_FILE_PATTERNS for path in Path(folder).glob(pattern) if path.is_file()}
+    return sorted(found)
+
+
+def tokenizer_digest(folder: Path) -> str:
+    """SHA-256 over a folder's tokenizer files, without loading the tokenizer: preprocessed ids
+    are named by it, so a changed tokenizer never reuses stale ids."""
+    digest = hashlib.sha256()
+    for path in tokenizer_files(folder):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 def load_text_tokenizer(tokenizer_dir: Path) -> TextTokenizer:
