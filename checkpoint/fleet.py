@@ -23,7 +23,8 @@ import numpy as np
 
 from checkpoint.durable import write_json_durably
 from checkpoint.format import (
-    CONFIG_FILE, FORMAT_VERSION, MODEL, OPTIMIZER, STATE_SEPARATOR, TOKENIZER_FILE, TRAINER_STATE_FILE, CheckpointError,
+    CONFIG_FILE, FORMAT_VERSION, MODEL, OPTIMIZER, STATE_SEPARATOR, TRAINER_STATE_FILE, CheckpointError,
+    copy_tokenizer_files,
 )
 from checkpoint.optimizer_state import MASTER_WEIGHT, state_tp_axis
 from checkpoint.save import model_metadata, single_card_config
@@ -178,8 +179,7 @@ def merge_fleet(source: Path, target: Path, max_shard_bytes: int = DEFAULT_SHARD
         writer.finish(model_metadata(config))
         write_json_durably(staging / CONFIG_FILE, single_card_config(config))
         write_json_durably(staging / TRAINER_STATE_FILE, trainer_state)
-        if (source / TOKENIZER_FILE).is_file():
-            shutil.copyfile(source / TOKENIZER_FILE, staging / TOKENIZER_FILE)
+        copy_tokenizer_files(source, staging)
         return join_split(staging, target, max_shard_bytes, on_tensor)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import ml_dtypes
@@ -14,7 +15,10 @@ FORMAT_VERSION = 2  # 2: files carry CRC-32 instead of SHA-256 (version 1 files 
 MODEL, OPTIMIZER, GRADIENTS = "model", "optimizer", "gradients"
 CONFIG_FILE = "config.json"
 TRAINER_STATE_FILE = "trainer_state.json"
-TOKENIZER_FILE = "tokenizer.model"  # a SentencePiece model, copied into checkpoints that have one
+TOKENIZER_FILE = "tokenizer.model"  # a SentencePiece model (the shipped tokenizer, and LLaMA folders')
+# Files a tokenizer folder may hold: checkpoints, exports and conversions carry them all.
+TOKENIZER_FILE_PATTERNS = ("tokenizer*", "vocab*", "merges.txt", "special_tokens_map.json", "added_tokens.json",
+                           "spiece.model", "sentencepiece*.model")
 LATEST_FILE = "latest"
 CHECKPOINT_PREFIX = "checkpoint-"
 STATE_SEPARATOR = "/"  # optimizer keys are "<parameter name>/<state name>"
@@ -23,6 +27,16 @@ BFLOAT16 = np.dtype(ml_dtypes.bfloat16)  # importing ml_dtypes also makes np.dty
 
 class CheckpointError(UserError, RuntimeError):
     """A checkpoint that is missing, incomplete, corrupted, or does not fit the model."""
+
+
+def tokenizer_files(folder: Path) -> list[Path]:
+    found = {path for pattern in TOKENIZER_FILE_PATTERNS for path in Path(folder).glob(pattern) if path.is_file()}
+    return sorted(found)
+
+
+def copy_tokenizer_files(source: Path, target: Path) -> None:
+    for path in tokenizer_files(source):
+        shutil.copyfile(path, Path(target) / path.name)
 
 
 def tensor_nbytes(meta: dict) -> int:

@@ -9,14 +9,13 @@ permutation is needed. Tensors stream one at a time, into a folder that appears 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
 from checkpoint.durable import new_folder
-from checkpoint.format import CONFIG_FILE, MODEL, TOKENIZER_FILE, CheckpointError
+from checkpoint.format import CONFIG_FILE, MODEL, CheckpointError, copy_tokenizer_files
 from checkpoint.shards import ShardReader, TensorSpec, pack, write_shard
 from checkpoint.unified_io import UnifiedReader
 from modeling.family import ModelFamily
@@ -115,5 +114,4 @@ def _finish(target: Path, weight_map: dict, config: dict, source: Path) -> None:
         (target / HF_INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                   indent=2, sort_keys=True))
     (target / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
-    if (source / TOKENIZER_FILE).is_file():
-        shutil.copyfile(source / TOKENIZER_FILE, target / TOKENIZER_FILE)
+    copy_tokenizer_files(source, target)

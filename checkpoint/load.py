@@ -94,7 +94,7 @@ class _VerifiedFiles:
             algorithm, expected = recorded_checksum(self.meta["files"][fname])
             into = {name: view for name, (_, target) in wanted.items() if (view := _writable_view(target)) is not None}
             digest = reader.scan({name: piece for name, (piece, _) in wanted.items()},
-                                 lambda name, array: _set(wanted[name][1], array), hasher if check else None,
+                                 lambda name, array: set_parameter(wanted[name][1], array), hasher if check else None,
                                  algorithm, into)
             if check and digest != expected:
                 raise CheckpointError(f"{reader.path} fails its {algorithm} checksum: the file is corrupted; restore it "
@@ -178,7 +178,7 @@ def _has_kind(folder: Path, kind: str) -> bool:
     return (folder / index_name(kind)).is_file()
 
 
-def _set(target: paddle.Tensor, array: np.ndarray) -> None:
+def set_parameter(target: paddle.Tensor, array: np.ndarray) -> None:
     target.set_value(array.reshape(target.shape).astype(str(target.dtype).removeprefix("paddle."), copy=False))
 
 
@@ -212,7 +212,8 @@ def _want_optimizer(files: _VerifiedFiles, model, optimizer, axes: dict, topo: T
 
 
 def load_checkpoint(folder: Path, model, optimizer, topo: Topology, axes: dict, verify: bool = True) -> dict:
-    """Fill `model` (and `optimizer`, when given and saved) from `folder`; returns the trainer state.
+    """Fill `model` (and `optimizer`, when given and saved) from `folder`; returns the trainer state
+    ({} for a weights-only folder).
 
     A failure on any rank is raised on every rank (after an all-gather of the outcome), so no rank
     walks on into a collective that the failed one will never join: once after the names and
@@ -228,8 +229,8 @@ def load_checkpoint(folder: Path, model, optimizer, topo: Topology, axes: dict, 
             _want_optimizer(files[1], model, optimizer, axes, topo)
         outcome = {fname: size for kind in files for fname, size in kind.sizes().items()}
     except LOAD_ERRORS as err:
-        outcome = _checkpoint_error(err)
-    sizes_by_rank = _all_outcomes(outcome, folder, topo)
+        outcome = checkpoint_error(err)
+    sizes_by_rank = agree_on_outcome(outcome, folder, topo)
     mine = {f for f, rank in checking_ranks(sizes_by_rank).items() if rank == topo.global_rank} if verify else set()
     try:
         with ThreadPoolExecutor(max_workers=1) as hasher:
@@ -237,19 +238,20 @@ def load_checkpoint(folder: Path, model, optimizer, topo: Topology, axes: dict, 
                 kind.load(mine, hasher)
         outcome = None
     except LOAD_ERRORS as err:
-        outcome = _checkpoint_error(err)
-    _all_outcomes(outcome, folder, topo)
-    return json.loads((folder / TRAINER_STATE_FILE).read_text())
+        outcome = checkpoint_error(err)
+    agree_on_outcome(outcome, folder, topo)
+    state_file = folder / TRAINER_STATE_FILE
+    return json.loads(state_file.read_text()) if state_file.is_file() else {}
 
 
 LOAD_ERRORS = (CheckpointError, OSError, ValueError)
 
 
-def _checkpoint_error(err: Exception) -> CheckpointError:
+def checkpoint_error(err: Exception) -> CheckpointError:
     return err if isinstance(err, CheckpointError) else CheckpointError(str(err))
 
 
-def _all_outcomes(outcome: CheckpointError | dict[str, int] | None, folder: Path, topo: Topology) -> list:
+def agree_on_outcome(outcome: CheckpointError | dict[str, int] | None, folder: Path, topo: Topology) -> list:
     """Every rank's outcome; raises on every rank when any rank's is an error (its own first)."""
     outcomes = gather_objects(str(outcome) if isinstance(outcome, Exception) else outcome, None,
                               topo.layout.world_size)

@@ -16,7 +16,8 @@ import numpy as np
 
 from checkpoint.durable import new_folder, write_json_durably
 from checkpoint.format import (
-    CONFIG_FILE, FORMAT_VERSION, MODEL, OPTIMIZER, TOKENIZER_FILE, index_name, read_index, shard_name, tensor_nbytes,
+    CONFIG_FILE, FORMAT_VERSION, MODEL, OPTIMIZER, copy_tokenizer_files, index_name, read_index, shard_name,
+    tensor_nbytes,
 )
 from checkpoint.shards import ShardReader, TensorSpec, pack, write_shard
 from modeling.registry import config_from_dict
@@ -91,9 +92,8 @@ def export_weights(source: Path, target: Path, dtype: str = "float32", max_shard
     unified = UnifiedReader(source, MODEL)
     metadata = {k: v for k, v in unified.index["metadata"].items() if k in ("saving_layout", "model_type", "tied")}
     with new_folder(target) as partial:
-        for name in (CONFIG_FILE, TOKENIZER_FILE):
-            if (source / name).is_file():
-                shutil.copyfile(source / name, partial / name)
+        shutil.copyfile(source / CONFIG_FILE, partial / CONFIG_FILE)
+        copy_tokenizer_files(source, partial)
         write_unified_kind(partial, MODEL, {n: {**meta, "dtype": dtype} for n, meta in unified.tensors.items()},
                            lambda n: unified.read(n).astype(dtype), metadata, max_shard_bytes, on_tensor)
     return Path(target)

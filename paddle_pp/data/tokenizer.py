@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from checkpoint.format import TOKENIZER_FILE
+from checkpoint.format import TOKENIZER_FILE, tokenizer_files
 from paddle_pp.runtime.errors import UserError
 
 
@@ -62,9 +62,6 @@ def load_tokenizer(tokenizer_dir: Path):
 
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
-# Files a tokenizer folder may hold, copied into each checkpoint so it carries its tokenizer.
-TOKENIZER_FILE_PATTERNS = ("tokenizer*", "vocab*", "merges.txt", "special_tokens_map.json", "added_tokens.json",
-                           "spiece.model", "sentencepiece*.model")
 
 
 @dataclass(frozen=True)
@@ -74,17 +71,13 @@ class TextTokenizer:
 
     folder: Path
     encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
     eos_id: int | None
     vocab_size: int
 
     def files(self) -> list[Path]:
         """The folder's tokenizer files (copied into checkpoints)."""
         return tokenizer_files(self.folder)
-
-
-def tokenizer_files(folder: Path) -> list[Path]:
-    found = {path for pattern in TOKENIZER_FILE_PATTERNS for path in Path(folder).glob(pattern) if path.is_file()}
-    return sorted(found)
 
 
 def tokenizer_digest(folder: Path) -> str:
@@ -102,7 +95,7 @@ def load_text_tokenizer(tokenizer_dir: Path) -> TextTokenizer:
     folder = Path(tokenizer_dir)
     if (folder / TOKENIZER_FILE).is_file() and not (folder / TOKENIZER_CONFIG).is_file():
         sp = load_tokenizer(folder)
-        return TextTokenizer(folder, sp.encode, sp.eos_id(), sp.vocab_size())
+        return TextTokenizer(folder, sp.encode, sp.decode, sp.eos_id(), sp.vocab_size())
     if not folder.is_dir() or not any(folder.iterdir()):
         raise TokenizerError(
             f"no tokenizer in {folder}: pass --tokenizer_dir a folder holding {TOKENIZER_FILE} (SentencePiece) or a "
@@ -110,7 +103,8 @@ def load_text_tokenizer(tokenizer_dir: Path) -> TextTokenizer:
             f"with `python tools/train_tokenizer.py --corpus <text> --output_dir {folder}`")
     tokenizer = _auto_tokenizer(folder)
     return TextTokenizer(folder, lambda text: tokenizer.convert_tokens_to_ids(tokenizer.tokenize(text)),
-                         tokenizer.eos_token_id, len(tokenizer))
+                         lambda ids: tokenizer.decode(ids, skip_special_tokens=True), tokenizer.eos_token_id,
+                         len(tokenizer))
 
 
 def _auto_tokenizer(folder: Path) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -13,11 +14,18 @@ import yaml
 
 from modeling.registry import FAMILIES
 from paddle_pp.runtime.flags import add_flags, flag, read_flags
-from paddle_pp.runtime.layout import LayoutArguments, add_layout_args
+from paddle_pp.runtime.layout import LayoutArguments, add_layout_args, launched_rank
+from paddle_pp.training.schedule import DECAYS
+from paddle_pp.training.recipes import RecipeError, read_recipe
 
 
 @dataclass
 class ModelArguments:
+    model_name_or_path: str = flag("", "start from this folder's model: a paddle-pp checkpoint, a PaddleNLP "
+                                       "save_pretrained folder or a transformers LLaMA folder (its config.json sets "
+                                       "the shape flags below; its tokenizer is used unless --tokenizer_dir is given)")
+    continue_training: bool = flag(True, "with --model_name_or_path: load its weights (--no-continue_training: its "
+                                         "config only, random weights; PaddleNLP's default is the latter)")
     model_type: str = flag("llama", "model family", choices=sorted(FAMILIES))
     hidden_size: int = flag(256, "model width")
     intermediate_size: int = flag(688, "MLP width")
@@ -51,6 +59,8 @@ class OptimizerArguments:
     learning_rate: float = flag(3e-3, "peak learning rate")
     min_learning_rate: float = flag(3e-4, "learning rate at the end of the cosine decay")
     warmup_steps: int = flag(20, "linear warmup steps")
+    warmup_ratio: float = flag(0.0, "warmup as a share of --max_steps, used unless --warmup_steps is given")
+    lr_scheduler_type: str = flag("cosine", "decay after warmup", choices=sorted(DECAYS))
     max_steps: int = flag(300, "optimizer steps")
     weight_decay: float = flag(0.1, "AdamW decay, applied to matrices only")
     adam_beta1: float = flag(0.9, "AdamW beta1")
@@ -69,6 +79,8 @@ class OutputArguments:
     eval_steps: int = flag(0, "evaluate every N steps (0: only at the end)")
     eval_iters: int = flag(2, "global batches of held-out data per evaluation")
     disable_progress_bar: bool = flag(False, "no progress bar")
+    report_to: str = flag("none", "also write the metrics as VisualDL scalars (rank 0)", choices=["none", "visualdl"])
+    logging_dir: str = flag("", "VisualDL log folder (empty: output_dir/runs)")
     exit_after_steps: int = flag(0, "stop this run after N steps (saving if --save_steps > 0) while the schedule "
                                     "still spans --max_steps: for job time limits; 0: run to --max_steps")
 
@@ -104,6 +116,7 @@ class PretrainArguments:
     output: OutputArguments
     checkpoint: CheckpointArguments
     layout: LayoutArguments
+    given: frozenset[str] = frozenset()  # flags set on the command line or in a config file, not defaulted
 
     def flat(self) -> dict[str, Any]:
         """Every flag by its name (what trainer_state.json records and `check_alignment` replays)."""
@@ -118,24 +131,55 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pretrain a LLaMA or GPT model under any data x sharding x tensor x pipeline layout.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--config", type=Path, default=None, help="YAML file of flag: value defaults")
+    parser.add_argument("recipe", type=Path, nargs="?", default=None,
+                        help="a PaddleNLP pretraining argument file (.json), as llm/run_pretrain.py takes")
     for name, group in GROUPS.items():
         add_flags(parser, group, name)
     return add_layout_args(parser)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> PretrainArguments:
-    """Command line over YAML over built-in defaults; an unknown YAML key is an error, not ignored."""
+    """Command line over a config file (YAML, or a PaddleNLP JSON recipe) over built-in defaults; an
+    unknown YAML key is an error, a recipe's fields are translated or named as ignored."""
     parser = build_parser()
     first, _ = parser.parse_known_args(argv)
+    known = {action.dest for action in parser._actions}
+    from_file: dict[str, Any] = {}
     if first.config is not None:
         if not first.config.is_file():
             parser.error(f"--config {first.config} does not exist")
-        values = yaml.safe_load(first.config.read_text()) or {}
-        known = {action.dest for action in parser._actions}
-        unknown = sorted(set(values) - known)
+        from_file = yaml.safe_load(first.config.read_text()) or {}
+        unknown = sorted(set(from_file) - known)
         if unknown:
             parser.error(f"{first.config}: unknown keys {unknown}")
-        parser.set_defaults(**values)
+    if first.recipe is not None:
+        if first.recipe.suffix != ".json":
+            parser.error(f"{first.recipe}: a recipe is a PaddleNLP .json argument file (YAML goes to --config)")
+        try:
+            recipe, notes = read_recipe(first.recipe, known, _boolean_flags(parser))
+        except RecipeError as err:
+            parser.error(str(err))
+        from_file |= recipe
+        if launched_rank() == 0:
+            for note in notes:
+                print(f"{first.recipe.name}: {note}", file=sys.stderr)
+    for action in parser._actions:
+        if action.choices is not None and action.dest in from_file and from_file[action.dest] not in action.choices:
+            parser.error(f"{action.dest}: {from_file[action.dest]!r} is not one of {sorted(action.choices)}")
+    parser.set_defaults(**from_file)
     namespace = parser.parse_args(argv)
     return PretrainArguments(**{name: read_flags(group, namespace) for name, group in GROUPS.items()},
-                             layout=read_flags(LayoutArguments, namespace))
+                             layout=read_flags(LayoutArguments, namespace),
+                             given=frozenset(from_file) | _given_on_command_line(argv))
+
+
+def _boolean_flags(parser: argparse.ArgumentParser) -> set[str]:
+    return {action.dest for action in parser._actions if isinstance(action, argparse.BooleanOptionalAction)}
+
+
+def _given_on_command_line(argv: Sequence[str] | None) -> frozenset[str]:
+    """The flags the command line sets, whatever their value (a default repeated is still a choice)."""
+    quiet = build_parser()
+    for action in quiet._actions:
+        action.default = argparse.SUPPRESS
+    return frozenset(vars(quiet.parse_args(argv)))

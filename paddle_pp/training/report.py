@@ -56,6 +56,29 @@ class MetricsLog:
         self.handle.close()
 
 
+SCALAR_TAGS = {"loss": "train/loss", "lr": "train/learning_rate", "grad_norm": "train/grad_norm",
+               "tokens_per_sec": "train/tokens_per_second", "eval_loss": "eval/loss"}
+
+
+class VisualDLLog:
+    """The scalars of metrics.jsonl as VisualDL records (`--report_to visualdl`), under the tags of
+    PaddleNLP's VisualDL callback where it has one. A resumed run starts a new record file in the
+    same folder; VisualDL shows both, the later one from the resumed step."""
+
+    def __init__(self, folder: Path):
+        from visualdl import LogWriter
+
+        self.writer = LogWriter(logdir=str(folder))
+
+    def write(self, record: dict) -> None:
+        for key, tag in SCALAR_TAGS.items():
+            if record.get(key) is not None:
+                self.writer.add_scalar(tag=tag, value=float(record[key]), step=record["step"])
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 def parse_metrics(text: str) -> tuple[list[dict], int]:
     """(records, number of torn lines): a kill mid-write leaves at most a torn last line, which
     is not JSON; it is skipped, never fatal."""

@@ -1,4 +1,4 @@
-"""Learning-rate schedule: linear warmup to the peak, then cosine decay to `min_learning_rate`."""
+"""Learning-rate schedule: linear warmup to the peak, then cosine (or linear) decay to `min_learning_rate`."""
 
 from __future__ import annotations
 
@@ -8,18 +8,23 @@ from paddle.optimizer.lr import LRScheduler
 
 from paddle_pp.runtime.errors import UserError
 
+DECAYS = {"cosine": lambda progress: 0.5 * (1 + math.cos(math.pi * progress)), "linear": lambda progress: 1 - progress}
+
 
 class ScheduleError(UserError, ValueError):
     """Warmup and total steps that do not form a schedule."""
 
 
 class WarmupCosine(LRScheduler):
-    """`last_epoch` counts optimizer steps, so `state_dict()` resumes the schedule exactly."""
+    """`last_epoch` counts optimizer steps, so `state_dict()` resumes the schedule exactly. `decay`
+    "linear" is PaddleNLP's default (`--lr_scheduler_type`), "cosine" ours."""
 
-    def __init__(self, learning_rate: float, warmup_steps: int, max_steps: int, min_learning_rate: float = 0.0):
+    def __init__(self, learning_rate: float, warmup_steps: int, max_steps: int, min_learning_rate: float = 0.0,
+                 decay: str = "cosine"):
         if not 0 <= warmup_steps <= max_steps:
             raise ScheduleError(f"--warmup_steps {warmup_steps} must lie in [0, --max_steps {max_steps}]")
         self.warmup_steps, self.max_steps, self.min_learning_rate = warmup_steps, max_steps, min_learning_rate
+        self.decay = DECAYS[decay]
         super().__init__(learning_rate=learning_rate)
 
     def get_lr(self) -> float:
@@ -27,4 +32,4 @@ class WarmupCosine(LRScheduler):
         if step < self.warmup_steps:
             return self.base_lr * (step + 1) / self.warmup_steps
         progress = min(1.0, (step - self.warmup_steps) / max(1, self.max_steps - self.warmup_steps))
-        return self.min_learning_rate + 0.5 * (self.base_lr - self.min_learning_rate) * (1 + math.cos(math.pi * progress))
+        return self.min_learning_rate + (self.base_lr - self.min_learning_rate) * self.decay(progress)

@@ -7,6 +7,7 @@ with the same message instead of hanging in a collective.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -17,9 +18,10 @@ import paddle
 
 from checkpoint.commit import clear_interrupted_saves, latest_checkpoint
 from checkpoint.load import check_compatible, load_checkpoint
+from checkpoint.pretrained import load_pretrained, open_pretrained
 from checkpoint.save import PendingSave, save_checkpoint
 from checkpoint.single_card_state import init_single_card_weights
-from modeling.registry import build_causal_lm, config_from_dict, plan_of, validate_layout
+from modeling.registry import build_causal_lm, plan_of, validate_layout
 from modeling.tp_plan import split_axes
 from paddle_pp.data.sampler import SequentialBatches
 from paddle_pp.data.source import build_data, dataset_sizes, plan_data
@@ -29,10 +31,11 @@ from paddle_pp.runtime.fleet_wrappers import wrap_model, wrap_optimizer
 from paddle_pp.runtime.layout import Layout, launched_rank
 from paddle_pp.runtime.topology import Topology, align_ranks, gather_objects, init_distributed, rank0_first
 from paddle_pp.training import precision
-from paddle_pp.training.arguments import DataArguments, ModelArguments, OptimizerArguments, PretrainArguments
+from paddle_pp.training.arguments import DataArguments, OptimizerArguments, PretrainArguments
 from paddle_pp.training.gradient_record import record_gradients, recorded_gradients
 from paddle_pp.training.grad_norm import ReportingGlobalNormClip, observe_hybrid_norm
-from paddle_pp.training.report import MetricsLog, plot_loss, training_bar
+from paddle_pp.training.model_config import model_config, tokenizer_dir
+from paddle_pp.training.report import MetricsLog, VisualDLLog, plot_loss, training_bar
 from paddle_pp.training.schedule import WarmupCosine
 from paddle_pp.training.output_lock import acquire, release
 from paddle_pp.training.skips import merge, parse_intervals, skipped
@@ -62,14 +65,12 @@ def plan_batches(args: DataArguments, layout: Layout) -> BatchPlan:
     return BatchPlan(micro, args.global_batch_size // (micro * replicas), args.global_batch_size)
 
 
-def model_config(args: ModelArguments, max_seq_length: int, vocab_size: int):
-    values = dict(model_type=args.model_type, vocab_size=vocab_size, hidden_size=args.hidden_size,
-                  intermediate_size=args.intermediate_size, num_hidden_layers=args.num_hidden_layers,
-                  num_attention_heads=args.num_attention_heads, max_position_embeddings=max_seq_length,
-                  initializer_range=args.initializer_range, recompute=args.recompute)
-    if args.model_type == "llama":
-        values["num_key_value_heads"] = args.num_key_value_heads or args.num_attention_heads
-    return config_from_dict(values)
+def warmup_steps(args: OptimizerArguments, given: frozenset[str]) -> int:
+    """PaddleNLP's rule (--warmup_steps when > 0, else --warmup_ratio x --max_steps), except that a
+    --warmup_ratio given without --warmup_steps is not hidden by our default --warmup_steps."""
+    if args.warmup_steps > 0 and not (args.warmup_ratio > 0 and "warmup_steps" not in given):
+        return args.warmup_steps
+    return math.ceil(args.warmup_ratio * args.max_steps)
 
 
 def _build_optimizer(model, args: OptimizerArguments, schedule: WarmupCosine, clip: ReportingGlobalNormClip):
@@ -87,15 +88,19 @@ class Pretrainer:
         self.layout = Layout.from_args(args.layout)
         self.batches = plan_batches(data, self.layout)
         self.compute_dtype = precision.compute_dtype(optim.bf16, optim.fp16, optim.amp_master_grad, self.layout.device)
-        self.tokenizer = load_text_tokenizer(data.tokenizer_dir)
-        self.config = model_config(args.model, data.max_seq_length, self.tokenizer.vocab_size)
+        source = args.model.model_name_or_path
+        self.pretrained = open_pretrained(Path(source)) if source else None
+        self.tokenizer = load_text_tokenizer(tokenizer_dir(data, self.pretrained, args.given))
+        self.config = model_config(args.model, data.max_seq_length, self.tokenizer.vocab_size, self.pretrained,
+                                   args.given)
         validate_layout(self.config, self.layout)
         self.data_plan = plan_data(
-            data.input_dir, data.corpus, data.tokenizer_dir, data.data_cache, data.split, data.data_impl,
+            data.input_dir, data.corpus, self.tokenizer.folder, data.data_cache, data.split, data.data_impl,
             data.max_seq_length, data.seed, dataset_sizes(self.batches.global_batch, optim.max_steps,
                                                           args.output.eval_steps, args.output.eval_iters),
-            self.tokenizer.vocab_size)
-        self.schedule = WarmupCosine(optim.learning_rate, optim.warmup_steps, optim.max_steps, optim.min_learning_rate)
+            self.config.vocab_size)
+        self.schedule = WarmupCosine(optim.learning_rate, warmup_steps(optim, args.given), optim.max_steps,
+                                     optim.min_learning_rate, optim.lr_scheduler_type)
         if self.layout.vpp > 1 and self.batches.accumulate_steps < self.layout.pp:
             raise TrainingConfigError(
                 f"--virtual_pp_degree needs at least --pipeline_parallel_degree {self.layout.pp} micro-batches per "
@@ -113,7 +118,9 @@ class Pretrainer:
         paddle.seed(data.seed)
         raw = build_causal_lm(self.config, self.topo)
         self.axes = split_axes(plan_of(self.config))
-        if self.resume_dir is None:
+        if self.resume_dir is None and self.pretrained is not None and args.model.continue_training:
+            load_pretrained(self.pretrained, raw, self.axes, self.topo)
+        elif self.resume_dir is None:
             init_single_card_weights(raw, self.axes, self.topo, data.seed, args.model.initializer_range)
         self.criterion = getattr(raw, "criterion", None)
         self.clip = ReportingGlobalNormClip(optim.max_grad_norm)
@@ -243,6 +250,8 @@ class Pretrainer:
         save_steps = self.args.checkpoint.save_steps
         output = Path(out.output_dir)
         log = MetricsLog(output / "metrics.jsonl", resume_step=self.step) if is_writer else None
+        board = VisualDLLog(Path(out.logging_dir or output / "runs")) if is_writer and out.report_to == "visualdl" \
+            else None
         if log and (log.torn_lines or log.superseded):
             print(f"metrics.jsonl: dropped {log.torn_lines} torn line(s) and {log.superseded} record(s) of steps "
                   f"after {self.step}, which this run trains again", file=sys.stderr)
@@ -258,6 +267,8 @@ class Pretrainer:
             history.append(record)
             if log and (self.step % out.logging_steps == 0 or last or "eval_loss" in record):
                 log.write(record)
+                if board:
+                    board.write(record)
             if bar:
                 if "loss" in record:
                     bar.set_postfix(loss=f"{record['loss']:.4g}", lr=f"{record['lr']:.3g}",
@@ -269,6 +280,8 @@ class Pretrainer:
         self.finish_pending_save()
         if bar:
             bar.close()
+        if board:
+            board.close()
         if log:
             log.close()
             plot_loss(output / "metrics.jsonl", output / "loss.png")

@@ -1,0 +1,262 @@
+"""Starting from a model folder (`--model_name_or_path`), PaddleNLP recipes, VisualDL scalars, and
+generation: transformers and PaddleNLP compute the reference losses on the batch the trainer reads."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from runs import CORPUS, FOUR_D_SAVING, MODEL, PP2, REPO, RESUME_STEP, SCRIPT, TOKENIZER, TP2, Run, pretrain
+
+from checkpoint.format import CheckpointError
+from checkpoint.pretrained import PADDLENLP, TRANSFORMERS, UNIFIED, open_pretrained
+from checkpoint.shards import ShardReader, TensorSpec, write_shard
+from paddle_pp.training.generation import load_generator
+from paddle_pp.data.source import build_data, dataset_sizes, plan_data
+from paddle_pp.training.arguments import build_parser, parse_args
+from paddle_pp.training.model_config import ModelSourceError, model_config
+from paddle_pp.training.recipes import RecipeError, read_recipe
+
+LOSS_RTOL = 1e-5  # step 1's loss is a forward of the same fp32 weights on the same batch
+SHAPE = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)  # the runs' MODEL flags, GQA on
+STEPS = ("--max_steps", "3", "--warmup_steps", "1", "--eval_steps", "0")
+
+
+def _with_tokenizer(folder: Path) -> Path:
+    shutil.copy(TOKENIZER / "tokenizer.model", folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def transformers_folder(tmp_path_factory) -> Path:
+    """A transformers LlamaForCausalLM with random weights, saved by transformers itself."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("hf_llama")
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE, tie_word_embeddings=False)).save_pretrained(
+        folder, safe_serialization=True)
+    return _with_tokenizer(folder)
+
+
+def _paddlenlp_folder(folder: Path, safetensors: bool) -> Path:
+    import paddle
+    from paddlenlp.transformers import LlamaConfig, LlamaForCausalLM
+
+    paddle.seed(1)
+    LlamaForCausalLM(LlamaConfig(**SHAPE)).save_pretrained(folder, safe_serialization=safetensors,
+                                                           max_shard_size="200KB")
+    return _with_tokenizer(folder)
+
+
+@pytest.fixture(scope="module")
+def first_batch(data_cache) -> np.ndarray:
+    """The 8 samples of step 1 of a 3-step run on the shipped corpus (PaddleNLP's sample order)."""
+    plan = plan_data("", CORPUS, TOKENIZER, data_cache, "949,50,1", "mmap", 32, 42, dataset_sizes(8, 3, 0, 1), 4096)
+    train, _ = build_data(plan)
+    return np.stack([train[i] for i in range(8)]).astype(np.int64)
+
+
+@pytest.fixture(scope="module")
+def launched(run_workers_module, data_cache, tmp_path_factory):
+    """Launch run_pretrain.py (MODEL flags + `flags`) as job `tag`, into `out` or a new folder;
+    (rank 0's result, output dir)."""
+    def run(tag: str, nproc: int, flags: tuple[str, ...], out: Path | None = None):
+        out = out or tmp_path_factory.mktemp(tag)
+        return pretrain(run_workers_module, data_cache, out, nproc, flags, tag)[0], out
+
+    return run
+
+
+def _transformers_loss(folder: Path, rows: np.ndarray) -> float:
+    import torch
+    import transformers
+
+    model = transformers.LlamaForCausalLM.from_pretrained(str(folder)).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor(rows[:, :-1])).logits
+        return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                       torch.tensor(rows[:, 1:]).reshape(-1)))
+
+
+def _paddlenlp_loss(folder: Path, rows: np.ndarray) -> float:
+    import paddle
+    from paddlenlp.transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(str(folder))
+    model.eval()
+    with paddle.no_grad():
+        return float(model(paddle.to_tensor(rows[:, :-1]), labels=paddle.to_tensor(rows[:, 1:]))[0])
+
+
+@pytest.mark.multiproc
+def test_a_transformers_llama_starts_at_transformers_loss_under_single_and_tp2_pp2_then_trains_and_resumes(
+        transformers_folder, first_batch, launched):
+    expected = _transformers_loss(transformers_folder, first_batch)
+    start = ("--model_name_or_path", str(transformers_folder), *STEPS)
+    single, out = launched("hf_single", 1, start + ("--save_steps", "3"))
+    hybrid, _ = launched("hf_tp2pp2", 4, start + TP2 + PP2)
+    np.testing.assert_allclose(single["losses"][0], expected, rtol=LOSS_RTOL)
+    np.testing.assert_allclose(hybrid["losses"], single["losses"], rtol=LOSS_RTOL)
+    assert single["losses"][2] < single["losses"][0]
+    # the same command again, now resuming its own checkpoint: the folder's config equals the saved one
+    resumed, _ = launched("hf_single_again", 1, start + ("--max_steps", "4", "--resume_from_checkpoint", "latest"), out)
+    assert resumed["trained_steps"] == [4]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("safetensors", [True, False], ids=["sharded_safetensors", "pdparams"])
+def test_a_paddlenlp_save_pretrained_folder_starts_at_paddlenlps_loss(
+        safetensors, first_batch, launched, tmp_path):
+    folder = _paddlenlp_folder(tmp_path / "nlp", safetensors)
+    assert len(list(folder.glob("*.safetensors" if safetensors else "*.pdparams"))) > 1  # sharded
+    result, _ = launched(f"nlp_{safetensors}", 1, ("--model_name_or_path", str(folder), *STEPS))
+    np.testing.assert_allclose(result["losses"][0], _paddlenlp_loss(folder, first_batch), rtol=LOSS_RTOL)
+
+
+def test_folders_are_recognised_with_their_config(transformers_folder, pretrain_run, tmp_path):
+    hf = open_pretrained(transformers_folder)
+    assert (hf.kind, hf.config["num_key_value_heads"], hf.config["rms_norm_eps"]) == (TRANSFORMERS, 2, 1e-5)
+    _, saved = pretrain_run(FOUR_D_SAVING)
+    ours = open_pretrained(saved / f"checkpoint-{RESUME_STEP}")
+    assert (ours.kind, ours.config["hidden_size"]) == (UNIFIED, 64)
+    assert open_pretrained(_paddlenlp_folder(tmp_path / "nlp", True)).kind == PADDLENLP
+
+
+def _rewrite(folder: Path, change) -> Path:
+    """A copy of a transformers folder whose tensors `change` ({name: array} -> {name: array}) edits."""
+    reader = ShardReader(folder / "model.safetensors")
+    tensors = change({name: reader.read(name) for name in sorted(reader.names)})
+    write_shard(folder / "model.safetensors", [TensorSpec(n, a.dtype, a.shape) for n, a in tensors.items()],
+                tensors.values(), {"format": "pt"})
+    return folder
+
+
+def _edit_config(folder: Path, **fields) -> Path:
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | fields))
+    return folder
+
+
+BAD_FOLDERS = {
+    "missing_tensor": (lambda f: _rewrite(f, lambda t: {k: v for k, v in t.items() if "layers.3.mlp.up" not in k}),
+                       "model.layers.3.mlp.up_proj.weight: missing"),
+    "wrong_shape": (lambda f: _rewrite(f, lambda t: t | {"model.norm.weight": np.ones(32, np.float32)}),
+                    "model.norm.weight: shape [32] in the folder, the model needs [64]"),
+    "unexpected_tensor": (lambda f: _rewrite(f, lambda t: t | {"model.extra.bias": np.ones(4, np.float32)}),
+                          "model.extra.bias: not a tensor of llama"),
+    "rope_scaling": (lambda f: _edit_config(f, rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling="),
+    "architecture": (lambda f: _edit_config(f, model_type="mistral"), "model_type 'mistral'"),
+    "no_config": (lambda f: (f / "config.json").unlink() or f, "no config.json"),
+    "no_weights": (lambda f: (f / "model.safetensors").unlink() or f, "no weights found"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FOLDERS))
+def test_a_folder_that_does_not_fit_fails_naming_the_tensor_or_field(transformers_folder, tmp_path, case):
+    make, message = BAD_FOLDERS[case]
+    folder = make(Path(shutil.copytree(transformers_folder, tmp_path / case)))
+    with pytest.raises(CheckpointError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        open_pretrained(folder)
+
+
+@pytest.mark.parametrize("flags, vocab, message", [
+    (("--hidden_size", "128"), 4096, "--hidden_size 128 contradicts"),
+    (("--max_seq_length", "128"), 4096, "exceeds the model's max_position_embeddings 64"),
+    ((), 5000, "the tokenizer has 5000 tokens but"),
+], ids=["shape_flag", "sequence", "vocabulary"])
+def test_flags_or_a_tokenizer_that_contradict_the_folder_fail(transformers_folder, flags, vocab, message):
+    args = parse_args(["--model_name_or_path", str(transformers_folder), *flags])
+    with pytest.raises(ModelSourceError, match=message):
+        model_config(args.model, args.data.max_seq_length, vocab, open_pretrained(transformers_folder), args.given)
+
+
+def test_flags_equal_to_the_folder_or_without_its_weights_are_accepted(transformers_folder):
+    pretrained = open_pretrained(transformers_folder)
+    same = parse_args(["--model_name_or_path", str(transformers_folder), "--hidden_size", "64"])
+    assert model_config(same.model, 32, 4096, pretrained, same.given).hidden_size == 64
+    other = parse_args(["--model_name_or_path", str(transformers_folder), "--no-continue_training",
+                        "--num_hidden_layers", "2"])
+    assert model_config(other.model, 32, 4096, pretrained, other.given).num_hidden_layers == 2
+
+
+def _recipe_of(flags: tuple[str, ...]) -> dict:
+    """A PaddleNLP argument file holding `flags` (a run's command line), as a user would write it."""
+    values, key = {}, None
+    for token in flags:
+        if token.startswith("--"):
+            key = token[2:]
+            values[key] = True
+        else:
+            values[key] = json.loads(token) if token.replace(".", "").replace("-", "").isdigit() else token
+    return values
+
+
+@pytest.mark.multiproc
+def test_a_paddlenlp_recipe_runs_the_same_run_as_its_flags_and_visualdl_reads_back_the_scalars(
+        pretrain_run, run_workers_module, data_cache, tmp_path):
+    from visualdl import LogReader
+
+    (reference, *_), _ = pretrain_run(Run("tp2pp2", 4, TP2 + PP2))
+    recipe = _recipe_of(MODEL + TP2 + PP2) | {
+        "lr_scheduler_type": "cosine", "learning_rate": 3e-3, "min_learning_rate": 3e-4, "weight_decay": 0.1,
+        "adam_beta2": 0.95, "gradient_accumulation_steps": 2, "logging_steps": 1, "eval_steps": 10,
+        "save_steps": 0, "continue_training": 1, "use_flash_attention": True, "unified_checkpoint": True,
+        "do_train": True, "report_to": "visualdl", "logging_dir": str(tmp_path / "vdl"), "disable_tqdm": True}
+    (tmp_path / "pretrain.json").write_text(json.dumps(recipe))
+    # PaddleNLP's form: the file first, command-line flags over it (its run_pretrain.py forces eval_iters 10)
+    out = tmp_path / "out"
+    result, *_ = run_workers_module(SCRIPT, 4, [tmp_path / "pretrain.json", "--eval_iters", "1", "--data_cache",
+                                                data_cache, "--output_dir", out], timeout=400, tag="recipe")
+    np.testing.assert_allclose(result["losses"], reference["losses"], rtol=1e-6)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    scalars = LogReader(file_path=str(next((tmp_path / "vdl").glob("vdlrecords.*")))).get_data("scalar", "train/loss")
+    assert [s.id for s in scalars] == [r["step"] for r in records]
+    np.testing.assert_allclose([s.value for s in scalars], [r["loss"] for r in records], rtol=1e-6)
+
+
+def test_a_recipe_takes_paddlenlps_defaults_names_what_it_ignores_and_refuses_what_it_cannot_do(tmp_path):
+    known = {action.dest for action in build_parser()._actions}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"max_steps": 10, "use_fused_rope": True, "tokenizer_name_or_path": "tok",
+                                "fancy_new_field": 1, "learning_rate": 1e-4}))
+    flags, notes = read_recipe(path, known, {"continue_training"})
+    assert flags["lr_scheduler_type"] == "linear" and flags["continue_training"] is False  # PaddleNLP's defaults
+    assert flags["tokenizer_dir"] == "tok" and flags["learning_rate"] == 1e-4 and flags["eval_steps"] == 500
+    assert "use_fused_rope (a kernel" in notes[0] and "fancy_new_field (unknown" in notes[0]
+    path.write_text(json.dumps({"max_steps": 10, "sequence_parallel": 1, "recompute_granularity": "core_attn"}))
+    with pytest.raises(RecipeError, match="sequence_parallel=1 .*recompute_granularity='core_attn'"):
+        read_recipe(path, known, set())
+
+
+def test_greedy_generation_matches_transformers_generate(transformers_folder):
+    import torch
+    import transformers
+
+    generator = load_generator(transformers_folder)
+    prompt = generator.tokenizer.encode("The hacker ethic")
+    ours = generator.token_ids(prompt, 12)
+    model = transformers.LlamaForCausalLM.from_pretrained(str(transformers_folder)).eval()
+    theirs = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, len(prompt):].tolist()
+    assert ours == theirs
+
+
+def test_generate_prints_text_from_a_trained_checkpoint_and_a_seed_repeats_it(pretrain_run):
+    _, saved = pretrain_run(FOUR_D_SAVING)
+    checkpoint = saved / f"checkpoint-{RESUME_STEP}"
+    command = [sys.executable, str(REPO / "tools" / "generate.py"), str(checkpoint), "--prompt", "The hacker",
+               "--top_p", "0.9", "--seed", "7", "--max_new_tokens", "16"]
+    runs = [subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO) for _ in range(2)]
+    assert all(done.returncode == 0 for done in runs), runs[0].stderr[-2000:]
+    text = runs[0].stdout.strip()
+    assert text.startswith("The hacker") and len(text) > len("The hacker") and runs[1].stdout == runs[0].stdout
+    generator = load_generator(checkpoint)
+    assert generator.complete("The hacker", 16, 0.9, seed=8) != generator.complete("The hacker", 16, 0.9, seed=7)
