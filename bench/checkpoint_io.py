@@ -1,13 +1,15 @@
 """Checkpoint I/O against the practical limit, side by side, in one process and across ranks.
 
-For each layout (`single`: one process; `tp2pp2`: 4 ranks, each holding a quarter), builds a
-LLaMA of about 1 GB (fp32) with random weights and AdamW states and times, alternating the
-methods `--repeats` times:
+For each layout (`single`: one process; `tp2pp2`: 4 ranks, each holding a quarter; `dp4`: 4
+data replicas, each holding the whole), builds a LLaMA of about 1 GB (fp32) with random weights
+and AdamW states and times, alternating the methods `--repeats` times:
 - our unified save (`save_checkpoint`: streaming shards, CRC-32, fsync, atomic commit) and load
   (`load_checkpoint`: names and shapes checked, each file read once and verified);
 - bare `safetensors` save_file/load_file of the same tensors (the practical limit), and
   `paddle.save`/`paddle.load`; across ranks each rank writes and reads its own file of its local
-  tensors, as fleet's per-rank checkpoints do;
+  tensors, as fleet's per-rank checkpoints do (under dp4: a quarter of the bytes each, and, as
+  "safetensors one writer", rank 0 alone writing all: the two give the bound the shared disk puts
+  on spreading a save over the replicas);
 - on one process, PaddleNLP's own unified checkpoint (`save_single_card_checkpoint` and
   `_optimizer`, and their loads: what `Trainer(unified_checkpoint=True)` runs on one card) and its
   `save_pretrained(safe_serialization=True)` (weights only, so its GB/s is over the weight bytes).
@@ -30,15 +32,17 @@ import statistics
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
+from machine import machine
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-LAYOUTS = {"single": (1, 1), "tp2pp2": (2, 2)}  # name -> (tp, pp)
+LAYOUTS = {"single": (1, 1, 1), "tp2pp2": (2, 2, 1), "dp4": (1, 1, 4)}  # name -> (tp, pp, dp)
 
 
 def _drop_page_cache(path: Path) -> None:
@@ -63,22 +67,36 @@ def _random_training_state(config, topo):
     import paddle
 
     from checkpoint.optimizer_state import ensure_states, states_by_parameter
-    from modeling.registry import build_causal_lm
+    from modeling.registry import build_causal_lm, plan_of
+    from modeling.tp_plan import split_axes
 
     model = build_causal_lm(config, topo)
     optimizer = paddle.optimizer.AdamW(parameters=model.parameters())
     ensure_states(optimizer)
     by_param = states_by_parameter(optimizer)
-    rng = np.random.default_rng(topo.global_rank)
+    axes = split_axes(plan_of(config))
     arrays = {}
     for name, param in model.state_dict().items():
         for key, tensor in [(name, param), *((f"{name}/{state}", t) for state, t in by_param[param.name].items())]:
+            # copies that training keeps equal (data replicas, TP-replicated tensors) are drawn equal
+            split = axes.get(name) is not None and tensor.shape == param.shape
+            rng = np.random.default_rng([zlib.crc32(key.encode()), topo.tp_rank if split else 0])
             tensor.set_value(rng.standard_normal(tensor.shape, dtype=np.float32))
             arrays[key] = tensor.numpy()
     return model, optimizer, arrays
 
 
 Method = tuple[Callable[[Path], object], Callable[[Path], object] | None]  # save(path), load(path)
+
+
+def _quarter(arrays: dict[str, np.ndarray], parts: int, part: int) -> dict[str, np.ndarray]:
+    """This part's share of `arrays`, balanced by bytes (largest first to the lightest part)."""
+    loads, shares = [0] * parts, [{} for _ in range(parts)]
+    for name in sorted(arrays, key=lambda n: (-arrays[n].nbytes, n)):
+        lightest = loads.index(min(loads))
+        shares[lightest][name] = arrays[name]
+        loads[lightest] += arrays[name].nbytes
+    return shares[part]
 
 
 def _methods(model, optimizer, topo, config, arrays: dict[str, np.ndarray]) -> dict[str, Method]:
@@ -91,6 +109,8 @@ def _methods(model, optimizer, topo, config, arrays: dict[str, np.ndarray]) -> d
     from modeling.tp_plan import split_axes
 
     axes, rank = split_axes(plan_of(config)), topo.global_rank
+    whole, replicas = arrays, topo.layout.data_replicas
+    arrays = _quarter(arrays, replicas, topo.data_replica_index) if replicas > 1 else arrays
     methods: dict[str, Method] = {
         "unified": (lambda path: save_checkpoint(path, 1, model, optimizer, topo, axes, config=config,
                                                  trainer_state={"step": 1, "consumed_samples": 0}),
@@ -101,6 +121,9 @@ def _methods(model, optimizer, topo, config, arrays: dict[str, np.ndarray]) -> d
                                             str(path / f"rank{rank}.pdparams")),
                    lambda path: paddle.load(str(path / f"rank{rank}.pdparams"))),
     }
+    if replicas > 1:
+        methods["safetensors one writer"] = (
+            lambda path: st.save_file(whole, str(path / "all.safetensors")) if rank == 0 else None, None)
     if topo.layout.world_size == 1:
         from paddlenlp.trainer.unified_checkpoint import load_save_single_card as nlp
 
@@ -120,11 +143,11 @@ def worker(args: argparse.Namespace) -> int:
     from paddle_pp.runtime.layout import Layout
     from paddle_pp.runtime.topology import align_ranks, end_job, init_distributed
 
-    tp, pp = LAYOUTS[args.layout]
+    tp, pp, dp = LAYOUTS[args.layout]
     config = LlamaConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
                          intermediate_size=args.hidden_size * 8 // 3 // 64 * 64, num_hidden_layers=args.num_hidden_layers,
                          num_attention_heads=args.hidden_size // 64, max_position_embeddings=2048)
-    topo = init_distributed(Layout(world_size=tp * pp, tensor_parallel_degree=tp, pipeline_parallel_degree=pp))
+    topo = init_distributed(Layout(world_size=tp * pp * dp, tensor_parallel_degree=tp, pipeline_parallel_degree=pp))
     model, optimizer, arrays = _random_training_state(config, topo)
     methods = _methods(model, optimizer, topo, config, arrays)
     work, seconds, written = args.work_dir, {}, {}
@@ -166,6 +189,17 @@ def summarize(seconds: dict[str, list[float]], on_disk: dict[str, int], ranks: i
             "peak_rss_gb_per_rank": peak_rss_gb}
 
 
+def dp_scaling(single: dict, dp4: dict) -> dict:
+    """How much faster 4 data replicas save than one, next to how much faster the disk takes bare
+    files from 4 processes than from 1 (measured in the dp4 run), by median seconds."""
+    def rate(row: dict, name: str) -> float:
+        return row["bytes_on_disk"][name] / statistics.median(row["seconds"][f"{name} save"])
+
+    speedup = rate(dp4, "unified") / rate(single, "unified")
+    bound = rate(dp4, "safetensors") / rate(dp4, "safetensors one writer")
+    return {"speedup": speedup, "bound": bound, "share": speedup / bound}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden_size", type=int, default=1024)
@@ -183,25 +217,29 @@ def main(argv: list[str] | None = None) -> int:
     from paddle_pp.runtime.launch import launch
 
     work = Path(tempfile.mkdtemp(prefix="ckpt_bench_"))
-    report = {"cpu_count": os.cpu_count(), "repeats": args.repeats, "measured": time.strftime("%Y-%m-%d"),
+    report = {**machine(), "repeats": args.repeats, "measured": time.strftime("%Y-%m-%d"),
               "model": {"hidden_size": args.hidden_size, "num_hidden_layers": args.num_hidden_layers,
                         "vocab_size": args.vocab_size}, "layouts": {}}
     for layout in args.layouts:
-        tp, pp = LAYOUTS[layout]
+        tp, pp, dp = LAYOUTS[layout]
         flags = ["--hidden_size", str(args.hidden_size), "--num_hidden_layers", str(args.num_hidden_layers),
                  "--vocab_size", str(args.vocab_size), "--repeats", str(args.repeats), "--layout", layout,
                  "--work_dir", str(work / layout)]
-        results = launch(Path(__file__), tp * pp, flags, work_dir=work / f"launch_{layout}", timeout=3600)
-        row = summarize(results[0]["seconds"], results[0]["bytes_on_disk"], tp * pp,
+        results = launch(Path(__file__), tp * pp * dp, flags, work_dir=work / f"launch_{layout}", timeout=3600)
+        row = summarize(results[0]["seconds"], results[0]["bytes_on_disk"], tp * pp * dp,
                         max(r["peak_rss_gb"] for r in results))
         report["layouts"][layout] = row
-        print(f"{layout} ({tp * pp} ranks), checkpoint {row['checkpoint_gb']:.2f} GB:")
+        print(f"{layout} ({tp * pp * dp} ranks), checkpoint {row['checkpoint_gb']:.2f} GB:")
         for name, rate in row["gb_per_s"].items():
             print(f"  {name:>30}: {rate:6.2f} GB/s (best of {args.repeats})")
         for stat in ("best", "median"):
             print(f"  unified / safetensors ({stat} of {args.repeats}): save {row['ratio_to_safetensors'][stat]['save']:.2f}x, "
                   f"load {row['ratio_to_safetensors'][stat]['load']:.2f}x")
         print(f"  peak RSS per rank {row['peak_rss_gb_per_rank']:.1f} GB", flush=True)
+    if {"single", "dp4"} <= set(report["layouts"]):
+        report["dp4_scaling"] = dp_scaling(report["layouts"]["single"], report["layouts"]["dp4"])
+        print("dp4 / dp1 unified save throughput: {speedup:.2f}x; the disk allows {bound:.2f}x (bare files by 4 "
+              "processes / by 1); {share:.2f} of the bound (medians)".format(**report["dp4_scaling"]))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")
     shutil.rmtree(work, ignore_errors=True)

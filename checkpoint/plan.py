@@ -6,9 +6,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from checkpoint.format import STATE_SEPARATOR
+from checkpoint.format import MODEL, OPTIMIZER, STATE_SEPARATOR
+from checkpoint.optimizer_state import MASTER_WEIGHT
+from checkpoint.writers import Slot, WriteItem, WritePlan, sharding_owners
 from modeling.registry import plan_of, validate_layout
-from modeling.tp_plan import TensorPlan, stages_holding
+from modeling.tp_plan import TensorPlan, local_shape, stages_holding
 from paddle_pp.runtime.layout import Layout
 
 ADAM_STATE_BYTES = 8  # two fp32 moments per parameter
@@ -28,6 +30,11 @@ class RankShare:
     @property
     def total_bytes(self) -> int:
         return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @property
+    def load_bytes(self) -> int:
+        """What this rank reads to resume: its fp32 weight slices and its share of optimizer states."""
+        return self.parameters * 4 + self.optimizer_bytes
 
 
 def tensor_stages(plan: dict[str, TensorPlan], name: str, config, layout: Layout) -> list[int]:
@@ -50,3 +57,62 @@ def plan_layout(config, layout: Layout, compute_bytes: int = 4) -> list[RankShar
     return [RankShare(stage, tp, int(n), int(n) * compute_bytes, int(n) * compute_bytes,
                       -(-int(n) * state_bytes // layout.sharding_degree))
             for (stage, tp), n in np.ndenumerate(counts)]
+
+
+OPTIMIZER_STATES = ("moment1", "moment2")  # AdamW's fp32 moments, one of each per parameter
+OPTIMIZER_SCALARS = ("beta1_pow_acc", "beta2_pow_acc")  # one fp32 number each per parameter
+
+
+def save_items(config, layout: Layout, compute_bytes: int = 4) -> list[WriteItem]:
+    """What a save of this model under `layout` writes, and who holds each tensor: the model in
+    fp32, AdamW's states (and fp32 master weights under bf16/fp16), each parameter's states held by
+    the sharding rank Paddle's stage-1 optimizer gives it, in every dp replica."""
+    plan = plan_of(config)
+    replicas = range(layout.dp * layout.sharding_degree)
+    items: list[WriteItem] = []
+    states = OPTIMIZER_STATES + ((MASTER_WEIGHT,) if compute_bytes < 4 else ())
+    for stage in range(layout.pp):
+        names = [name for name, row in plan.items() if stage in tensor_stages(plan, name, config, layout)]
+        numels = [int(np.prod(local_shape(plan[n].shape, plan[n].tp_axis, layout.tp))) for n in names]
+        owners = sharding_owners(numels, layout.sharding_degree)
+        for name, owner in zip(names, owners):
+            row, numel = plan[name], int(np.prod(plan[name].shape))
+            split = row.tp_axis is not None and layout.tp > 1
+            items.append(WriteItem(MODEL, name, numel * 4, split, tuple((stage, r) for r in replicas)))
+            holders = tuple((stage, dp * layout.sharding_degree + owner) for dp in range(layout.dp))
+            items += [WriteItem(OPTIMIZER, f"{name}{STATE_SEPARATOR}{state}", numel * 4, split, holders)
+                      for state in states]
+            items += [WriteItem(OPTIMIZER, f"{name}{STATE_SEPARATOR}{state}", 4, False, holders)
+                      for state in OPTIMIZER_SCALARS]
+    return items
+
+
+def all_slots(layout: Layout) -> list[Slot]:
+    return [(stage, replica, tp) for stage in range(layout.pp) for replica in range(layout.dp * layout.sharding_degree)
+            for tp in range(layout.tp)]
+
+
+@dataclass(frozen=True)
+class SaveEstimate:
+    """A save's cost from per-rank write and receive bandwidths (GB/s), and the shared file
+    system's aggregate write bandwidth when it is the tighter bound."""
+
+    max_write_bytes: int
+    mean_write_bytes: float
+    max_received_bytes: int
+    seconds: float
+
+    @property
+    def balance(self) -> float:
+        return self.max_write_bytes / self.mean_write_bytes if self.mean_write_bytes else 1.0
+
+
+def estimate_save(plan: WritePlan, slots: list[Slot], disk_gbps: float, link_gbps: float,
+                  fs_gbps: float | None = None) -> SaveEstimate:
+    """Ranks write in parallel, each gathering then writing its share; the save takes as long as the
+    slowest rank, or as the file system takes to absorb every byte, whichever is longer."""
+    written = [plan.written.get(slot, 0) for slot in slots]
+    received = [plan.received.get(slot, 0) for slot in slots]
+    per_rank = max(w / (disk_gbps * 1e9) + r / (link_gbps * 1e9) for w, r in zip(written, received))
+    shared = sum(written) / (fs_gbps * 1e9) if fs_gbps else 0.0
+    return SaveEstimate(max(written), sum(written) / len(written), max(received), max(per_rank, shared))

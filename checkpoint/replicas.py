@@ -49,7 +49,7 @@ def fingerprint(array: np.ndarray) -> int:
     return (int(raw[:whole].view("<u8").sum(dtype=np.uint64)) + tail) % 2**64
 
 
-def _fingerprints(state: dict, axes: dict, topo: Topology) -> dict[str, tuple[int | None, int]]:
+def replica_fingerprints(state: dict, axes: dict, topo: Topology) -> dict[str, tuple[int | None, int]]:
     """name -> (TP piece this rank holds, or None when replicated over tp; its fingerprint)."""
     sums = {}
     for name, tensor in state.items():
@@ -72,12 +72,17 @@ def replica_mismatches(reports: list[dict[str, tuple[int | None, int]]]) -> list
 
 
 def check_replicas(state: dict, axes: dict, topo: Topology, mode: str) -> None:
-    """Compare every parameter's copies across the job (one all-gather of fingerprints). On a mismatch,
-    `mode` "error" raises on every rank before anything is written; "warn" warns and lets the save
-    go on (the copy of the lowest rank that writes it is saved)."""
+    """Compare every parameter's copies across the job (one all-gather of fingerprints)."""
+    judge_replicas(gather_objects(replica_fingerprints(state, axes, topo), None, topo.layout.world_size), mode)
+
+
+def judge_replicas(reports: list[dict[str, tuple[int | None, int]]], mode: str) -> None:
+    """Every rank's fingerprints, judged the same way on every rank. On a mismatch, `mode` "error"
+    raises on every rank before anything is written; "warn" warns and lets the save go on (the copy
+    of the rank that writes it is saved)."""
     if mode not in REPLICA_CHECKS:
         raise ValueError(f"replica check {mode!r} is not one of {REPLICA_CHECKS}")
-    problems = replica_mismatches(gather_objects(_fingerprints(state, axes, topo), None, topo.layout.world_size))
+    problems = replica_mismatches(reports)
     if not problems:
         return
     message = (f"{len(problems)} tensor(s) differ between replicas that must hold the same values: "

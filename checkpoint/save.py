@@ -1,11 +1,11 @@
 """Saving from any layout: each tensor written once, by one rank, as a single-card tensor.
 
-Who writes what: a tensor belongs to the lowest pipeline stage that holds it (a tied embedding
-held by the first and last stage is written once), and only the first data replica (dp rank 0)
-writes. Within a stage, model tensors are spread over the tp x sharding ranks of that replica
-and optimizer states over the tp ranks of the sharding rank that updates them; a tensor split by
-TP is all-gathered over its tp group and written by the one owner. Shard headers are written from
-the planned shapes before any data, so a synchronous save streams one tensor at a time.
+Who writes what is `checkpoint.writers.assign_writers`: every rank of the job, data replicas
+included, takes a share balanced by bytes, from the lowest pipeline stage holding each tensor (a
+tied embedding held by the first and last stage is written once); a tensor split by TP is
+all-gathered over the writer's tp group. Each writer writes one shard file per kind, whose index
+entry records its rank. Shard headers are written from the planned shapes before any data, so a
+synchronous save streams one tensor at a time.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from checkpoint.format import (
     tensor_nbytes,
 )
 from checkpoint.optimizer_state import state_tp_axis, states_by_parameter
-from checkpoint.replicas import check_replicas, host_array
+from checkpoint.replicas import ReplicaMismatchError, host_array, judge_replicas, replica_fingerprints
 from checkpoint.shards import TensorSpec, write_shard
+from checkpoint.writers import WritePlan, assign_writers, items_from_holdings
 from modeling.registry import family_of
 from modeling.tp_plan import single_card_shape
 from paddle_pp.runtime.topology import Topology, gather_objects
@@ -36,12 +37,11 @@ from paddle_pp.runtime.topology import Topology, gather_objects
 
 @dataclass
 class _Entry:
-    """One tensor to save: its local tensor, TP axis, and whether this rank writes it."""
+    """One tensor this rank's tp group assembles (or this rank alone writes, when not TP-split)."""
 
     name: str
     local: paddle.Tensor
     axis: int | None
-    gather: bool  # this rank's tp group takes part in assembling it
     mine: bool  # this rank writes it
 
 
@@ -52,49 +52,73 @@ class _Shard:
     entries: list[_Entry] = field(default_factory=list)
 
 
-def _owned_names(state: dict, topo: Topology) -> list[str]:
-    """Names this stage writes: those no lower stage also holds (tied weights go to the first)."""
-    names = sorted(state)
-    stages = gather_objects(names, topo.pp_group, topo.layout.pp)
-    earlier = {n for stage in stages[:topo.pp_rank] for n in stage}
-    return [n for n in names if n not in earlier]
+Held = dict[str, dict[str, tuple[paddle.Tensor, "int | None"]]]  # kind -> name -> (local tensor, TP axis)
 
 
-def _model_shard(state: dict, owned: list[str], axes: dict, topo: Topology) -> _Shard:
-    tp, writers = topo.layout.tp, topo.layout.tp * topo.layout.sharding_degree
-    shard = _Shard(MODEL)
-    for i, name in enumerate(owned):
-        slot = i % writers
-        gather = topo.dp_rank == 0 and topo.sharding_rank == slot // tp
-        entry = _Entry(name, state[name], axes.get(name), gather, gather and topo.tp_rank == slot % tp)
-        shard.entries.append(entry)
-        if entry.mine:
-            full = tuple(single_card_shape(entry.local.shape, entry.axis, tp))
-            shard.specs.append(TensorSpec(name, np.dtype("float32"), full))
-    return shard
+def _held(state: dict, axes: dict, optimizer, gradients: dict | None) -> Held:
+    """Every tensor this rank could write, by kind; optimizer states and recorded gradients only
+    where this rank holds them (the sharding rank that updates the parameter)."""
+    held: Held = {MODEL: {name: (tensor, axes.get(name)) for name, tensor in state.items()}}
+    per_parameter = {OPTIMIZER: states_by_parameter(optimizer) if optimizer is not None else None,
+                     GRADIENTS: gradients}
+    for kind, by_param in per_parameter.items():
+        if by_param is not None:
+            held[kind] = {f"{name}{STATE_SEPARATOR}{state_name}": (tensor, state_tp_axis(tensor.shape, param.shape,
+                                                                                          axes.get(name)))
+                          for name, param in state.items()
+                          for state_name, tensor in by_param.get(param.name, {}).items()}
+    return held
 
 
-def _per_parameter_shard(kind: str, state: dict, owned: list[str], by_param: dict, axes: dict,
-                         topo: Topology) -> _Shard:
-    """Optimizer states (or recorded gradients), which only the sharding rank updating a parameter holds."""
+def _written_dtype(kind: str, tensor: paddle.Tensor) -> np.dtype:
+    return np.dtype("float32") if kind == MODEL else np.dtype(str(tensor.dtype).removeprefix("paddle."))
+
+
+def _holdings(held: Held, topo: Topology) -> dict:
+    """What this rank could write (names, single-card bytes, TP-split) and where it sits."""
     tp = topo.layout.tp
-    keyed = {}
-    for name in owned:
-        param = state[name]
-        for state_name, tensor in by_param.get(param.name, {}).items():
-            keyed[f"{name}{STATE_SEPARATOR}{state_name}"] = (tensor, state_tp_axis(tensor.shape, param.shape,
-                                                                                    axes.get(name)))
-    counts = gather_objects(len(keyed), topo.tp_group, tp)
-    if len(set(counts)) > 1:
-        raise RuntimeError(f"tp ranks hold different numbers of optimizer states {counts}; cannot merge them")
-    shard = _Shard(kind)
-    for i, key in enumerate(sorted(keyed)):
-        tensor, axis = keyed[key]
-        entry = _Entry(key, tensor, axis, topo.dp_rank == 0, topo.dp_rank == 0 and topo.tp_rank == i % tp)
-        shard.entries.append(entry)
-        if entry.mine:
-            dtype = np.dtype(str(tensor.dtype).removeprefix("paddle."))
-            shard.specs.append(TensorSpec(key, dtype, tuple(single_card_shape(tensor.shape, axis, tp))))
+    return {"rank": topo.global_rank, "stage": topo.pp_rank, "replica": topo.data_replica_index,
+            "tp_rank": topo.tp_rank, "tensors": {
+                kind: {name: [int(np.prod(single_card_shape(t.shape, axis, tp))) * _written_dtype(kind, t).itemsize,
+                              axis is not None and tp > 1] for name, (t, axis) in tensors.items()}
+                for kind, tensors in held.items()}}
+
+
+def _plan_writers(holdings: list[dict], tp: int) -> WritePlan:
+    """The job's write plan from every rank's holdings (`_holdings`), the same on every rank."""
+    groups: dict[tuple, list] = {}
+    for rank in holdings:
+        groups.setdefault((rank["stage"], rank["replica"]), []).append(
+            {kind: sorted(names) for kind, names in rank["tensors"].items()})
+    uneven = [group for group, peers in groups.items() if any(peer != peers[0] for peer in peers)]
+    if uneven:  # a TP gather of a tensor some peer lacks would never finish
+        raise RuntimeError(f"the tp ranks of (stage, replica) {uneven[0]} hold different tensors; cannot save")
+    return assign_writers(items_from_holdings(holdings), tp)
+
+
+def _file_names(plan: WritePlan, holdings: list[dict], kinds: list[str], rank: int) -> dict[str, str | None]:
+    """This rank's shard file name per kind: writers of a kind are numbered in rank order."""
+    rank_of = {(h["stage"], h["replica"], h["tp_rank"]): h["rank"] for h in holdings}
+    names: dict[str, str | None] = {}
+    for kind in kinds:
+        writers = sorted({rank_of[slot] for (k, _), slot in plan.writer.items() if k == kind})
+        names[kind] = shard_name(kind, writers.index(rank) + 1, len(writers)) if rank in writers else None
+    return names
+
+
+def _shard(kind: str, tensors: dict, plan: WritePlan, topo: Topology) -> _Shard:
+    """This rank's part in saving `kind`: the tensors its tp group assembles, the ones it writes."""
+    shard, tp = _Shard(kind), topo.layout.tp
+    for name in sorted(tensors):
+        stage, replica, writer = plan.writer[(kind, name)]
+        tensor, axis = tensors[name]
+        split, mine = axis is not None and tp > 1, writer == topo.tp_rank
+        if (stage, replica) != (topo.pp_rank, topo.data_replica_index) or not (split or mine):
+            continue
+        shard.entries.append(_Entry(name, tensor, axis, mine))
+        if mine:
+            shard.specs.append(TensorSpec(name, _written_dtype(kind, tensor),
+                                          tuple(single_card_shape(tensor.shape, axis, tp))))
     return shard
 
 
@@ -102,8 +126,6 @@ def _assembled(shard: _Shard, topo: Topology, cast: str | None, borrow: bool) ->
     """Drive every gather of the shard's entries in order; yield the tensors this rank writes
     (views of live tensors where `borrow` allows, see `replicas.host_array`)."""
     for entry in shard.entries:
-        if not entry.gather:
-            continue
         local = entry.local.detach()
         if entry.axis is not None and topo.layout.tp > 1:
             parts: list = []
@@ -136,11 +158,12 @@ class PendingSave:
         """Wait for this rank's files, exchange their checksums, and let rank 0 commit."""
         if self.thread is not None:
             self.thread.join()
-        failed = gather_objects(bool(self.error), None, self.topo.layout.world_size)
-        if any(failed):
-            raise RuntimeError(f"writing checkpoint-{self.step} failed on ranks "
-                               f"{[r for r, f in enumerate(failed) if f]}: {self.error}")
-        everyone = gather_objects(self.results, None, self.topo.layout.world_size)
+        outcomes = gather_objects({"error": self.error, "results": self.results}, None, self.topo.layout.world_size)
+        failed = [rank for rank, outcome in enumerate(outcomes) if outcome["error"]]
+        if failed:
+            raise RuntimeError(f"writing checkpoint-{self.step} failed on ranks {failed}: "
+                               f"{outcomes[failed[0]]['error']}")
+        everyone = [outcome["results"] for outcome in outcomes]
         final = None
         if self.topo.global_rank == 0:
             final = _commit(self, everyone)
@@ -193,30 +216,30 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, topo: Topolog
     """Write checkpoint-<step> under `output_dir`. Synchronous saves return committed; asynchronous
     ones return once host copies are taken, with a `PendingSave` to `finish()` later. `extra_files`
     (e.g. the tokenizer) are copied in; `gradients` ({parameter's internal name: {"grad": tensor}})
-    adds a gradients kind, for alignment checks. `replica_check` (see `replicas.check_replicas`)
-    runs first: a failed check leaves nothing behind."""
+    adds a gradients kind, for alignment checks. `replica_check` (see `replicas.judge_replicas`)
+    runs before any tensor is written: a failed check leaves nothing behind. Three all-gathers of
+    small objects in all (fingerprints with holdings; outcomes; end of commit; rank 0 makes the
+    folder before the first), each a few tens of ms among 4 ranks on 2 cores."""
     output_dir = Path(output_dir)
     state = model.state_dict()
-    check_replicas(state, axes, topo, replica_check)
-    if topo.global_rank == 0:
+    held = _held(state, axes, optimizer, gradients)
+    staged = commits.temp_dir(output_dir, step)
+    if topo.global_rank == 0:  # before the all-gather below, which then also says the folder exists
         output_dir.mkdir(parents=True, exist_ok=True)
         commits.clear_stale_temp(output_dir, step)
-        commits.temp_dir(output_dir, step).mkdir()
-    gather_objects(None, None, topo.layout.world_size)  # the folder exists before anyone writes
-    owned = _owned_names(state, topo)  # one pipeline all-gather serves both shards
-    shards = [_model_shard(state, owned, axes, topo)]
-    if optimizer is not None:
-        shards.append(_per_parameter_shard(OPTIMIZER, state, owned, states_by_parameter(optimizer), axes, topo))
-    if gradients is not None:
-        shards.append(_per_parameter_shard(GRADIENTS, state, owned, gradients, axes, topo))
-    counts = gather_objects({s.kind: bool(s.specs) for s in shards}, None, topo.layout.world_size)
-    plans = {}
-    for shard in shards:
-        writers = [rank for rank, c in enumerate(counts) if c.get(shard.kind)]
-        if shard.specs:
-            plans[shard.kind] = (shard_name(shard.kind, writers.index(topo.global_rank) + 1, len(writers)), shard)
-        else:
-            plans[shard.kind] = (None, shard)
+        staged.mkdir()
+    reports = gather_objects({"fingerprints": replica_fingerprints(state, axes, topo),
+                              "holdings": _holdings(held, topo)}, None, topo.layout.world_size)
+    holdings = [report["holdings"] for report in reports]
+    try:
+        judge_replicas([report["fingerprints"] for report in reports], replica_check)
+        writers = _plan_writers(holdings, topo.layout.tp)
+    except (ReplicaMismatchError, ValueError, RuntimeError):
+        if topo.global_rank == 0:
+            shutil.rmtree(staged, ignore_errors=True)
+        raise
+    names = _file_names(writers, holdings, list(held), topo.global_rank)
+    plans = {kind: (names[kind], _shard(kind, tensors, writers, topo)) for kind, tensors in held.items()}
     layout_info = topo.layout.record()
     extra = {"json_files": {CONFIG_FILE: single_card_config(config),
                             TRAINER_STATE_FILE: {"format_version": FORMAT_VERSION, "saving_layout": layout_info,
@@ -224,14 +247,13 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, topo: Topolog
              "copy_files": [str(path) for path in extra_files],
              "model_metadata": model_metadata(config)}
     pending = PendingSave(output_dir, step, topo, layout_info, plans, extra, keep)
-    staged = commits.temp_dir(output_dir, step)
 
     def write(kind: str, fname: str | None, shard: _Shard, arrays) -> None:
         if fname is None:
             for _ in arrays:
                 pass
             return
-        entry = write_shard(staged / fname, shard.specs, arrays, {"format": "np"})
+        entry = write_shard(staged / fname, shard.specs, arrays, {"format": "np"}) | {"rank": topo.global_rank}
         pending.results[kind] = (fname, entry, {s.name: {"dtype": str(s.dtype), "shape": list(s.shape),
                                                              "tp_axis": _axis_of(shard, s.name)} for s in shard.specs})
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import struct
 import weakref
@@ -121,29 +122,117 @@ def pack(names: Iterable[str], nbytes: Callable[[str], int], max_shard_bytes: in
     return groups
 
 
+class DirectWriter:
+    """A file written front to back with O_DIRECT, through two page-aligned bounce buffers (one
+    filled while a helper thread writes the other), then fsynced. Buffered writes took 0.3 to 3.0 s
+    for the same 1 GB here (the time goes in write(), as the kernel finds page-cache pages, not in
+    fsync); O_DIRECT skips the page cache and took 0.72 to 0.88 s (docs/benchmarks.md). Where a
+    file system refuses O_DIRECT (tmpfs), it writes buffered."""
+
+    ALIGN = 4096  # O_DIRECT needs block-aligned memory, offsets and lengths
+    BUFFER_BYTES = 16 << 20
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.fill, self.current = Path(path), 0, 0, 0
+        self.fd, self.direct = self._open_direct(), True
+        if self.fd is None:
+            self.fd, self.direct = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), False
+        self.buffers = [mmap.mmap(-1, self.BUFFER_BYTES) for _ in range(2)] if self.direct else []
+        self.writing: list = [None, None]  # each buffer's pending write
+        self.writer = ThreadPoolExecutor(max_workers=1) if self.direct else None
+
+    def _open_direct(self) -> int | None:
+        """An O_DIRECT descriptor that took one aligned block (some file systems accept the flag at
+        open and refuse the writes), or None."""
+        if not hasattr(os, "O_DIRECT"):
+            return None
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT)
+        except OSError:
+            return None
+        probe = mmap.mmap(-1, self.ALIGN)
+        try:
+            os.pwrite(fd, probe, 0)  # overwritten by the file's first block
+            return fd
+        except OSError:
+            os.close(fd)
+            return None
+        finally:
+            probe.close()
+
+    def write(self, data) -> None:
+        source = np.frombuffer(data, np.uint8)
+        if not self.direct:
+            self._write_all(source.data, self.offset)
+            self.offset += source.size
+            return
+        done = 0
+        while done < source.size:
+            if self.fill == 0 and self.writing[self.current] is not None:
+                self.writing[self.current].result()  # the buffer's previous write is down
+            count = min(self.BUFFER_BYTES - self.fill, source.size - done)
+            view = np.frombuffer(self.buffers[self.current], np.uint8)
+            view[self.fill:self.fill + count] = source[done:done + count]
+            self.fill, done = self.fill + count, done + count
+            if self.fill == self.BUFFER_BYTES:
+                self._flush(self.BUFFER_BYTES)
+
+    def _flush(self, length: int) -> None:
+        self.writing[self.current] = self.writer.submit(
+            self._write_all, memoryview(self.buffers[self.current])[:length], self.offset)
+        self.offset, self.fill, self.current = self.offset + self.fill, 0, 1 - self.current
+
+    def _write_all(self, buffer, offset: int) -> None:
+        done = 0
+        while done < len(buffer):
+            done += os.pwrite(self.fd, buffer[done:], offset + done)
+
+    def close(self) -> None:
+        """Write the last partial block (padded, then cut to length), fsync, close."""
+        try:
+            if self.direct:
+                size = self.offset + self.fill
+                if self.fill:
+                    self._flush(-(-self.fill // self.ALIGN) * self.ALIGN)
+                self.writer.shutdown(wait=True)
+                for pending in self.writing:
+                    if pending is not None:
+                        pending.result()  # raises a failed write
+                os.ftruncate(self.fd, size)
+            os.fsync(self.fd)
+        finally:
+            if self.writer is not None:
+                self.writer.shutdown(wait=True)
+            os.close(self.fd)
+            for buffer in self.buffers:
+                buffer.close()
+
+
 def write_shard(path: Path, specs: list[TensorSpec], tensors: Iterable[np.ndarray],
                 metadata: dict[str, str] | None = None) -> dict:
     """Write `tensors` (in the order of `specs`) to `path`, fsync it; returns its index entry
     (`file_entry`), the checksum computed while writing."""
     size = 0
-    with open(path, "wb") as handle, ThreadPoolExecutor(max_workers=1) as hasher:
-        digest = OverlappedDigest(hasher)
-        head = _header(specs, metadata or {})
-        handle.write(head)
-        digest.update(head)
-        size += len(head)
-        for spec, array in zip(specs, tensors, strict=True):
-            array = np.ascontiguousarray(array)
-            if array.dtype != spec.dtype or tuple(array.shape) != spec.shape:
-                raise CheckpointError(f"{spec.name}: got {array.dtype}{list(array.shape)}, planned "
-                                      f"{spec.dtype}{list(spec.shape)}")
-            data = array.view(np.uint8).reshape(-1).data if array.size else b""
-            digest.update(data)
-            handle.write(data)
-            size += array.nbytes
-        checksum = digest.hexdigest()
-        handle.flush()
-        os.fsync(handle.fileno())
+    handle = DirectWriter(path)
+    try:
+        with ThreadPoolExecutor(max_workers=1) as hasher:
+            digest = OverlappedDigest(hasher)
+            head = _header(specs, metadata or {})
+            handle.write(head)
+            digest.update(head)
+            size += len(head)
+            for spec, array in zip(specs, tensors, strict=True):
+                array = np.ascontiguousarray(array)
+                if array.dtype != spec.dtype or tuple(array.shape) != spec.shape:
+                    raise CheckpointError(f"{spec.name}: got {array.dtype}{list(array.shape)}, planned "
+                                          f"{spec.dtype}{list(spec.shape)}")
+                data = array.view(np.uint8).reshape(-1).data if array.size else b""
+                digest.update(data)
+                handle.write(data)
+                size += array.nbytes
+            checksum = digest.hexdigest()
+    finally:
+        handle.close()
     return file_entry(checksum, size)
 
 

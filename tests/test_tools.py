@@ -13,11 +13,12 @@ import pytest
 from runs import MODEL, REPO, SCRIPT
 
 from checkpoint.hf import export_hf, import_hf
-from checkpoint.plan import plan_layout
+from checkpoint.plan import all_slots, plan_layout, save_items
 from checkpoint.shards import ShardReader
 from checkpoint.unified_io import load_config, rechunk
 from checkpoint.verify import verify_checkpoint
-from modeling.registry import plan_of
+from checkpoint.writers import assign_writers
+from modeling.registry import config_from_dict, plan_of
 from paddle_pp.runtime.layout import Layout, LayoutError
 
 TOOLS = REPO / "tools"
@@ -56,6 +57,28 @@ def test_plan_sizes_every_rank_and_covers_the_model(checkpoint):
                            "--world_size", "8", "--tensor_parallel_degree", "2", "--pipeline_parallel_degree", "2"],
                           capture_output=True, text=True, timeout=120)
     assert tool.returncode == 0 and "valid" in tool.stdout, tool.stderr[-1000:]
+
+
+LLAMA_70B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 8192, "intermediate_size": 28672,
+             "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+             "max_position_embeddings": 4096}
+
+
+def test_the_save_plan_of_a_70b_llama_on_256_ranks_spreads_the_writing_evenly(tmp_path):
+    config, layout = config_from_dict(LLAMA_70B), Layout(world_size=256, tensor_parallel_degree=8,
+                                                          pipeline_parallel_degree=8, device="gpu")
+    items = save_items(config, layout)
+    writes = assign_writers(items, layout.tp)
+    assert set(writes.written) == set(all_slots(layout)), "every rank of the job writes"
+    parameters = sum(int(np.prod(row.shape)) for row in plan_of(config).values())
+    assert sum(writes.written.values()) == parameters * 4 * 3 + len(plan_of(config)) * 8  # weights, 2 moments, pows
+    assert writes.balance(all_slots(layout)) <= 1.1
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
+    tool = subprocess.run([sys.executable, str(TOOLS / "reshard.py"), "plan", "--config", str(tmp_path / "config.json"),
+                           "--world_size", "256", "--tensor_parallel_degree", "8", "--pipeline_parallel_degree", "8",
+                           "--disk_gbps", "2", "--link_gbps", "25"], capture_output=True, text=True, timeout=120)
+    assert tool.returncode == 0, tool.stderr[-1000:]
+    assert f"(max/mean {writes.balance(all_slots(layout)):.3f})" in tool.stdout and "predicted save time" in tool.stdout
 
 
 def test_plan_refuses_an_invalid_layout(checkpoint):

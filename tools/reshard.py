@@ -1,7 +1,8 @@
 """Offline layout tools for checkpoints (one process, no launcher; every rewrite streams tensors).
 
-  plan    (--checkpoint DIR | --config config.json) + layout flags: is the layout valid, and what
-          does each rank hold (parameters, bytes of weights, grads and optimizer states)?
+  plan    (--checkpoint DIR | --config config.json) + layout flags: is the layout valid, what does
+          each rank hold and read to resume, what does it write in a save, and how long would the
+          save take (from --disk_gbps, --link_gbps, --fs_gbps)? A config alone simulates any size.
   split   SOURCE TARGET + layout flags: a per-rank pre-split copy the trainer loads under that layout
   join    SOURCE TARGET: a pre-split copy back to the unified format
   merge   SOURCE TARGET: Paddle fleet per-rank files (model_state.tpXX_ppYY.pdparams,
@@ -19,7 +20,8 @@ from pathlib import Path
 
 from checkpoint.fleet import merge_fleet
 from checkpoint.format import CheckpointError
-from checkpoint.plan import plan_layout
+from checkpoint.plan import all_slots, estimate_save, plan_layout, save_items
+from checkpoint.writers import assign_writers
 from checkpoint.split import join_split, split_checkpoint
 from checkpoint.shards import EXPORT_DTYPES
 from checkpoint.unified_io import export_weights, load_config, rechunk
@@ -34,13 +36,30 @@ DATA_SUFFIXES = {".safetensors", ".pdparams", ".pdopt"}
 def _plan(args) -> int:
     config = load_config(args.checkpoint) if args.checkpoint else config_from_dict(json.loads(args.config.read_text()))
     layout = Layout.from_args(args, world_size=args.world_size, device=args.device)
-    shares = plan_layout(config, layout, compute_bytes=2 if args.bf16 else 4)
+    compute_bytes = 2 if args.bf16 else 4
+    shares = plan_layout(config, layout, compute_bytes=compute_bytes)
     print(f"layout {layout.describe()} on {layout.world_size} ranks: valid")
-    print(f"{'stage':>5} {'tp':>3} {'params':>12} {'weights MB':>11} {'grads MB':>9} {'optim MB':>9} {'total MB':>9}")
+    print(f"{'stage':>5} {'tp':>3} {'params':>12} {'weights MB':>11} {'grads MB':>9} {'optim MB':>9} {'total MB':>9} "
+          f"{'load reads MB':>13}")
     for s in shares:
         print(f"{s.stage:>5} {s.tp_rank:>3} {s.parameters:>12,} {s.weight_bytes / 2**20:>11.1f} "
-              f"{s.grad_bytes / 2**20:>9.1f} {s.optimizer_bytes / 2**20:>9.1f} {s.total_bytes / 2**20:>9.1f}")
-    print("(every dp/sharding rank at a (stage, tp) holds the same; activations not included)")
+              f"{s.grad_bytes / 2**20:>9.1f} {s.optimizer_bytes / 2**20:>9.1f} {s.total_bytes / 2**20:>9.1f} "
+              f"{s.load_bytes / 2**20:>13.1f}")
+    print("(every dp/sharding rank at a (stage, tp) holds and reads the same; activations not included)")
+    slots = all_slots(layout)
+    writes = assign_writers(save_items(config, layout, compute_bytes), layout.tp)
+    if len(slots) <= args.max_rows:
+        print(f"\nsave: {'stage':>5} {'replica':>7} {'tp':>3} {'writes MB':>10} {'TP gather in MB':>15}")
+        for slot in slots:
+            print(f"      {slot[0]:>5} {slot[1]:>7} {slot[2]:>3} {writes.written.get(slot, 0) / 2**20:>10.1f} "
+                  f"{writes.received.get(slot, 0) / 2**20:>15.1f}")
+    estimate = estimate_save(writes, slots, args.disk_gbps, args.link_gbps, args.fs_gbps)
+    print(f"save of {sum(writes.written.values()) / 1e9:.2f} GB over {len(slots)} ranks: writes per rank max "
+          f"{estimate.max_write_bytes / 1e9:.2f} GB, mean {estimate.mean_write_bytes / 1e9:.2f} GB (max/mean "
+          f"{estimate.balance:.3f}); TP gathers bring a rank up to {estimate.max_received_bytes / 1e9:.2f} GB")
+    fs = f", file system {args.fs_gbps} GB/s in all" if args.fs_gbps else ""
+    print(f"predicted save time {estimate.seconds:.1f} s (per rank: disk {args.disk_gbps} GB/s, "
+          f"interconnect {args.link_gbps} GB/s{fs})")
     return 0
 
 
@@ -73,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--world_size", type=int, required=True)
     plan.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
     plan.add_argument("--bf16", action="store_true", help="size for bf16 compute with fp32 master weights")
+    plan.add_argument("--disk_gbps", type=float, default=2.0, help="write bandwidth of one rank, GB/s")
+    plan.add_argument("--link_gbps", type=float, default=25.0, help="TP-gather receive bandwidth of one rank, GB/s")
+    plan.add_argument("--fs_gbps", type=float, default=None, help="aggregate write bandwidth of a shared file system")
+    plan.add_argument("--max_rows", type=int, default=64, help="print the per-rank save table up to this many ranks")
     helps = {"split": "write a per-rank pre-split copy for a layout", "join": "a pre-split copy back to unified",
              "merge": "fleet per-rank .pdparams/.pdopt files to unified", "rechunk": "change the shard size",
              "weights": "a weights-only copy to hand a model on (optionally bfloat16/float16)"}

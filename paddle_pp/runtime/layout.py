@@ -8,6 +8,7 @@ Flag names and semantics follow PaddleNLP's `TrainingArguments`, so users' launc
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -140,6 +141,16 @@ class Layout:
     @property
     def order(self) -> list[str]:
         return list(TOPO_ORDERS[self.hybrid_parallel_topo_order])
+
+    def rank_slots(self) -> list[tuple[int, int, int]]:
+        """(pipeline stage, data replica, tp rank) of each global rank: fleet numbers ranks row-major
+        over `order` (the data replica is dp rank x sharding degree + sharding rank, as the trainer reads)."""
+        sizes = {"dp": self.dp, "pp": self.pp, "sharding": self.sharding_degree, "sep": 1, "mp": self.tp}
+        slots = []
+        for index in itertools.product(*(range(sizes[dim]) for dim in self.order)):
+            at = dict(zip(self.order, index))
+            slots.append((at["pp"], at["dp"] * self.sharding_degree + at["sharding"], at["mp"]))
+        return slots
 
     def hybrid_configs(self) -> dict:
         """Fleet's `strategy.hybrid_configs` for this layout."""

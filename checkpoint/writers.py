@@ -1,0 +1,88 @@
+"""Who writes each tensor of a save: every rank of the job takes a share, balanced by bytes.
+
+Each tensor (model weight, optimizer state, recorded gradient) is written once, as its single-card
+tensor, by one rank of the lowest pipeline stage that holds it. Any data replica (dp x sharding
+index) holding it may write it: model weights are held by every replica, an optimizer state by
+the replicas of the sharding rank that updates it. The writer's tp group gathers a TP-split
+tensor. Tensors go largest first to the least-loaded rank that can write them (LPT scheduling),
+so a job with data parallelism spreads its save over all its ranks instead of leaving the writing
+to the first replica. The assignment is a pure function of the tensors and the layout: every
+rank computes the same one, and the planner computes it for a model that was never built.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterable
+
+Slot = tuple[int, int, int]  # (pipeline stage, data replica, tp rank): one rank of the job
+
+
+@dataclass(frozen=True)
+class WriteItem:
+    kind: str  # model, optimizer, gradients
+    name: str
+    nbytes: int  # bytes of the single-card tensor, as written
+    split: bool  # split over tp: the writer's tp group gathers it
+    holders: tuple[tuple[int, int], ...]  # (stage, data replica) pairs that hold it
+
+
+@dataclass
+class WritePlan:
+    """Which rank writes each tensor, and what that costs each rank."""
+
+    writer: dict[tuple[str, str], Slot]
+    written: dict[Slot, int]  # bytes each rank writes
+    received: dict[Slot, int]  # bytes each rank receives in TP gathers
+
+    def balance(self, slots: Iterable[Slot]) -> float:
+        """Largest share over the mean share, over `slots` (every rank of the job)."""
+        shares = [self.written.get(slot, 0) for slot in slots]
+        mean = sum(shares) / len(shares)
+        return max(shares) / mean if mean else 1.0
+
+
+def assign_writers(items: Iterable[WriteItem], tp: int) -> WritePlan:
+    """LPT: largest tensor first, to the least-loaded rank among its lowest stage's holders (ties
+    to the lowest slot, so the result is the same on every rank)."""
+    written: dict[Slot, int] = defaultdict(int)
+    received: dict[Slot, int] = defaultdict(int)
+    writer: dict[tuple[str, str], Slot] = {}
+    for item in sorted(items, key=lambda i: (-i.nbytes, i.kind, i.name)):
+        stage = min(stage for stage, _ in item.holders)
+        candidates = [(stage, replica, t) for s, replica in sorted(set(item.holders)) if s == stage for t in range(tp)]
+        slot = min(candidates, key=lambda c: (written[c], c))
+        written[slot] += item.nbytes
+        writer[(item.kind, item.name)] = slot
+        if item.split and tp > 1:
+            for t in range(tp):
+                received[(slot[0], slot[1], t)] += item.nbytes * (tp - 1) // tp
+    return WritePlan(writer, dict(written), dict(received))
+
+
+def sharding_owners(numels: list[int], sharding_degree: int) -> list[int]:
+    """The sharding rank that updates each parameter (given in model order), by the rule of Paddle's
+    DygraphShardingOptimizer._partition_parameters: largest first (stable), each to the rank
+    with the fewest elements so far. Used to plan saves of models that are not built."""
+    owners = [0] * len(numels)
+    heap = [(0, rank) for rank in range(sharding_degree)]
+    for index in sorted(range(len(numels)), key=lambda i: -numels[i]):
+        size, rank = heapq.heappop(heap)
+        owners[index] = rank
+        heapq.heappush(heap, (size + numels[index], rank))
+    return owners
+
+
+def items_from_holdings(holdings: list[dict]) -> list[WriteItem]:
+    """Write items from every rank's holdings ({"stage", "replica", "tensors": {kind: {name: [nbytes,
+    split]}}}, one per rank, as gathered at save time)."""
+    merged: dict[tuple[str, str], tuple[int, bool, set]] = {}
+    for rank in holdings:
+        for kind, tensors in rank["tensors"].items():
+            for name, (nbytes, split) in tensors.items():
+                holders = merged.setdefault((kind, name), (nbytes, split, set()))[2]
+                holders.add((rank["stage"], rank["replica"]))
+    return [WriteItem(kind, name, nbytes, split, tuple(sorted(holders)))
+            for (kind, name), (nbytes, split, holders) in merged.items()]
