@@ -89,7 +89,7 @@ def _random_training_state(config, topo):
 Method = tuple[Callable[[Path], object], Callable[[Path], object] | None]  # save(path), load(path)
 
 
-def _quarter(arrays: dict[str, np.ndarray], parts: int, part: int) -> dict[str, np.ndarray]:
+def _share(arrays: dict[str, np.ndarray], parts: int, part: int) -> dict[str, np.ndarray]:
     """This part's share of `arrays`, balanced by bytes (largest first to the lightest part)."""
     loads, shares = [0] * parts, [{} for _ in range(parts)]
     for name in sorted(arrays, key=lambda n: (-arrays[n].nbytes, n)):
@@ -110,7 +110,7 @@ def _methods(model, optimizer, topo, config, arrays: dict[str, np.ndarray]) -> d
 
     axes, rank = split_axes(plan_of(config)), topo.global_rank
     whole, replicas = arrays, topo.layout.data_replicas
-    arrays = _quarter(arrays, replicas, topo.data_replica_index) if replicas > 1 else arrays
+    arrays = _share(arrays, replicas, topo.data_replica_index) if replicas > 1 else arrays
     methods: dict[str, Method] = {
         "unified": (lambda path: save_checkpoint(path, 1, model, optimizer, topo, axes, config=config,
                                                  trainer_state={"step": 1, "consumed_samples": 0}),

@@ -94,8 +94,8 @@ class _VerifiedFiles:
             algorithm, expected = recorded_checksum(self.meta["files"][fname])
             into = {name: view for name, (_, target) in wanted.items() if (view := _writable_view(target)) is not None}
             digest = reader.scan({name: piece for name, (piece, _) in wanted.items()},
-                                 lambda name, array: set_parameter(wanted[name][1], array), hasher if check else None,
-                                 algorithm, into)
+                                 lambda name, array: set_parameter(wanted[name][1], array),
+                                 hasher if check else None, algorithm, into)
             if check and digest != expected:
                 raise CheckpointError(f"{reader.path} fails its {algorithm} checksum: the file is corrupted; restore it "
                                       "or resume from an older checkpoint")

@@ -87,11 +87,6 @@ def save_items(config, layout: Layout, compute_bytes: int = 4) -> list[WriteItem
     return items
 
 
-def all_slots(layout: Layout) -> list[Slot]:
-    return [(stage, replica, tp) for stage in range(layout.pp) for replica in range(layout.dp * layout.sharding_degree)
-            for tp in range(layout.tp)]
-
-
 @dataclass(frozen=True)
 class SaveEstimate:
     """A save's cost from per-rank write and receive bandwidths (GB/s), and the shared file

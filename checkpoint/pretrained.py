@@ -46,8 +46,10 @@ class PretrainedFolder:
     read: Callable[[str, int | None, int, int], np.ndarray] = field(repr=False)  # (name, axis, parts, part)
 
 
-def open_pretrained(folder: Path) -> PretrainedFolder:
-    """The folder recognised and checked (config, every tensor name and shape) without reading weights."""
+def open_pretrained(folder: Path, weights: bool = True) -> PretrainedFolder:
+    """The folder recognised and checked (config, every tensor name and shape from file headers)
+    without reading weights. `weights` False (a run that resumes its own checkpoint, or takes only
+    the config): pickled pdparams, which have no headers, are not loaded just to be checked."""
     folder = Path(folder)
     if not (folder / CONFIG_FILE).is_file():
         raise CheckpointError(f"--model_name_or_path {folder}: no {CONFIG_FILE} there; pass a folder saved by "
@@ -61,6 +63,8 @@ def open_pretrained(folder: Path) -> PretrainedFolder:
     config = _our_config(folder, raw)
     plan = plan_of(config_from_dict(config))
     if (folder / PDPARAMS).is_file() or (folder / PDPARAMS_INDEX).is_file():
+        if not weights:
+            return PretrainedFolder(folder, PADDLENLP, config, read=_not_loaded)
         arrays = _pdparams(folder)
         return _checked(folder, PADDLENLP, config, {name: list(a.shape) for name, a in arrays.items()},
                         lambda key, axis, parts, part: split_tensor(arrays[key], axis, parts, part),
@@ -72,6 +76,10 @@ def open_pretrained(folder: Path) -> PretrainedFolder:
         return _checked(folder, TRANSFORMERS, config, shapes, read, family(config["model_type"]).transformers.to_hf,
                         lambda name: plan[name].linear)
     return _checked(folder, PADDLENLP, config, shapes, read, lambda name: name, lambda name: False)
+
+
+def _not_loaded(name: str, *_piece) -> np.ndarray:
+    raise CheckpointError(f"{name}: the folder was opened for its config only (open_pretrained(weights=False))")
 
 
 def _is_unified(folder: Path) -> bool:

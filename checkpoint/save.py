@@ -27,7 +27,7 @@ from checkpoint.format import (
     tensor_nbytes,
 )
 from checkpoint.optimizer_state import state_tp_axis, states_by_parameter
-from checkpoint.replicas import ReplicaMismatchError, host_array, judge_replicas, replica_fingerprints
+from checkpoint.replicas import host_array, judge_replicas, replica_fingerprints
 from checkpoint.shards import TensorSpec, write_shard
 from checkpoint.writers import WritePlan, assign_writers, items_from_holdings
 from modeling.registry import family_of
@@ -217,28 +217,25 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, topo: Topolog
     ones return once host copies are taken, with a `PendingSave` to `finish()` later. `extra_files`
     (e.g. the tokenizer) are copied in; `gradients` ({parameter's internal name: {"grad": tensor}})
     adds a gradients kind, for alignment checks. `replica_check` (see `replicas.judge_replicas`)
-    runs before any tensor is written: a failed check leaves nothing behind. Three all-gathers of
-    small objects in all (fingerprints with holdings; outcomes; end of commit; rank 0 makes the
-    folder before the first), each a few tens of ms among 4 ranks on 2 cores."""
+    runs before anything is created: a failed check leaves nothing behind. Three all-gathers of
+    small objects in all (fingerprints with holdings; outcomes; end of commit): rank 0 clears a stale
+    folder of this step before the first, each rank that writes creates the folder after it. Each is
+    a few tens of ms among 4 ranks on 2 cores."""
     output_dir = Path(output_dir)
     state = model.state_dict()
     held = _held(state, axes, optimizer, gradients)
     staged = commits.temp_dir(output_dir, step)
-    if topo.global_rank == 0:  # before the all-gather below, which then also says the folder exists
+    if topo.global_rank == 0:  # before the all-gather below, so no rank's folder below is cleared
         output_dir.mkdir(parents=True, exist_ok=True)
         commits.clear_stale_temp(output_dir, step)
-        staged.mkdir()
     reports = gather_objects({"fingerprints": replica_fingerprints(state, axes, topo),
                               "holdings": _holdings(held, topo)}, None, topo.layout.world_size)
     holdings = [report["holdings"] for report in reports]
-    try:
-        judge_replicas([report["fingerprints"] for report in reports], replica_check)
-        writers = _plan_writers(holdings, topo.layout.tp)
-    except (ReplicaMismatchError, ValueError, RuntimeError):
-        if topo.global_rank == 0:
-            shutil.rmtree(staged, ignore_errors=True)
-        raise
+    judge_replicas([report["fingerprints"] for report in reports], replica_check)
+    writers = _plan_writers(holdings, topo.layout.tp)
     names = _file_names(writers, holdings, list(held), topo.global_rank)
+    if topo.global_rank == 0 or any(names.values()):  # only once the checks passed: a failed one leaves nothing
+        staged.mkdir(exist_ok=True)
     plans = {kind: (names[kind], _shard(kind, tensors, writers, topo)) for kind, tensors in held.items()}
     layout_info = topo.layout.record()
     extra = {"json_files": {CONFIG_FILE: single_card_config(config),

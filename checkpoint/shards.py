@@ -124,10 +124,10 @@ def pack(names: Iterable[str], nbytes: Callable[[str], int], max_shard_bytes: in
 
 class DirectWriter:
     """A file written front to back with O_DIRECT, through two page-aligned bounce buffers (one
-    filled while a helper thread writes the other), then fsynced. Buffered writes took 0.3 to 3.0 s
-    for the same 1 GB here (the time goes in write(), as the kernel finds page-cache pages, not in
-    fsync); O_DIRECT skips the page cache and took 0.72 to 0.88 s (docs/benchmarks.md). Where a
-    file system refuses O_DIRECT (tmpfs), it writes buffered."""
+    filled while a helper thread writes the other), then fsynced. Buffered write+fsync of the same
+    1 GB took 0.66 to 2.25 s here, the spread all inside write() as the kernel finds page-cache
+    pages; O_DIRECT skips the page cache and took 0.78 to 1.02 s (bench/write_stability.py). Where
+    a file system refuses O_DIRECT (at open or on a first aligned write), it writes buffered."""
 
     ALIGN = 4096  # O_DIRECT needs block-aligned memory, offsets and lengths
     BUFFER_BYTES = 16 << 20
@@ -194,7 +194,6 @@ class DirectWriter:
                 size = self.offset + self.fill
                 if self.fill:
                     self._flush(-(-self.fill // self.ALIGN) * self.ALIGN)
-                self.writer.shutdown(wait=True)
                 for pending in self.writing:
                     if pending is not None:
                         pending.result()  # raises a failed write

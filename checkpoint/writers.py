@@ -37,12 +37,6 @@ class WritePlan:
     written: dict[Slot, int]  # bytes each rank writes
     received: dict[Slot, int]  # bytes each rank receives in TP gathers
 
-    def balance(self, slots: Iterable[Slot]) -> float:
-        """Largest share over the mean share, over `slots` (every rank of the job)."""
-        shares = [self.written.get(slot, 0) for slot in slots]
-        mean = sum(shares) / len(shares)
-        return max(shares) / mean if mean else 1.0
-
 
 def assign_writers(items: Iterable[WriteItem], tp: int) -> WritePlan:
     """LPT: largest tensor first, to the least-loaded rank among its lowest stage's holders (ties

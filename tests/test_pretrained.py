@@ -128,6 +128,10 @@ def test_folders_are_recognised_with_their_config(transformers_folder, pretrain_
     ours = open_pretrained(saved / f"checkpoint-{RESUME_STEP}")
     assert (ours.kind, ours.config["hidden_size"]) == (UNIFIED, 64)
     assert open_pretrained(_paddlenlp_folder(tmp_path / "nlp", True)).kind == PADDLENLP
+    config_only = open_pretrained(_paddlenlp_folder(tmp_path / "pd", False), weights=False)  # a resume: no pickle load
+    assert (config_only.kind, config_only.config["num_key_value_heads"]) == (PADDLENLP, 2)
+    with pytest.raises(CheckpointError, match="opened for its config only"):
+        config_only.read("lm_head.weight", None, 1, 0)
 
 
 def _rewrite(folder: Path, change) -> Path:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from checkpoint.fleet import merge_fleet
 from checkpoint.format import CheckpointError
-from checkpoint.plan import all_slots, estimate_save, plan_layout, save_items
+from checkpoint.plan import estimate_save, plan_layout, save_items
 from checkpoint.writers import assign_writers
 from checkpoint.split import join_split, split_checkpoint
 from checkpoint.shards import EXPORT_DTYPES
@@ -46,13 +46,13 @@ def _plan(args) -> int:
               f"{s.grad_bytes / 2**20:>9.1f} {s.optimizer_bytes / 2**20:>9.1f} {s.total_bytes / 2**20:>9.1f} "
               f"{s.load_bytes / 2**20:>13.1f}")
     print("(every dp/sharding rank at a (stage, tp) holds and reads the same; activations not included)")
-    slots = all_slots(layout)
+    slots = layout.rank_slots()
     writes = assign_writers(save_items(config, layout, compute_bytes), layout.tp)
     if len(slots) <= args.max_rows:
-        print(f"\nsave: {'stage':>5} {'replica':>7} {'tp':>3} {'writes MB':>10} {'TP gather in MB':>15}")
-        for slot in slots:
-            print(f"      {slot[0]:>5} {slot[1]:>7} {slot[2]:>3} {writes.written.get(slot, 0) / 2**20:>10.1f} "
-                  f"{writes.received.get(slot, 0) / 2**20:>15.1f}")
+        print(f"\nsave: {'rank':>4} {'stage':>5} {'replica':>7} {'tp':>3} {'writes MB':>10} {'TP gather in MB':>15}")
+        for rank, slot in enumerate(slots):
+            print(f"      {rank:>4} {slot[0]:>5} {slot[1]:>7} {slot[2]:>3} "
+                  f"{writes.written.get(slot, 0) / 2**20:>10.1f} {writes.received.get(slot, 0) / 2**20:>15.1f}")
     estimate = estimate_save(writes, slots, args.disk_gbps, args.link_gbps, args.fs_gbps)
     print(f"save of {sum(writes.written.values()) / 1e9:.2f} GB over {len(slots)} ranks: writes per rank max "
           f"{estimate.max_write_bytes / 1e9:.2f} GB, mean {estimate.mean_write_bytes / 1e9:.2f} GB (max/mean "

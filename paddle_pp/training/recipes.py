@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from paddle_pp.runtime.errors import UserError
 
@@ -48,19 +48,21 @@ NO_EFFECT = {  # field: why it changes nothing that is trained here
 }
 
 
+CHECKED: dict[str, tuple[Callable[[dict], bool], str]] = {  # field: (is its value trainable here?, why not)
+    "sequence_parallel": (lambda v: not v["sequence_parallel"], "sequence parallelism is not implemented yet"),
+    "recompute_granularity": (lambda v: v["recompute_granularity"] == "full",
+                              "only full-layer recompute is implemented"),
+    "decay_steps": (lambda v: v["decay_steps"] in (None, v.get("max_steps")), "the decay always ends at max_steps"),
+    "hidden_dropout_prob": (lambda v: not v["hidden_dropout_prob"], "no dropout is modelled"),
+    "attention_probs_dropout_prob": (lambda v: not v["attention_probs_dropout_prob"], "no dropout is modelled"),
+    "max_steps": (lambda v: v["max_steps"] > 0, "pretraining runs a set number of steps"),
+}
+
+
 def _refusals(values: dict) -> list[str]:
     """Fields whose value would train something else than this trainer can."""
-    checks = {
-        "sequence_parallel": (not values.get("sequence_parallel"), "sequence parallelism is not implemented yet"),
-        "recompute_granularity": (values.get("recompute_granularity", "full") == "full",
-                                  "only full-layer recompute is implemented"),
-        "decay_steps": (values.get("decay_steps") in (None, values.get("max_steps")),
-                        "the decay always ends at max_steps"),
-        "hidden_dropout_prob": (not values.get("hidden_dropout_prob"), "no dropout is modelled"),
-        "attention_probs_dropout_prob": (not values.get("attention_probs_dropout_prob"), "no dropout is modelled"),
-        "max_steps": (values.get("max_steps", 1) > 0, "pretraining runs a set number of steps"),
-    }
-    return [f"{key}={values[key]!r} ({why})" for key, (fine, why) in checks.items() if key in values and not fine]
+    return [f"{key}={values[key]!r} ({why})" for key, (trainable, why) in CHECKED.items()
+            if key in values and not trainable(values)]
 
 
 def read_recipe(path: Path, known: set[str], booleans: set[str]) -> tuple[dict[str, Any], list[str]]:
@@ -82,8 +84,7 @@ def read_recipe(path: Path, known: set[str], booleans: set[str]) -> tuple[dict[s
             ignored.append(f"{key} ({NO_EFFECT[key]})")
         elif dest in known:
             flags[dest] = bool(value) if dest in booleans else value
-        elif key not in ("sequence_parallel", "recompute_granularity", "decay_steps",
-                         "hidden_dropout_prob", "attention_probs_dropout_prob"):
+        elif key not in CHECKED:
             ignored.append(f"{key} (unknown to paddle-pp)")
     if flags.get("report_to") == "all":
         flags["report_to"] = "visualdl"

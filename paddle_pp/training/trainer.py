@@ -88,12 +88,17 @@ class Pretrainer:
         self.layout = Layout.from_args(args.layout)
         self.batches = plan_batches(data, self.layout)
         self.compute_dtype = precision.compute_dtype(optim.bf16, optim.fp16, optim.amp_master_grad, self.layout.device)
+        # found before the output_dir lock: `latest` only ever moves forward, and a live writer fails the lock
+        self.resume_dir = self._resume_folder()
         source = args.model.model_name_or_path
-        self.pretrained = open_pretrained(Path(source)) if source else None
+        self.pretrained = open_pretrained(
+            Path(source), weights=self.resume_dir is None and args.model.continue_training) if source else None
         self.tokenizer = load_text_tokenizer(tokenizer_dir(data, self.pretrained, args.given))
         self.config = model_config(args.model, data.max_seq_length, self.tokenizer.vocab_size, self.pretrained,
                                    args.given)
         validate_layout(self.config, self.layout)
+        if self.resume_dir is not None:
+            check_compatible(self.resume_dir, self.config, self.layout)
         self.data_plan = plan_data(
             data.input_dir, data.corpus, self.tokenizer.folder, data.data_cache, data.split, data.data_impl,
             data.max_seq_length, data.seed, dataset_sizes(self.batches.global_batch, optim.max_steps,
@@ -112,7 +117,6 @@ class Pretrainer:
             if cleared:
                 print(f"{args.output.output_dir}: cleared {len(cleared)} save(s) a stopped job left unfinished: "
                       f"{', '.join(cleared)}", file=sys.stderr)
-        self.resume_dir = self._resume_dir()
 
         self.topo: Topology = init_distributed(self.layout, self.batches.micro_batch, self.batches.accumulate_steps)
         paddle.seed(data.seed)
@@ -142,16 +146,13 @@ class Pretrainer:
         align_ranks(self.topo)  # only first and last stages built data; the others wait in p2p
         self.sampler = SequentialBatches(self.data_plan.num_samples[0], self.batches.global_batch)
 
-    def _resume_dir(self) -> Path | None:
-        """The checkpoint to resume from, checked against this model before any process group exists."""
+    def _resume_folder(self) -> Path | None:
+        """The checkpoint to resume from (checked against the model once its config is known, still
+        before any process group exists); None for a fresh start, including 'latest' with nothing saved."""
         wanted = self.args.checkpoint.resume_from_checkpoint
         if not wanted:
             return None
-        folder = latest_checkpoint(Path(self.args.output.output_dir)) if wanted == "latest" else Path(wanted)
-        if folder is None:
-            return None  # 'latest' with nothing saved yet: a fresh start
-        check_compatible(folder, self.config, self.layout)
-        return folder
+        return latest_checkpoint(Path(self.args.output.output_dir)) if wanted == "latest" else Path(wanted)
 
     def _resume(self, state: dict) -> None:
         """Step, data position, schedule and skipped intervals from a loaded trainer state, as the
