@@ -24,6 +24,7 @@ from checkpoint.format import (
     CONFIG_FILE, MODEL, OPTIMIZER, STATE_SEPARATOR, TRAINER_STATE_FILE, CheckpointError, index_name, read_index,
 )
 from checkpoint.optimizer_state import ensure_states, state_tp_axis, states_by_parameter
+from checkpoint.stage3 import FlatSlice, as_saved, slice_param_name
 from checkpoint.shards import ShardReader, recorded_checksum
 from checkpoint.split import check_split_layout, is_split, rank_key, read_split_index
 from modeling.tp_plan import single_card_shape
@@ -178,7 +179,10 @@ def _has_kind(folder: Path, kind: str) -> bool:
     return (folder / index_name(kind)).is_file()
 
 
-def set_parameter(target: paddle.Tensor, array: np.ndarray) -> None:
+def set_parameter(target: paddle.Tensor | FlatSlice, array: np.ndarray) -> None:
+    if isinstance(target, FlatSlice):
+        target.assign(array)
+        return
     target.set_value(array.reshape(target.shape).astype(str(target.dtype).removeprefix("paddle."), copy=False))
 
 
@@ -188,7 +192,8 @@ def _writable_view(target: paddle.Tensor) -> np.ndarray | None:
     4.5 s load of 2 GB). numpy marks DLPack views read-only, so the writable view is built from the
     view's address; it is used while `target` is alive (the load holds it). None where the tensor
     is not contiguous host memory numpy can type (a GPU tensor, bfloat16, empty, strided)."""
-    if not target.place.is_cpu_place() or target.dtype == paddle.bfloat16 or target.size == 0:
+    if isinstance(target, FlatSlice) or not target.place.is_cpu_place() or target.dtype == paddle.bfloat16 \
+            or target.size == 0:
         return None
     view = np.from_dlpack(target.detach())
     if not view.flags.c_contiguous:
@@ -206,14 +211,18 @@ def _want_optimizer(files: _VerifiedFiles, model, optimizer, axes: dict, topo: T
     ensure_states(optimizer)
     by_param = states_by_parameter(optimizer)
     for name, param in model.state_dict().items():
-        for state_name, tensor in by_param.get(param.name, {}).items():
-            files.want_local(f"{name}{STATE_SEPARATOR}{state_name}", list(tensor.shape),
-                             state_tp_axis(tensor.shape, param.shape, axes.get(name)), topo, tensor)
+        for state_name, tensor in by_param.get(slice_param_name(param), {}).items():
+            target = as_saved(param, tensor, topo)
+            files.want_local(f"{name}{STATE_SEPARATOR}{state_name}", list(target.shape),
+                             state_tp_axis(target.shape, param.shape, axes.get(name)), topo, target)
 
 
-def load_checkpoint(folder: Path, model, optimizer, topo: Topology, axes: dict, verify: bool = True) -> dict:
-    """Fill `model` (and `optimizer`, when given and saved) from `folder`; returns the trainer state
-    ({} for a weights-only folder).
+def load_checkpoint(folder: Path, model, optimizer, topo: Topology, axes: dict, verify: bool = True,
+                    weights: bool = True) -> dict:
+    """Fill `model` (unless not `weights`) and `optimizer` (when given and saved) from `folder`;
+    returns the trainer state ({} for a weights-only folder). The trainer loads weights into the
+    model before the layout's wrappers take it (stage3 slices what it finds there) and the
+    optimizer's states after (the wrapped optimizer knows which states this rank holds).
 
     A failure on any rank is raised on every rank (after an all-gather of the outcome), so no rank
     walks on into a collective that the failed one will never join: once after the names and
@@ -222,11 +231,12 @@ def load_checkpoint(folder: Path, model, optimizer, topo: Topology, axes: dict, 
     files: list[_VerifiedFiles] = []
     outcome: CheckpointError | dict[str, int] | None
     try:
-        files.append(_files(folder, MODEL, topo))
-        _want_model(files[0], model, axes, topo)
+        if weights:
+            files.append(_files(folder, MODEL, topo))
+            _want_model(files[-1], model, axes, topo)
         if optimizer is not None and _has_kind(folder, OPTIMIZER):
             files.append(_files(folder, OPTIMIZER, topo))
-            _want_optimizer(files[1], model, optimizer, axes, topo)
+            _want_optimizer(files[-1], model, optimizer, axes, topo)
         outcome = {fname: size for kind in files for fname, size in kind.sizes().items()}
     except LOAD_ERRORS as err:
         outcome = checkpoint_error(err)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import paddle
 from paddle.base import framework
+from paddle.base.framework import EagerParamBase
 
+from checkpoint.stage3 import SLICE_PREFIX, is_sliced
 from paddle_pp.runtime.fleet_wrappers import inner_optimizer
 
 MASTER_WEIGHT = "master_weight"
@@ -20,11 +22,21 @@ def state_tp_axis(state_shape, param_shape, param_axis: int | None) -> int | Non
 
 
 def local_parameters(optimizer) -> list:
-    """Parameters this rank updates (sharding gives each rank its share)."""
+    """Parameters this rank updates, as its optimizer names them. Stage1's optimizer lists only this
+    rank's share; stage2's lists every parameter and updates those its `param2rank` gives this rank;
+    stage3's updates a flat slice ("slice@<name>") of each large parameter (listed from its first
+    step on; before it, stood in for by a parameter of the slice's name and shape)."""
+    from paddle.distributed.fleet.meta_parallel.sharding.group_sharded_optimizer_stage2 import (
+        GroupShardedOptimizerStage2,
+    )
+
     params = inner_optimizer(optimizer)._parameter_list
     if params and isinstance(params[0], dict):
         params = [p for group in params for p in group["params"]]
-    return [p for p in params if not p.stop_gradient]
+    if isinstance(optimizer, GroupShardedOptimizerStage2):
+        params = [p for p in params if optimizer.param2rank[p.name] == optimizer._rank]
+    return [EagerParamBase(shape=p.fw_storage.shape, dtype=p.fw_storage.dtype, name=SLICE_PREFIX + p.name)
+            if is_sliced(p) else p for p in params if not p.stop_gradient]
 
 
 def ensure_states(optimizer) -> None:

@@ -8,7 +8,7 @@ import numpy as np
 
 from checkpoint.format import MODEL, OPTIMIZER, STATE_SEPARATOR
 from checkpoint.optimizer_state import MASTER_WEIGHT
-from checkpoint.writers import Slot, WriteItem, WritePlan, sharding_owners
+from checkpoint.writers import Slot, WriteItem, WritePlan, sharding_owners, stage2_owners
 from modeling.registry import plan_of, validate_layout
 from modeling.tp_plan import TensorPlan, local_shape, stages_holding
 from paddle_pp.runtime.layout import Layout
@@ -43,9 +43,11 @@ def tensor_stages(plan: dict[str, TensorPlan], name: str, config, layout: Layout
 
 
 def plan_layout(config, layout: Layout, compute_bytes: int = 4) -> list[RankShare]:
-    """Per (stage, tp rank): parameters and bytes of weights, grads and AdamW states (sharded over
-    the sharding degree; plus fp32 master weights when compute is narrower than fp32). Activations
-    depend on batch and sequence and are not included. Raises the layout's own errors when invalid."""
+    """Per (stage, tp rank): parameters and bytes of weights, grads and AdamW states (plus fp32
+    master weights when compute is narrower than fp32), as ZeRO partitions them over the sharding
+    degree: states from stage1, gradients from stage2, weights from stage3 (whose parameters under
+    `--stage3_segment_size`, the norm weights, stay whole: left out here). Activations depend on
+    batch and sequence and are not included. Raises the layout's own errors when invalid."""
     validate_layout(config, layout)
     plan = plan_of(config)
     counts = np.zeros([layout.pp, layout.tp], dtype=np.int64)
@@ -54,9 +56,12 @@ def plan_layout(config, layout: Layout, compute_bytes: int = 4) -> list[RankShar
         for stage in tensor_stages(plan, name, config, layout):
             counts[stage] += numel // layout.tp if row.tp_axis is not None else numel
     state_bytes = ADAM_STATE_BYTES + (4 if compute_bytes < 4 else 0)
-    return [RankShare(stage, tp, int(n), int(n) * compute_bytes, int(n) * compute_bytes,
-                      -(-int(n) * state_bytes // layout.sharding_degree))
-            for (stage, tp), n in np.ndenumerate(counts)]
+    stage, shard = layout.sharding_stage, layout.sharding_degree
+    grad_shards = shard if stage in ("stage2", "stage3") else 1
+    weight_shards = shard if stage == "stage3" else 1
+    return [RankShare(stage_, tp, int(n), -(-int(n) * compute_bytes // weight_shards),
+                      -(-int(n) * compute_bytes // grad_shards), -(-int(n) * state_bytes // shard))
+            for (stage_, tp), n in np.ndenumerate(counts)]
 
 
 OPTIMIZER_STATES = ("moment1", "moment2")  # AdamW's fp32 moments, one of each per parameter
@@ -66,7 +71,8 @@ OPTIMIZER_SCALARS = ("beta1_pow_acc", "beta2_pow_acc")  # one fp32 number each p
 def save_items(config, layout: Layout, compute_bytes: int = 4) -> list[WriteItem]:
     """What a save of this model under `layout` writes, and who holds each tensor: the model in
     fp32, AdamW's states (and fp32 master weights under bf16/fp16), each parameter's states held by
-    the sharding rank Paddle's stage-1 optimizer gives it, in every dp replica."""
+    the sharding rank Paddle's stage1 or stage2 optimizer gives it, in every dp replica (under
+    stage3 every sharding rank holds a slice, so every replica can write it)."""
     plan = plan_of(config)
     replicas = range(layout.dp * layout.sharding_degree)
     items: list[WriteItem] = []
@@ -74,12 +80,15 @@ def save_items(config, layout: Layout, compute_bytes: int = 4) -> list[WriteItem
     for stage in range(layout.pp):
         names = [name for name, row in plan.items() if stage in tensor_stages(plan, name, config, layout)]
         numels = [int(np.prod(local_shape(plan[n].shape, plan[n].tp_axis, layout.tp))) for n in names]
-        owners = sharding_owners(numels, layout.sharding_degree)
+        owners = (stage2_owners if layout.sharding_stage == "stage2" else sharding_owners)(
+            numels, layout.sharding_degree)
+        everyone = tuple((stage, r) for r in replicas)
         for name, owner in zip(names, owners):
             row, numel = plan[name], int(np.prod(plan[name].shape))
             split = row.tp_axis is not None and layout.tp > 1
-            items.append(WriteItem(MODEL, name, numel * 4, split, tuple((stage, r) for r in replicas)))
-            holders = tuple((stage, dp * layout.sharding_degree + owner) for dp in range(layout.dp))
+            items.append(WriteItem(MODEL, name, numel * 4, split, everyone))
+            holders = everyone if layout.sharding_stage == "stage3" else \
+                tuple((stage, dp * layout.sharding_degree + owner) for dp in range(layout.dp))
             items += [WriteItem(OPTIMIZER, f"{name}{STATE_SEPARATOR}{state}", numel * 4, split, holders)
                       for state in states]
             items += [WriteItem(OPTIMIZER, f"{name}{STATE_SEPARATOR}{state}", 4, False, holders)

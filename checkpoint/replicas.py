@@ -19,6 +19,7 @@ import numpy as np
 import paddle
 
 from checkpoint.format import CheckpointError
+from checkpoint.stage3 import FlatSlice
 from paddle_pp.runtime.topology import Topology, gather_objects
 
 REPLICA_CHECKS = ("error", "warn")
@@ -49,25 +50,29 @@ def fingerprint(array: np.ndarray) -> int:
     return (int(raw[:whole].view("<u8").sum(dtype=np.uint64)) + tail) % 2**64
 
 
-def replica_fingerprints(state: dict, axes: dict, topo: Topology) -> dict[str, tuple[int | None, int]]:
-    """name -> (TP piece this rank holds, or None when replicated over tp; its fingerprint)."""
+def replica_fingerprints(state: dict, axes: dict, topo: Topology) -> dict[str, tuple[str | None, int]]:
+    """name -> (the piece this rank holds: its TP piece and stage3 slice, None when it holds the
+    whole tensor; the piece's fingerprint)."""
     sums = {}
     for name, tensor in state.items():
-        piece = topo.tp_rank if axes.get(name) is not None and topo.layout.tp > 1 else None
-        sums[name] = (piece, fingerprint(host_array(tensor.detach(), None, borrow=True)))
+        pieces = [f"tp piece {topo.tp_rank}"] if axes.get(name) is not None and topo.layout.tp > 1 else []
+        if isinstance(tensor, FlatSlice):
+            pieces.append(f"stage3 slice {tensor.rank}")
+            tensor = tensor.piece
+        sums[name] = (", ".join(pieces) or None, fingerprint(host_array(tensor.detach(), None, borrow=True)))
     return sums
 
 
-def replica_mismatches(reports: list[dict[str, tuple[int | None, int]]]) -> list[str]:
+def replica_mismatches(reports: list[dict[str, tuple[str | None, int]]]) -> list[str]:
     """One line per (tensor, piece) whose ranks disagree, naming the ranks of each fingerprint."""
-    holders: dict[tuple[str, int | None], dict[int, list[int]]] = {}
+    holders: dict[tuple[str, str | None], dict[int, list[int]]] = {}
     for rank, sums in enumerate(reports):
         for name, (piece, value) in sums.items():
             holders.setdefault((name, piece), {}).setdefault(value, []).append(rank)
-    return [f"{name}{'' if piece is None else f' (tp piece {piece})'}: "
+    return [f"{name}{'' if piece is None else f' ({piece})'}: "
             + " vs ".join(f"ranks {ranks} hold fingerprint {value:016x}"
                           for value, ranks in sorted(by_value.items(), key=lambda kv: kv[1]))
-            for (name, piece), by_value in sorted(holders.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0))
+            for (name, piece), by_value in sorted(holders.items(), key=lambda kv: (kv[0][0], kv[0][1] or ""))
             if len(by_value) > 1]
 
 
@@ -76,7 +81,7 @@ def check_replicas(state: dict, axes: dict, topo: Topology, mode: str) -> None:
     judge_replicas(gather_objects(replica_fingerprints(state, axes, topo), None, topo.layout.world_size), mode)
 
 
-def judge_replicas(reports: list[dict[str, tuple[int | None, int]]], mode: str) -> None:
+def judge_replicas(reports: list[dict[str, tuple[str | None, int]]], mode: str) -> None:
     """Every rank's fingerprints, judged the same way on every rank. On a mismatch, `mode` "error"
     raises on every rank before anything is written; "warn" warns and lets the save go on (the copy
     of the rank that writes it is saved)."""

@@ -3,9 +3,10 @@
 Who writes what is `checkpoint.writers.assign_writers`: every rank of the job, data replicas
 included, takes a share balanced by bytes, from the lowest pipeline stage holding each tensor (a
 tied embedding held by the first and last stage is written once); a tensor split by TP is
-all-gathered over the writer's tp group. Each writer writes one shard file per kind, whose index
-entry records its rank. Shard headers are written from the planned shapes before any data, so a
-synchronous save streams one tensor at a time.
+all-gathered over the writer's tp group; a stage3 flat slice first over its sharding group (the
+whole sharding group of the writer's dp rank takes part, one tensor at a time). Each writer
+writes one shard file per kind, whose index entry records its rank. Shard headers are written
+from the planned shapes before any data, so a synchronous save streams one tensor at a time.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from checkpoint.format import (
 from checkpoint.optimizer_state import state_tp_axis, states_by_parameter
 from checkpoint.replicas import host_array, judge_replicas, replica_fingerprints
 from checkpoint.shards import TensorSpec, write_shard
+from checkpoint.stage3 import FlatSlice, as_saved, model_tensors, slice_param_name
 from checkpoint.writers import WritePlan, assign_writers, items_from_holdings
 from modeling.registry import family_of
 from modeling.tp_plan import single_card_shape
@@ -40,8 +42,9 @@ class _Entry:
     """One tensor this rank's tp group assembles (or this rank alone writes, when not TP-split)."""
 
     name: str
-    local: paddle.Tensor
+    local: paddle.Tensor | FlatSlice
     axis: int | None
+    tp_gather: bool  # this rank's tp group gathers it
     mine: bool  # this rank writes it
 
 
@@ -52,21 +55,23 @@ class _Shard:
     entries: list[_Entry] = field(default_factory=list)
 
 
-Held = dict[str, dict[str, tuple[paddle.Tensor, "int | None"]]]  # kind -> name -> (local tensor, TP axis)
+Held = dict[str, dict[str, tuple["paddle.Tensor | FlatSlice", "int | None"]]]  # kind -> name -> (local, TP axis)
 
 
-def _held(state: dict, axes: dict, optimizer, gradients: dict | None) -> Held:
+def _held(state: dict, axes: dict, optimizer, gradients: dict | None, topo: Topology) -> Held:
     """Every tensor this rank could write, by kind; optimizer states and recorded gradients only
-    where this rank holds them (the sharding rank that updates the parameter)."""
-    held: Held = {MODEL: {name: (tensor, axes.get(name)) for name, tensor in state.items()}}
+    where this rank holds them (the sharding rank that updates the parameter, or under stage3 every
+    sharding rank, each its slice)."""
+    held: Held = {MODEL: {name: (tensor, axes.get(name)) for name, tensor in model_tensors(state, topo).items()}}
     per_parameter = {OPTIMIZER: states_by_parameter(optimizer) if optimizer is not None else None,
                      GRADIENTS: gradients}
     for kind, by_param in per_parameter.items():
         if by_param is not None:
-            held[kind] = {f"{name}{STATE_SEPARATOR}{state_name}": (tensor, state_tp_axis(tensor.shape, param.shape,
-                                                                                          axes.get(name)))
+            held[kind] = {f"{name}{STATE_SEPARATOR}{state_name}": (saved, state_tp_axis(saved.shape, param.shape,
+                                                                                         axes.get(name)))
                           for name, param in state.items()
-                          for state_name, tensor in by_param.get(param.name, {}).items()}
+                          for state_name, tensor in by_param.get(slice_param_name(param), {}).items()
+                          for saved in [as_saved(param, tensor, topo)]}
     return held
 
 
@@ -107,15 +112,23 @@ def _file_names(plan: WritePlan, holdings: list[dict], kinds: list[str], rank: i
 
 
 def _shard(kind: str, tensors: dict, plan: WritePlan, topo: Topology) -> _Shard:
-    """This rank's part in saving `kind`: the tensors its tp group assembles, the ones it writes."""
-    shard, tp = _Shard(kind), topo.layout.tp
+    """This rank's part in saving `kind`: the tensors its tp group (and, for stage3 slices, its
+    sharding group) assembles, the ones it writes."""
+    shard, tp, sharding = _Shard(kind), topo.layout.tp, topo.layout.sharding_degree
     for name in sorted(tensors):
         stage, replica, writer = plan.writer[(kind, name)]
         tensor, axis = tensors[name]
         split, mine = axis is not None and tp > 1, writer == topo.tp_rank
-        if (stage, replica) != (topo.pp_rank, topo.data_replica_index) or not (split or mine):
+        ours = (stage, replica) == (topo.pp_rank, topo.data_replica_index)
+        mine = mine and ours
+        if isinstance(tensor, FlatSlice):  # every sharding peer of a tp rank that takes part gathers with it
+            takes_part = (stage, replica // sharding) == (topo.pp_rank, topo.dp_rank) and \
+                (split or writer == topo.tp_rank)
+        else:
+            takes_part = ours and (split or mine)
+        if not takes_part:
             continue
-        shard.entries.append(_Entry(name, tensor, axis, mine))
+        shard.entries.append(_Entry(name, tensor, axis, split and ours, mine))
         if mine:
             shard.specs.append(TensorSpec(name, _written_dtype(kind, tensor),
                                           tuple(single_card_shape(tensor.shape, axis, tp))))
@@ -126,8 +139,8 @@ def _assembled(shard: _Shard, topo: Topology, cast: str | None, borrow: bool) ->
     """Drive every gather of the shard's entries in order; yield the tensors this rank writes
     (views of live tensors where `borrow` allows, see `replicas.host_array`)."""
     for entry in shard.entries:
-        local = entry.local.detach()
-        if entry.axis is not None and topo.layout.tp > 1:
+        local = (entry.local.gather() if isinstance(entry.local, FlatSlice) else entry.local).detach()
+        if entry.tp_gather:
             parts: list = []
             dist.all_gather(parts, local, group=topo.tp_group)
             if entry.mine:
@@ -223,12 +236,12 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, topo: Topolog
     a few tens of ms among 4 ranks on 2 cores."""
     output_dir = Path(output_dir)
     state = model.state_dict()
-    held = _held(state, axes, optimizer, gradients)
+    held = _held(state, axes, optimizer, gradients, topo)
     staged = commits.temp_dir(output_dir, step)
     if topo.global_rank == 0:  # before the all-gather below, so no rank's folder below is cleared
         output_dir.mkdir(parents=True, exist_ok=True)
         commits.clear_stale_temp(output_dir, step)
-    reports = gather_objects({"fingerprints": replica_fingerprints(state, axes, topo),
+    reports = gather_objects({"fingerprints": replica_fingerprints(model_tensors(state, topo), axes, topo),
                               "holdings": _holdings(held, topo)}, None, topo.layout.world_size)
     holdings = [report["holdings"] for report in reports]
     judge_replicas([report["fingerprints"] for report in reports], replica_check)

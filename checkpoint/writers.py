@@ -69,6 +69,17 @@ def sharding_owners(numels: list[int], sharding_degree: int) -> list[int]:
     return owners
 
 
+def stage2_owners(numels: list[int], sharding_degree: int) -> list[int]:
+    """The sharding rank that updates each parameter (in model order) under stage2, by the rule of
+    Paddle's GroupShardedOptimizerStage2._segment_params: in order, each to the rank with the fewest
+    elements so far (lowest rank on ties)."""
+    sizes, owners = [0] * sharding_degree, []
+    for numel in numels:
+        owners.append(sizes.index(min(sizes)))
+        sizes[owners[-1]] += numel
+    return owners
+
+
 def items_from_holdings(holdings: list[dict]) -> list[WriteItem]:
     """Write items from every rank's holdings ({"stage", "replica", "tensors": {kind: {name: [nbytes,
     split]}}}, one per rank, as gathered at save time)."""

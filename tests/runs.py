@@ -3,8 +3,16 @@
 
 from __future__ import annotations
 
+import json
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+
+from checkpoint.plan import save_items
+from checkpoint.unified_io import load_config
+from checkpoint.writers import assign_writers
+from paddle_pp.runtime.layout import Layout
+from paddle_pp.training.arguments import parse_args
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "run_pretrain.py"
@@ -42,3 +50,23 @@ def pretrain(launch, data_cache: Path, out: Path, nproc: int, flags, tag: str, n
     """Launch run_pretrain.py on nnodes x nproc ranks writing into `out`; per-rank results."""
     return launch(SCRIPT, nproc, [*MODEL, *flags, "--data_cache", data_cache, "--output_dir", out], timeout=400,
                   nnodes=nnodes, tag=tag)
+
+
+def written_by_rank(folder: Path) -> tuple[dict[int, int], dict[tuple[str, str], int]]:
+    """(bytes each rank wrote, the rank that wrote each tensor), from a checkpoint's index entries."""
+    written, writer = defaultdict(int), {}
+    for kind in ("model", "optimizer"):
+        index = json.loads((folder / f"{kind}.safetensors.index.json").read_text())
+        for entry in index["metadata"]["files"].values():
+            written[entry["rank"]] += entry["size"]
+        writer |= {(kind, name): index["metadata"]["files"][fname]["rank"] for name, fname in index["weight_map"].items()}
+    return dict(written), writer
+
+
+def planned_writers(folder: Path, flags, nproc: int) -> dict[tuple[str, str], int]:
+    """The rank the planner (`tools/reshard.py plan`) predicts writes each tensor of a save of the
+    test model under `flags`, from the checkpoint's config.json alone."""
+    layout = Layout.from_args(parse_args([*MODEL, *flags]).layout, world_size=nproc, device="cpu")
+    predicted = assign_writers(save_items(load_config(folder), layout), layout.tp).writer
+    ranks = {slot: rank for rank, slot in enumerate(layout.rank_slots())}
+    return {key: ranks[slot] for key, slot in predicted.items()}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections import defaultdict
 import sys
 from pathlib import Path
 
@@ -16,19 +15,17 @@ import numpy as np
 import paddle
 import pytest
 from parity import assert_same_logits
-from runs import FOUR_D_SAVING, GPT, HALF, MODEL, PP2, REPO, RESUME_STEP, SCRIPT, SHARDING2, SINGLE, TP2, Run, pretrain
+from runs import (
+    FOUR_D_SAVING, GPT, HALF, MODEL, PP2, REPO, RESUME_STEP, SCRIPT, SHARDING2, SINGLE, TP2, Run, planned_writers, pretrain,
+    written_by_rank,
+)
 
 from checkpoint.commit import latest_checkpoint, rotate
 from checkpoint.format import FORMAT_VERSION, CheckpointError
 from checkpoint.load import checking_ranks
-from checkpoint.plan import save_items
 from checkpoint.shards import ShardReader
-from checkpoint.unified_io import load_config
 from checkpoint.verify import verify_checkpoint
-from checkpoint.writers import assign_writers
 from paddle_pp.runtime.launch import LaunchError
-from paddle_pp.runtime.layout import Layout
-from paddle_pp.training.arguments import parse_args
 
 RESUME_TOL = 1e-5
 LAYOUTS = {  # name: (nproc, flags)
@@ -89,23 +86,12 @@ def test_same_layout_resume_is_bitwise_equal(pretrain_run):
     assert result["losses"] == reference["losses"][10:]
 
 
-def _written_by_rank(folder: Path) -> tuple[dict[int, int], dict[tuple[str, str], int]]:
-    """(bytes each rank wrote, the rank that wrote each tensor), from the indexes' file entries."""
-    written, writer = defaultdict(int), {}
-    for kind in ("model", "optimizer"):
-        index = json.loads((folder / f"{kind}.safetensors.index.json").read_text())
-        for entry in index["metadata"]["files"].values():
-            written[entry["rank"]] += entry["size"]
-        writer |= {(kind, name): index["metadata"]["files"][fname]["rank"] for name, fname in index["weight_map"].items()}
-    return dict(written), writer
-
-
 @pytest.mark.multiproc
 @pytest.mark.parametrize("layout", ["dp2", "dp2_tp2", "4d"])
 def test_every_rank_writes_a_share_balanced_by_bytes_as_the_planner_predicts(pretrain_run, layout):
     _, out = pretrain_run(first("llama", layout))
     folder = out / f"checkpoint-{RESUME_STEP}"
-    written, writer = _written_by_rank(folder)
+    written, writer = written_by_rank(folder)
     nproc, flags = LAYOUTS[layout]
     assert sorted(written) == list(range(nproc)), "every rank, data replicas included, writes"
     mean = np.mean(list(written.values()))
@@ -116,11 +102,7 @@ def test_every_rank_writes_a_share_balanced_by_bytes_as_the_planner_predicts(pre
     else:
         assert max(written.values()) <= 1.25 * mean
     assert verify_checkpoint(folder) == []
-    args = parse_args([*MODEL, *flags])
-    layout_ = Layout.from_args(args.layout, world_size=nproc, device="cpu")
-    predicted = assign_writers(save_items(load_config(folder), layout_), layout_.tp).writer
-    ranks = {slot: rank for rank, slot in enumerate(layout_.rank_slots())}
-    assert writer == {key: ranks[slot] for key, slot in predicted.items()}
+    assert writer == planned_writers(folder, flags, nproc)
 
 
 @pytest.mark.multiproc

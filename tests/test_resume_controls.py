@@ -105,6 +105,7 @@ def test_fingerprint_sees_any_changed_value_in_any_dtype_and_size():
             changed = values.copy()
             changed.reshape(-1)[position] += 1
             assert fingerprint(changed) != fingerprint(values), (values.dtype, position)
-    reports = [{"w": (None, 1), "v": (0, 5)}, {"w": (None, 1), "v": (1, 6)}, {"w": (None, 2), "v": (0, 5)}]
+    reports = [{"w": (None, 1), "v": ("tp piece 0", 5)}, {"w": (None, 1), "v": ("tp piece 1", 6)},
+               {"w": (None, 2), "v": ("tp piece 0", 5)}]
     assert replica_mismatches(reports) == ["w: ranks [0, 1] hold fingerprint 0000000000000001 vs ranks [2] hold "
                                            "fingerprint 0000000000000002"]

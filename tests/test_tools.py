@@ -59,6 +59,21 @@ def test_plan_sizes_every_rank_and_covers_the_model(checkpoint):
     assert tool.returncode == 0 and "valid" in tool.stdout, tool.stderr[-1000:]
 
 
+@pytest.mark.parametrize("stage, weights, grads", [("stage1", 1, 1), ("stage2", 1, 4), ("stage3", 4, 4)])
+def test_plan_partitions_memory_by_zero_stage(checkpoint, stage, weights, grads):
+    """ZeRO's per-rank memory at sharding 4 in fp32 (psi parameters): stage1 4psi + 4psi + 8psi/4,
+    stage2 4psi + 4psi/4 + 8psi/4, stage3 (4 + 4 + 8)psi/4; the tool prints the stage's plan."""
+    (share,) = plan_layout(load_config(checkpoint), Layout(world_size=4, sharding_parallel_degree=4, sharding=stage,
+                                                           device="gpu"))
+    psi = share.parameters
+    assert (share.weight_bytes, share.grad_bytes, share.optimizer_bytes) == \
+        (-(-4 * psi // weights), -(-4 * psi // grads), 8 * psi // 4)
+    tool = subprocess.run([sys.executable, str(TOOLS / "reshard.py"), "plan", "--checkpoint", str(checkpoint),
+                           "--world_size", "4", "--sharding_parallel_degree", "4", "--sharding", stage],
+                          capture_output=True, text=True, timeout=120)
+    assert tool.returncode == 0 and f"({stage})" in tool.stdout, tool.stderr[-1000:]
+
+
 LLAMA_70B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 8192, "intermediate_size": 28672,
              "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
              "max_position_embeddings": 4096}

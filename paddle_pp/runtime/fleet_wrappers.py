@@ -1,5 +1,7 @@
 """Fleet's model and optimizer wrappers for a layout (minus one upstream gap), and the way back in.
 
+Stage1 is fleet's sharding optimizer; stage2 and stage3 are Paddle's `group_sharded_parallel` over
+the hybrid sharding group (with the dp group beside it), as PaddleNLP's Trainer applies them.
 Paddle 3.3.1's `fleet.distributed_model` wraps any `PipelineLayer` on pp=1 in `NoPipelineParallel`,
 which never synchronises gradients, while `HybridParallelOptimizer` in pure data-parallel mode
 assumes `paddle.DataParallel` already did: data replicas then silently train apart (on GPU too).
@@ -37,11 +39,32 @@ def wrap_optimizer(optimizer: paddle.optimizer.Optimizer) -> Any:
     return fleet.distributed_optimizer(optimizer)
 
 
+def wrap_for_layout(model: paddle.nn.Layer, optimizer: paddle.optimizer.Optimizer, topo: Topology,
+                    stage3_segment_size: int = 2**20) -> tuple[paddle.nn.Layer, Any]:
+    """The layout's model and optimizer wrappers. Under stage2/stage3 the TP wrapper (when tp > 1)
+    goes inside Paddle's group-sharded one, which partitions gradients (and, for stage3, each
+    parameter of more than `stage3_segment_size` elements) over the sharding group and averages
+    over the dp group; fleet's optimizer is not used there, as it would shard the states again."""
+    level = topo.layout.group_sharded_level
+    if level is None:
+        return wrap_model(model, topo), wrap_optimizer(optimizer)
+    from paddle.distributed.sharding import group_sharded_parallel
+
+    align_ranks(topo)  # the wrappers start by broadcasting every parameter
+    inner = fleet.distributed_model(model) if topo.layout.tp > 1 else model
+    dp_group = topo.dp_group if topo.layout.dp > 1 else None
+    wrapped, optimizer, _ = group_sharded_parallel(inner, optimizer, level, group=topo.sharding_group,
+                                                   dp_group=dp_group, segment_size=stage3_segment_size)
+    return wrapped, optimizer
+
+
 def inner_optimizer(optimizer: Any) -> paddle.optimizer.Optimizer:
-    """The Paddle optimizer inside fleet's hybrid and sharding wrappers (the one holding states)."""
+    """The Paddle optimizer inside fleet's hybrid and sharding wrappers and group-sharded stage2's
+    (itself an Optimizer subclass holding no states): the one holding states."""
     inner = optimizer
-    while not isinstance(inner, paddle.optimizer.Optimizer):
-        inner = getattr(inner, "_inner_opt", None)
-        if inner is None:
-            raise TypeError(f"{type(optimizer).__name__} wraps no paddle.optimizer.Optimizer")
+    # stage3 marks the optimizer it redefines with `_optim` = itself
+    while (wrapped := getattr(inner, "_inner_opt", None) or getattr(inner, "_optim", None)) not in (None, inner):
+        inner = wrapped
+    if not isinstance(inner, paddle.optimizer.Optimizer):
+        raise TypeError(f"{type(optimizer).__name__} wraps no paddle.optimizer.Optimizer")
     return inner

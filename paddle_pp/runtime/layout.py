@@ -17,6 +17,8 @@ from paddle_pp.runtime.errors import UserError
 from paddle_pp.runtime.flags import add_flags, flag
 
 SHARDING_STAGES = ("stage1", "stage2", "stage3")
+# Paddle's group_sharded_parallel level of each ZeRO stage it wraps (stage1 is fleet's sharding optimizer).
+GROUP_SHARDED_LEVELS = {"stage2": "os_g", "stage3": "p_g_os"}
 
 # PaddleNLP's two rank orders (outermost first); "mp" is innermost so TP peers share a node.
 TOPO_ORDERS = {
@@ -71,12 +73,17 @@ class Layout:
                 f"{product} processes or lower a degree."
             )
         object.__setattr__(self, "dp", self.world_size // product)
-        if stage in ("stage2", "stage3"):
+        if stage in GROUP_SHARDED_LEVELS and self.sharding_parallel_degree < 2:
             raise LayoutError(
-                f"--sharding {stage} is not implemented yet: nothing applies Paddle's group_sharded_parallel, "
-                "so the run would silently train as stage1 on any device; use --sharding stage1 (optimizer "
-                "states sharded over --sharding_parallel_degree)."
-            )
+                f"--sharding {stage} needs --sharding_parallel_degree >= 2 (got {self.sharding_parallel_degree}): "
+                "with one sharding rank nothing is partitioned; set --sharding_parallel_degree to the ranks that "
+                "should share the states (or -1 for all data-parallel ranks).")
+        if stage in GROUP_SHARDED_LEVELS and self.pipeline_parallel_degree > 1:
+            raise LayoutError(
+                f"--sharding {stage} with --pipeline_parallel_degree {self.pipeline_parallel_degree} is refused, as "
+                "PaddleNLP refuses it: Paddle's pipeline schedule composes only with stage1 (its group-sharded "
+                "stage2/3 wrappers hook a whole model's forward and backward, which the schedule splits into "
+                "micro-batches per stage); use --sharding stage1 with pipeline parallelism, or drop pp.")
         if self.virtual_pp_degree > 1 and self.pipeline_parallel_degree < 2:
             raise LayoutError(
                 f"--virtual_pp_degree {self.virtual_pp_degree} needs --pipeline_parallel_degree >= 2; "
@@ -134,6 +141,11 @@ class Layout:
         return words[0] if words else ""
 
     @property
+    def group_sharded_level(self) -> str | None:
+        """`group_sharded_parallel`'s level for stage2/stage3; None for stage1 (fleet's optimizer) or none."""
+        return GROUP_SHARDED_LEVELS.get(self.sharding_stage)
+
+    @property
     def data_replicas(self) -> int:
         """How many distinct batches one step reads: every dp and sharding rank sees its own data."""
         return self.dp * self.sharding_degree
@@ -166,10 +178,13 @@ class Layout:
         """The layout as checkpoints record it (index `saving_layout`, trainer_state, split index)."""
         return {"describe": self.describe(), "world_size": self.world_size, "tensor_parallel_degree": self.tp,
                 "pipeline_parallel_degree": self.pp, "sharding_parallel_degree": self.sharding_degree,
-                "data_parallel_degree": self.dp, "virtual_pp_degree": self.vpp}
+                "data_parallel_degree": self.dp, "virtual_pp_degree": self.vpp,
+                "sharding": self.sharding_stage}
 
     def describe(self) -> str:
         text = f"dp{self.dp} x sharding{self.sharding_degree} x tp{self.tp} x pp{self.pp}"
+        if self.sharding_degree > 1:
+            text += f" ({self.sharding_stage})"
         if self.vpp > 1:
             text += f" (vpp{self.vpp})"
         return text
@@ -213,8 +228,12 @@ class LayoutArguments:
     pipeline_parallel_degree: int = flag(1, "pipeline parallel degree")
     sharding_parallel_degree: int = flag(
         1, "ranks that shard optimizer state; -1 = every data-parallel rank (needs --sharding)")
-    sharding: str = flag("", "ZeRO stage: stage1 (optimizer states sharded); stage2/stage3 are refused until implemented")
+    sharding: str = flag("", "ZeRO stage over --sharding_parallel_degree ranks: stage1 (optimizer states), stage2 "
+                         "(+ gradients), stage3 (+ parameters); stage2/3 need pp = 1")
     virtual_pp_degree: int = flag(1, "virtual stages per pipeline rank (interleaved 1F1B)")
+    stage3_segment_size: int = flag(
+        2**20, "stage3 slices only parameters of more elements than this (Paddle's segment_size); smaller ones "
+        "stay whole on every sharding rank")
     hybrid_parallel_topo_order: str = flag(
         "pp_first", "rank order: pp_first = dp,pp,sharding,mp; sharding_first = dp,sharding,pp,mp",
         choices=sorted(TOPO_ORDERS))

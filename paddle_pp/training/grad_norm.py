@@ -3,12 +3,14 @@
 On one process or pure data parallelism the optimizer keeps this clip and measures the norm
 itself. Under TP, PP or sharding, fleet swaps in `HybridParallelClipGrad`, which all-reduces the
 squared partial norms across the hybrid groups; `observe_hybrid_norm` reads the result there, so
-the reported norm is exactly the one the clip used.
+the reported norm is exactly the one the clip used. Stage2 keeps fleet's hybrid clip too (Paddle's
+stage2 optimizer installs it); stage3 gets `ShardedParamsClip` (see there).
 """
 
 from __future__ import annotations
 
 import paddle
+import paddle.distributed as dist
 from paddle import _C_ops
 
 
@@ -22,19 +24,69 @@ class ReportingGlobalNormClip(paddle.nn.ClipGradByGlobalNorm):
         fleet's hybrid clip does), and each clipped gradient is scaled by
         clip_norm / max(norm, clip_norm). Measuring the norm separately before calling Paddle's clip
         cost a second pass over every gradient (6% of a small model's step on CPU)."""
-        clipped = [g for p, g in params_grads if g is not None and getattr(p, "need_clip", True)]
+        clipped = [(p, g) for p, g in params_grads if g is not None and getattr(p, "need_clip", True)]
         if not clipped:
             self.last_norm = paddle.zeros([])
             return params_grads
-        norm = paddle.sqrt(paddle.stack([_C_ops.squared_l2_norm(g).astype("float32") for g in clipped]).sum())
+        norm = paddle.sqrt(self._squared_norm(clipped))
         self.last_norm = norm
         scale = self.clip_norm / paddle.maximum(norm, paddle.full([], self.clip_norm, "float32"))
         return [(p, g if g is None or not getattr(p, "need_clip", True) else paddle.multiply(g, scale.astype(g.dtype)))
                 for p, g in params_grads]
 
+    def _squared_norm(self, clipped: list) -> paddle.Tensor:
+        return _sum_of_squares([g for _, g in clipped])
+
     def pop_norm(self) -> float | None:
         norm, self.last_norm = self.last_norm, None
         return None if norm is None else float(norm)
+
+
+def _sum_of_squares(grads: list) -> paddle.Tensor:
+    if not grads:
+        return paddle.zeros([], "float32")
+    return paddle.stack([_C_ops.squared_l2_norm(g).astype("float32").reshape([]) for g in grads]).sum()
+
+
+class ShardedParamsClip(ReportingGlobalNormClip):
+    """Global-norm clipping under stage3, reporting into `reporting`.
+
+    The optimizer sees each large parameter as this rank's flat slice ("slice@<name>": summed over
+    the sharding group) and small ones whole ("unslice": identical on every sharding rank, counted
+    once); a TP-split parameter's squares are also summed over the tp group. Paddle's
+    `GroupShardedClipGrad` sums only over the sharding group (with TP it misses the other TP
+    pieces, which is why PaddleNLP refuses TP with stage3) and moves the norm by `.cuda()`."""
+
+    def __init__(self, reporting: ReportingGlobalNormClip, topo, distributed: set[str]):
+        super().__init__(reporting.clip_norm)
+        self.reporting, self.topo, self.distributed = reporting, topo, distributed
+
+    def _squared_norm(self, clipped: list) -> paddle.Tensor:
+        parts: dict[tuple[bool, bool], list] = {(s, d): [] for s in (True, False) for d in (True, False)}
+        for p, g in clipped:
+            parts[(not hasattr(p, "unslice"), p.name.removeprefix("slice@") in self.distributed)].append(g)
+        by_tp = paddle.stack([_sum_of_squares(parts[(True, True)]), _sum_of_squares(parts[(False, True)])])
+        if self.topo.layout.tp > 1:
+            dist.all_reduce(by_tp, group=self.topo.tp_group)
+        sliced = by_tp[0] + _sum_of_squares(parts[(True, False)])
+        dist.all_reduce(sliced, group=self.topo.sharding_group)
+        return sliced + by_tp[1] + _sum_of_squares(parts[(False, False)])
+
+    def _dygraph_clip(self, params_grads):
+        clipped = super()._dygraph_clip(params_grads)
+        self.reporting.last_norm = self.last_norm
+        return clipped
+
+
+def report_clipped_norm(optimizer, clip: ReportingGlobalNormClip, model, topo) -> None:
+    """After wrapping: the norm the optimizer clips with lands in `clip.last_norm` whatever the layout."""
+    from paddle_pp.runtime.fleet_wrappers import inner_optimizer
+
+    if topo.layout.group_sharded_level == "p_g_os":
+        distributed = {p.name for p in model.parameters() if getattr(p, "is_distributed", False)}
+        inner_optimizer(optimizer)._grad_clip = ShardedParamsClip(clip, topo, distributed)
+    else:
+        observe_hybrid_norm(optimizer, clip)
 
 
 def observe_hybrid_norm(optimizer, clip: ReportingGlobalNormClip) -> None:
@@ -45,7 +97,8 @@ def observe_hybrid_norm(optimizer, clip: ReportingGlobalNormClip) -> None:
 
     inner = optimizer
     while inner is not None and not isinstance(getattr(inner, "_grad_clip", None), HybridParallelClipGrad):
-        inner = getattr(inner, "_inner_opt", None)
+        wrapped = getattr(inner, "_inner_opt", None) or getattr(inner, "_optim", None)
+        inner = None if wrapped is inner else wrapped
     if inner is None:
         return
     hybrid = inner._grad_clip

@@ -7,6 +7,8 @@ micro-batches computes, so both paths give the single-card mean loss.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import paddle
 import paddle.distributed as dist
 
@@ -34,13 +36,17 @@ def mean_over_replicas(value: paddle.Tensor, topo: Topology) -> float:
 
 
 def train_step(model, optimizer, criterion, inputs, labels, topo: Topology, accumulate_steps: int,
-               compute_dtype: str | None = None, scaler=None) -> float:
+               compute_dtype: str | None = None, scaler=None, after_update: Callable[[], None] | None = None) -> float:
     """Forward, backward and update on this replica's slice; returns the global mean loss.
+    `after_update` runs after the update, before gradients are cleared (the pipeline clears them
+    inside its schedule: there it runs after).
 
     Middle pipeline stages pass `inputs = labels = None`: they only relay activations."""
     if topo.layout.pp > 1:
         with autocast(compute_dtype):
             loss = model.train_batch([inputs, labels], optimizer, scaler=scaler)
+        if after_update:
+            after_update()
         return mean_over_replicas(loss, topo)
     micro = inputs.shape[0] // accumulate_steps
     total = paddle.zeros([])
@@ -55,6 +61,8 @@ def train_step(model, optimizer, criterion, inputs, labels, topo: Topology, accu
         scaler.update()
     else:
         optimizer.step()
+    if after_update:
+        after_update()
     optimizer.clear_grad()
     return mean_over_replicas(total, topo)
 

@@ -21,19 +21,21 @@ from checkpoint.load import check_compatible, load_checkpoint
 from checkpoint.pretrained import load_pretrained, open_pretrained
 from checkpoint.save import PendingSave, save_checkpoint
 from checkpoint.single_card_state import init_single_card_weights
+from checkpoint.optimizer_state import states_by_parameter
+from checkpoint.stage3 import SLICE_PREFIX, is_sliced
 from modeling.registry import build_causal_lm, plan_of, validate_layout
 from modeling.tp_plan import split_axes
 from paddle_pp.data.sampler import SequentialBatches
 from paddle_pp.data.source import build_data, dataset_sizes, plan_data
 from paddle_pp.data.tokenizer import load_text_tokenizer
 from paddle_pp.runtime.errors import UserError
-from paddle_pp.runtime.fleet_wrappers import wrap_model, wrap_optimizer
+from paddle_pp.runtime.fleet_wrappers import wrap_for_layout
 from paddle_pp.runtime.layout import Layout, launched_rank
 from paddle_pp.runtime.topology import Topology, align_ranks, gather_objects, init_distributed, rank0_first
 from paddle_pp.training import precision
 from paddle_pp.training.arguments import DataArguments, OptimizerArguments, PretrainArguments
 from paddle_pp.training.gradient_record import record_gradients, recorded_gradients
-from paddle_pp.training.grad_norm import ReportingGlobalNormClip, observe_hybrid_norm
+from paddle_pp.training.grad_norm import ReportingGlobalNormClip, report_clipped_norm
 from paddle_pp.training.model_config import model_config, tokenizer_dir
 from paddle_pp.training.report import MetricsLog, VisualDLLog, plot_loss, training_bar
 from paddle_pp.training.schedule import WarmupCosine
@@ -74,11 +76,14 @@ def warmup_steps(args: OptimizerArguments, given: frozenset[str]) -> int:
 
 
 def _build_optimizer(model, args: OptimizerArguments, schedule: WarmupCosine, clip: ReportingGlobalNormClip):
+    """AdamW decaying matrices only. Stage3 hands the optimizer each large matrix as a flat slice
+    named "slice@<name>", so the decay rule looks through that prefix (matching names as given, as
+    PaddleNLP does, would silently stop decaying every sliced matrix)."""
     matrices = {p.name for p in model.parameters() if len(p.shape) >= 2}
     return paddle.optimizer.AdamW(
         learning_rate=schedule, parameters=model.parameters(), beta1=args.adam_beta1, beta2=args.adam_beta2,
         epsilon=args.adam_epsilon, weight_decay=args.weight_decay, grad_clip=clip,
-        apply_decay_param_fun=lambda name: name in matrices)
+        apply_decay_param_fun=lambda name: name.removeprefix(SLICE_PREFIX) in matrices)
 
 
 class Pretrainer:
@@ -126,25 +131,44 @@ class Pretrainer:
             load_pretrained(self.pretrained, raw, self.axes, self.topo)
         elif self.resume_dir is None:
             init_single_card_weights(raw, self.axes, self.topo, data.seed, args.model.initializer_range)
+        else:  # weights before the wrappers take the model (stage3 slices what it finds), states after
+            resumed = load_checkpoint(self.resume_dir, raw, None, self.topo, self.axes)
         self.criterion = getattr(raw, "criterion", None)
         self.clip = ReportingGlobalNormClip(optim.max_grad_norm)
         optimizer = _build_optimizer(raw, optim, self.schedule, self.clip)
         raw, optimizer = precision.decorate(raw, optimizer, self.compute_dtype, optim.amp_master_grad)
-        self.model, self.optimizer = wrap_model(raw, self.topo), wrap_optimizer(optimizer)
-        observe_hybrid_norm(self.optimizer, self.clip)
+        self.model, self.optimizer = wrap_for_layout(raw, optimizer, self.topo, args.layout.stage3_segment_size)
+        report_clipped_norm(self.optimizer, self.clip, raw, self.topo)
         if args.checkpoint.save_gradients:
             record_gradients(self.optimizer)
         self.scaler = precision.loss_scaler(self.compute_dtype)
         self.raw_model = raw
         self.consumed_samples, self.step = 0, 0
         if self.resume_dir is not None:
-            self._resume(state=load_checkpoint(self.resume_dir, raw, None if args.checkpoint.ignore_load_lr_and_optim
-                                               else self.optimizer, self.topo, self.axes))
+            if not args.checkpoint.ignore_load_lr_and_optim:
+                load_checkpoint(self.resume_dir, raw, self.optimizer, self.topo, self.axes, weights=False)
+            self._resume(state=resumed)
         self.pending_save: PendingSave | None = None
+        self.held_after_last_step: dict[str, int] = {}
         self.train_data, self.valid_data = (
             rank0_first(self.topo, "data", lambda: build_data(self.data_plan)) if self.needs_data else (None, None))
         align_ranks(self.topo)  # only first and last stages built data; the others wait in p2p
         self.sampler = SequentialBatches(self.data_plan.num_samples[0], self.batches.global_batch)
+
+    def held_elements(self) -> dict[str, int]:
+        """Elements of parameters, gradients and optimizer states this rank holds in memory: what
+        stage1-3 partition. A stage3-sliced parameter counts its flat slice, and its gradient the
+        slice the optimizer stepped with plus the buffer it was reduced into (both alive until the
+        gradients are cleared); stage2 has released the gradients of parameters other ranks update."""
+        params = self.raw_model.parameters()
+        grads = [p.grad for p in params] + [t for p in params if is_sliced(p)
+                                            for t in (p.fw_storage.grad, p.bw_storage)]
+        buffers = {g.data_ptr(): int(g.size) for g in grads if g is not None and g._is_initialized()}  # shared once
+        return {"parameters": sum(int(p.fw_storage.size) if is_sliced(p) else int(p.size) for p in params),
+                "whole_parameters": sum(int(p.size) for p in params if not is_sliced(p)),
+                "gradients": sum(buffers.values()),
+                "optimizer_states": sum(int(t.size) for states in states_by_parameter(self.optimizer).values()
+                                        for t in states.values())}
 
     def _resume_folder(self) -> Path | None:
         """The checkpoint to resume from (checked against the model once its config is known, still
@@ -216,7 +240,12 @@ class Pretrainer:
         self.consumed_samples += self.batches.global_batch
         return record
 
-    def train_one_step(self) -> dict:
+    def _record_held(self) -> None:
+        self.held_after_last_step = self.held_elements()
+
+    def train_one_step(self, measure_held: bool = False) -> dict:
+        """One update; with `measure_held`, what this rank holds is recorded right after it (before
+        gradients are cleared: the moment that holds parameters, gradients and states at once)."""
         started = time.perf_counter()
         consumed = self.consumed_samples
         indices = self.sampler.replica_batch(self.consumed_samples, self.topo.data_replica_index,
@@ -224,7 +253,8 @@ class Pretrainer:
         inputs, labels = self.batch_tensors(self.train_data, indices)
         lr = self.schedule.last_lr  # the rate this update applies (after a resume: the saved one)
         loss = train_step(self.model, self.optimizer, self.criterion, inputs, labels, self.topo,
-                          self.batches.accumulate_steps, self.compute_dtype, self.scaler)
+                          self.batches.accumulate_steps, self.compute_dtype, self.scaler,
+                          self._record_held if measure_held else None)
         self.schedule.step()
         self.step += 1
         self.consumed_samples += self.batches.global_batch
@@ -260,7 +290,8 @@ class Pretrainer:
         started, history = time.perf_counter(), []
         stop = min(max_steps, self.step + out.exit_after_steps) if out.exit_after_steps else max_steps
         while self.step < stop:
-            record = self.skip_one_step() if skipped(self.step + 1, self.skip_intervals) else self.train_one_step()
+            record = self.skip_one_step() if skipped(self.step + 1, self.skip_intervals) else \
+                self.train_one_step(measure_held=self.step + 1 == stop)
             last = self.step == stop
             if (out.eval_steps and self.step % out.eval_steps == 0) or last:
                 record["eval_loss"] = self.evaluate()

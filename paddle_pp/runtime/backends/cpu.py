@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -361,6 +362,65 @@ def _patch_pipeline_p2p() -> None:
         _require(pipeline_parallel, name)._check_sanity = _interleave_sanity(needs_double_accumulation)
 
 
+# ---------------------------------------------------------------- group-sharded stage2 / stage3
+
+class _ModuleView(types.ModuleType):
+    """A module as one upstream module sees it: `overrides` replace a few attributes, every other
+    attribute is the real module's. Bound as that module's global, it changes nothing elsewhere."""
+
+    def __init__(self, real: types.ModuleType, **overrides: Any):
+        super().__init__(real.__name__)
+        self._real = real
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def _param_storage_on_host(upstream):
+    """`ParamStorage.add_rank_params(convert_gpu=True)` moves each parameter into the rank buffer by
+    `param.cpu()` then `param._clear_data()`: on CPU `.cpu()` is the same tensor, so it clears the
+    value it is about to copy ("Tensor not initialized yet"). On CPU the buffer is already where it
+    belongs: copy without the device move."""
+
+    def add_rank_params(self, trainable_params, param2align, convert_gpu=True):
+        return upstream(self, trainable_params, param2align, convert_gpu and self._device != "cpu")
+
+    return add_rank_params
+
+
+def _patch_group_sharded() -> None:
+    """Paddle's own stage2 (`os_g`) and stage3 (`p_g_os`) on CPU processes over gloo. Their
+    collectives are plain broadcast / reduce / all_reduce / all_gather, which gloo has; what stops
+    them is device bookkeeping:
+    - `group_sharded_parallel` asserts the device is gpu, xpu or a custom device: there it sees
+      "cpu" listed as one, so it builds the same wrappers with device="cpu";
+    - `GroupShardedOptimizerStage2.__init__` and `GroupShardedStage3.__init__` assert
+      `core.is_compiled_with_cuda()` (their only use of it): there it answers True;
+    - `GroupShardedOptimizerStage2.__init__` parses a device id from `paddle.get_device()` ("cpu"
+      has none: IndexError): there it reads "cpu:0";
+    - `ParamStorage.add_rank_params`: see `_param_storage_on_host`.
+    `GroupShardedClipGrad` (stage3's clip) moves the norm with `.cuda()` on CPU and misses the TP
+    group; the trainer replaces it (`training.grad_norm.ShardedParamsClip`), so it is not patched."""
+    from paddle.base import core
+    from paddle.distributed.fleet.meta_parallel.sharding import (
+        group_sharded_optimizer_stage2 as optimizer_stage2,
+        group_sharded_stage3 as stage3,
+        group_sharded_storage as storage,
+    )
+    from paddle.distributed.sharding import group_sharded
+
+    custom_types = paddle.device.get_all_custom_device_type
+    _replace(group_sharded, "paddle", _ModuleView(
+        paddle, device=_ModuleView(paddle.device, get_all_custom_device_type=lambda: [*custom_types(), "cpu"])))
+    cuda_core = _ModuleView(core, is_compiled_with_cuda=lambda: True)
+    _replace(optimizer_stage2, "core", cuda_core)
+    _replace(stage3, "core", cuda_core)
+    _replace(optimizer_stage2, "paddle", _ModuleView(paddle, get_device=lambda: "cpu:0"))
+    param_storage = _require(storage, "ParamStorage")
+    param_storage.add_rank_params = _param_storage_on_host(_require(param_storage, "add_rank_params"))
+
+
 # ---------------------------------------------------------------- gloo group creation
 
 def _endpoint_host() -> str:
@@ -464,4 +524,5 @@ def apply() -> None:
     _patch_tp_ops()
     _patch_pipeline_p2p()
     _patch_group_creation()
+    _patch_group_sharded()
     _applied = True

@@ -1,0 +1,118 @@
+"""Sharding stage2 and stage3 (Paddle's group_sharded_parallel on CPU processes): the loss curve and
+grad norm of single card, the states (and for stage3 the parameters) really partitioned, and the
+unified checkpoint across stages and layouts.
+
+Stage3 slices every parameter of more than `--stage3_segment_size` elements; the tests set it to
+1024 so the test model's matrices are sliced and its norm weights stay whole (under tp2 one
+projection also stays whole), covering both kinds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from runs import FOUR_D_SAVING, PP2, RESUME_STEP, SINGLE, TP2, Run, planned_writers, written_by_rank
+
+from checkpoint.verify import verify_checkpoint
+
+PARITY_RTOL = 1e-4  # the issue's bound over 20 steps (measured: 2e-7 on losses, 8e-6 on grad norms)
+RESUME_RTOL = 1e-5
+SAVE = ("--save_steps", str(RESUME_STEP))
+SEGMENT = ("--stage3_segment_size", "1024")
+
+
+def sharded(stage: str, degree: int) -> tuple[str, ...]:
+    return ("--sharding", stage, "--sharding_parallel_degree", str(degree)) + (SEGMENT if stage == "stage3" else ())
+
+
+STAGE2 = Run("dp2_sharding2_stage2", 4, sharded("stage2", 2) + SAVE)
+STAGE3 = Run("sharding4_stage3", 4, sharded("stage3", 4) + SAVE)
+TP_STAGE3 = Run("tp2_sharding2_stage3", 4, TP2 + sharded("stage3", 2))
+RESUMES = {  # the issue's pairs: each continues the single-card curve from the step-10 checkpoint
+    "sharding4_stage3->tp2pp2": Run("stage3_to_tp2pp2", 4, TP2 + PP2, resume_from=STAGE3),
+    "4d_stage1->tp2_sharding2_stage3": Run("4d_to_tp2_stage3", 4, TP2 + sharded("stage3", 2),
+                                           resume_from=FOUR_D_SAVING),
+    "dp2_sharding2_stage2->sharding4_stage2": Run("stage2_to_sharding4_stage2", 4, sharded("stage2", 4),
+                                                  resume_from=STAGE2),
+}
+
+
+def _history(pretrain_run, run: Run) -> dict:
+    results, _ = pretrain_run(run)
+    assert len({tuple(r["losses"]) for r in results}) == 1, f"{run.tag}: ranks report different losses"
+    return results[0]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("run", [STAGE2, STAGE3, TP_STAGE3], ids=lambda run: run.tag)
+def test_stage_trains_like_single_card(pretrain_run, run):
+    reference, result = _history(pretrain_run, SINGLE), _history(pretrain_run, run)
+    np.testing.assert_allclose(result["losses"], reference["losses"], rtol=PARITY_RTOL)
+    np.testing.assert_allclose(result["eval_loss"], reference["eval_loss"], rtol=PARITY_RTOL)
+    # clipping is active (norms above --max_grad_norm 1.0 early on) and the norm is summed once over
+    # the sharding group (twice would be sqrt(2) off, never would be 1/sqrt(n) off)
+    assert max(reference["grad_norms"]) > 1.0
+    np.testing.assert_allclose(result["grad_norms"], reference["grad_norms"], rtol=PARITY_RTOL)
+
+
+@pytest.mark.multiproc
+def test_stage2_partitions_gradients_and_optimizer_states(pretrain_run):
+    """Each sharding rank keeps the gradients and states of its own parameters only (stage1 would
+    keep every gradient); the two of a dp replica together hold exactly single card's. Parameters
+    stay whole (stage2 does not slice them)."""
+    single = _held(pretrain_run, SINGLE)[0]
+    held = _held(pretrain_run, STAGE2)  # ranks 0, 1: dp 0, sharding 0 and 1
+    for rank in held:
+        assert rank["parameters"] == single["parameters"]
+        for kind in ("gradients", "optimizer_states"):
+            assert 0.3 * single[kind] < rank[kind] < 0.7 * single[kind], f"{kind} are not partitioned"
+    for kind in ("gradients", "optimizer_states"):
+        assert held[0][kind] + held[1][kind] == single[kind]
+
+
+@pytest.mark.multiproc
+def test_stage3_partitions_parameters_and_states(pretrain_run):
+    """Each of 4 sharding ranks holds a quarter of every sliced parameter (plus its padding to the
+    4096-byte alignment) and the small ones whole, and the gradients and states of exactly that."""
+    single = _held(pretrain_run, SINGLE)[0]
+    held = _held(pretrain_run, STAGE3)
+    for rank in held:
+        whole = rank["whole_parameters"]
+        assert whole < 0.01 * single["parameters"], "only the norm weights stay whole"
+        sliced_share = (rank["parameters"] - whole) / (single["parameters"] - whole)
+        assert 0.25 <= sliced_share < 0.26, f"stage3 holds {sliced_share:.4f} of the sliced parameters, not 1/4"
+        # AdamW: two moments per element and two scalar beta powers per parameter
+        assert 2 * rank["parameters"] < rank["optimizer_states"] < 2 * rank["parameters"] + 100
+        assert rank["gradients"] == rank["parameters"], "each gradient is held as its parameter is: sliced or whole"
+
+
+def _held(pretrain_run, run: Run) -> list[dict]:
+    results, _ = pretrain_run(run)
+    return [r["held_elements"] for r in sorted(results, key=lambda r: r["rank"])]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("run", [STAGE2, STAGE3], ids=lambda run: run.tag)
+def test_stage_save_is_spread_over_every_rank_as_the_planner_predicts(pretrain_run, run):
+    """Stage2 states are written by the rank Paddle's stage2 partition gives them; under stage3 any
+    rank can write a tensor its sharding group gathers from slices. The checkpoint verifies."""
+    _, out = pretrain_run(run)
+    folder = out / f"checkpoint-{RESUME_STEP}"
+    written, writer = written_by_rank(folder)
+    assert sorted(written) == [0, 1, 2, 3]
+    assert writer == planned_writers(folder, run.flags, run.nproc)
+    assert verify_checkpoint(folder) == []
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("pair", list(RESUMES))
+def test_resume_across_stages_continues_the_single_card_run(pretrain_run, pair):
+    reference, result = _history(pretrain_run, SINGLE), _history(pretrain_run, RESUMES[pair])
+    np.testing.assert_allclose(result["losses"], reference["losses"][RESUME_STEP:], rtol=RESUME_RTOL)
+
+
+@pytest.mark.multiproc
+def test_same_layout_stage3_resume_is_bitwise(pretrain_run):
+    uninterrupted = _history(pretrain_run, STAGE3)
+    result = _history(pretrain_run, Run("stage3_same_layout", 4, sharded("stage3", 4), resume_from=STAGE3))
+    assert result["losses"] == uninterrupted["losses"][RESUME_STEP:]
