@@ -183,6 +183,19 @@ def test_check_alignment_passes_tp2_and_fails_a_tampered_layout(checkpoint, tmp_
     assert tampered.worst_gradient_rel > 1e-3, "step 5's gradients follow step 4's larger update"
 
 
+@pytest.mark.multiproc
+def test_check_alignment_passes_sharding_stage3(checkpoint, tmp_path):
+    """Under stage3 the gradients each update applies are flat slices: the alignment check gathers
+    them (and the sliced weights) into single-card tensors and compares every one."""
+    from paddle_pp.training.alignment import check_alignment
+
+    report = check_alignment(checkpoint, ["--sharding", "stage3", "--sharding_parallel_degree", "2",
+                                          "--stage3_segment_size", "1024"], 2, steps=2, work_dir=tmp_path / "stage3")
+    assert report.aligned, report.table()
+    assert len(report.tensor_diffs) == len(report.gradient_diffs) == len(plan_of(load_config(checkpoint)))
+    assert report.worst_gradient_rel <= 1e-5
+
+
 def _header_dtypes(folder: Path) -> set[str]:
     dtypes = set()
     for shard in folder.glob("*.safetensors"):
