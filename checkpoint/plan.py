@@ -56,12 +56,12 @@ def plan_layout(config, layout: Layout, compute_bytes: int = 4) -> list[RankShar
         for stage in tensor_stages(plan, name, config, layout):
             counts[stage] += numel // layout.tp if row.tp_axis is not None else numel
     state_bytes = ADAM_STATE_BYTES + (4 if compute_bytes < 4 else 0)
-    stage, shard = layout.sharding_stage, layout.sharding_degree
-    grad_shards = shard if stage in ("stage2", "stage3") else 1
-    weight_shards = shard if stage == "stage3" else 1
-    return [RankShare(stage_, tp, int(n), -(-int(n) * compute_bytes // weight_shards),
+    shard = layout.sharding_degree
+    grad_shards = shard if layout.group_sharded_level else 1  # stage2 and stage3
+    weight_shards = shard if layout.sharding_stage == "stage3" else 1
+    return [RankShare(stage, tp, int(n), -(-int(n) * compute_bytes // weight_shards),
                       -(-int(n) * compute_bytes // grad_shards), -(-int(n) * state_bytes // shard))
-            for (stage_, tp), n in np.ndenumerate(counts)]
+            for (stage, tp), n in np.ndenumerate(counts)]
 
 
 OPTIMIZER_STATES = ("moment1", "moment2")  # AdamW's fp32 moments, one of each per parameter

@@ -58,11 +58,11 @@ class _Shard:
 Held = dict[str, dict[str, tuple["paddle.Tensor | FlatSlice", "int | None"]]]  # kind -> name -> (local, TP axis)
 
 
-def _held(state: dict, axes: dict, optimizer, gradients: dict | None, topo: Topology) -> Held:
-    """Every tensor this rank could write, by kind; optimizer states and recorded gradients only
-    where this rank holds them (the sharding rank that updates the parameter, or under stage3 every
-    sharding rank, each its slice)."""
-    held: Held = {MODEL: {name: (tensor, axes.get(name)) for name, tensor in model_tensors(state, topo).items()}}
+def _held(state: dict, tensors: dict, axes: dict, optimizer, gradients: dict | None, topo: Topology) -> Held:
+    """Every tensor this rank could write, by kind: the model's `tensors` (`stage3.model_tensors` of
+    `state`); optimizer states and recorded gradients only where this rank holds them (the sharding
+    rank that updates the parameter, or under stage3 every sharding rank, each its slice)."""
+    held: Held = {MODEL: {name: (tensor, axes.get(name)) for name, tensor in tensors.items()}}
     per_parameter = {OPTIMIZER: states_by_parameter(optimizer) if optimizer is not None else None,
                      GRADIENTS: gradients}
     for kind, by_param in per_parameter.items():
@@ -236,12 +236,13 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, topo: Topolog
     a few tens of ms among 4 ranks on 2 cores."""
     output_dir = Path(output_dir)
     state = model.state_dict()
-    held = _held(state, axes, optimizer, gradients, topo)
+    tensors = model_tensors(state, topo)
+    held = _held(state, tensors, axes, optimizer, gradients, topo)
     staged = commits.temp_dir(output_dir, step)
     if topo.global_rank == 0:  # before the all-gather below, so no rank's folder below is cleared
         output_dir.mkdir(parents=True, exist_ok=True)
         commits.clear_stale_temp(output_dir, step)
-    reports = gather_objects({"fingerprints": replica_fingerprints(model_tensors(state, topo), axes, topo),
+    reports = gather_objects({"fingerprints": replica_fingerprints(tensors, axes, topo),
                               "holdings": _holdings(held, topo)}, None, topo.layout.world_size)
     holdings = [report["holdings"] for report in reports]
     judge_replicas([report["fingerprints"] for report in reports], replica_check)

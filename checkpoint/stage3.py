@@ -60,5 +60,5 @@ def as_saved(param, tensor, topo):
 
 def model_tensors(state: dict, topo) -> dict:
     """A model's `state_dict()` with each stage3-sliced parameter as a `FlatSlice` of its current piece."""
-    return {name: FlatSlice(param.fw_storage, param.shape, topo.sharding_rank, topo.sharding_group)
-            if is_sliced(param) else param for name, param in state.items()}
+    return {name: as_saved(param, param.fw_storage, topo) if is_sliced(param) else param
+            for name, param in state.items()}

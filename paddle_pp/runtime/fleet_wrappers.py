@@ -10,7 +10,7 @@ For that one case the model goes through `paddle.DataParallel` on the dp group i
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import paddle
 from paddle.distributed import fleet
@@ -58,13 +58,20 @@ def wrap_for_layout(model: paddle.nn.Layer, optimizer: paddle.optimizer.Optimize
     return wrapped, optimizer
 
 
-def inner_optimizer(optimizer: Any) -> paddle.optimizer.Optimizer:
-    """The Paddle optimizer inside fleet's hybrid and sharding wrappers and group-sharded stage2's
-    (itself an Optimizer subclass holding no states): the one holding states."""
+def optimizer_chain(optimizer: Any) -> Iterator[Any]:
+    """`optimizer`, then each optimizer it wraps, outermost first: fleet's hybrid and sharding
+    wrappers (`_inner_opt`), group-sharded stage2's (`_optim`; itself an Optimizer subclass holding
+    no states). Stage3 marks the optimizer it redefines with `_optim` = itself: the chain ends there."""
     inner = optimizer
-    # stage3 marks the optimizer it redefines with `_optim` = itself
+    yield inner
     while (wrapped := getattr(inner, "_inner_opt", None) or getattr(inner, "_optim", None)) not in (None, inner):
         inner = wrapped
+        yield inner
+
+
+def inner_optimizer(optimizer: Any) -> paddle.optimizer.Optimizer:
+    """The Paddle optimizer inside every wrapper (`optimizer_chain`): the one holding states."""
+    *_, inner = optimizer_chain(optimizer)
     if not isinstance(inner, paddle.optimizer.Optimizer):
         raise TypeError(f"{type(optimizer).__name__} wraps no paddle.optimizer.Optimizer")
     return inner

@@ -13,6 +13,8 @@ import paddle
 import paddle.distributed as dist
 from paddle import _C_ops
 
+from checkpoint.stage3 import SLICE_PREFIX
+
 
 class ReportingGlobalNormClip(paddle.nn.ClipGradByGlobalNorm):
     def __init__(self, clip_norm: float):
@@ -64,7 +66,7 @@ class ShardedParamsClip(ReportingGlobalNormClip):
     def _squared_norm(self, clipped: list) -> paddle.Tensor:
         parts: dict[tuple[bool, bool], list] = {(s, d): [] for s in (True, False) for d in (True, False)}
         for p, g in clipped:
-            parts[(not hasattr(p, "unslice"), p.name.removeprefix("slice@") in self.distributed)].append(g)
+            parts[(not hasattr(p, "unslice"), p.name.removeprefix(SLICE_PREFIX) in self.distributed)].append(g)
         by_tp = paddle.stack([_sum_of_squares(parts[(True, True)]), _sum_of_squares(parts[(False, True)])])
         if self.topo.layout.tp > 1:
             dist.all_reduce(by_tp, group=self.topo.tp_group)
@@ -95,10 +97,10 @@ def observe_hybrid_norm(optimizer, clip: ReportingGlobalNormClip) -> None:
         HybridParallelClipGrad,
     )
 
-    inner = optimizer
-    while inner is not None and not isinstance(getattr(inner, "_grad_clip", None), HybridParallelClipGrad):
-        wrapped = getattr(inner, "_inner_opt", None) or getattr(inner, "_optim", None)
-        inner = None if wrapped is inner else wrapped
+    from paddle_pp.runtime.fleet_wrappers import optimizer_chain
+
+    inner = next((o for o in optimizer_chain(optimizer) if isinstance(getattr(o, "_grad_clip", None),
+                                                                      HybridParallelClipGrad)), None)
     if inner is None:
         return
     hybrid = inner._grad_clip
