@@ -15,12 +15,21 @@ def causal_mask(seq_len: int) -> paddle.Tensor:
     return paddle.tril(paddle.ones([seq_len, seq_len], dtype="bool"))[None, None]
 
 
-def causal_attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor) -> paddle.Tensor:
-    """q, k, v [batch, seq, heads, head_dim] -> [batch, seq, heads * head_dim]; softmax in fp32."""
-    batch, seq, heads, head_dim = q.shape
-    q, k, v = (t.transpose([0, 2, 1, 3]) for t in (q, k, v))
+def causal_attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, seq_first: bool = False) -> paddle.Tensor:
+    """q, k, v [batch, seq, heads, head_dim] -> [batch, seq, heads * head_dim]; softmax in fp32.
+    With `seq_first` (sequence parallelism) both are [seq, batch, ...]: the one transpose to
+    [batch, heads, seq, head_dim] each side absorbs the layout, so it costs no extra copy."""
+    if seq_first:
+        seq, batch, heads, head_dim = q.shape
+        q, k, v = (t.transpose([1, 2, 0, 3]) for t in (q, k, v))
+    else:
+        batch, seq, heads, head_dim = q.shape
+        q, k, v = (t.transpose([0, 2, 1, 3]) for t in (q, k, v))
     scores = paddle.matmul(q * (1 / math.sqrt(head_dim)), k.transpose([0, 1, 3, 2]))
     # masked scores become the dtype's minimum, as adding an additive mask gives, at half the cost
     scores = paddle.where(causal_mask(seq), scores, paddle.full([], paddle.finfo(scores.dtype).min, scores.dtype))
     probs = F.softmax(scores.astype("float32"), axis=-1).astype(q.dtype)
-    return paddle.matmul(probs, v).transpose([0, 2, 1, 3]).reshape([batch, seq, heads * head_dim])
+    out = paddle.matmul(probs, v)  # [batch, heads, seq, head_dim]
+    if seq_first:
+        return out.transpose([2, 0, 1, 3]).reshape([seq, batch, heads * head_dim])
+    return out.transpose([0, 2, 1, 3]).reshape([batch, seq, heads * head_dim])

@@ -38,6 +38,8 @@ class ModelFamily:
     tensor_plan: Callable[..., dict[str, TensorPlan]]
     check_tensor_parallel: Callable[..., None]  # (config, tp): raises TPPlanError naming the field
     tied_groups: Callable[..., list[list[str]]]  # names that denote one tensor, the stored one first
+    # (config, batch, seq_len, tp, sequence_parallel, dtype_bytes) -> bytes one decoder layer saves, by sublayer
+    layer_activation_bytes: Callable[..., dict[str, int]]
     transformers: TransformersNames | None = None
 
     def stage_names(self, plan: Plan, num_layers: int, pp: int, vpp: int, stage: int) -> set[str]:

@@ -64,6 +64,7 @@ def build_causal_lm(config, topo: Topology):
     config.tensor_parallel_degree = topo.layout.tp
     config.tensor_parallel_rank = topo.tp_rank
     config.virtual_pp_degree = topo.layout.vpp
+    config.sequence_parallel = topo.layout.sequence_parallel
     model = model_family.pipe(config) if topo.layout.pp > 1 else model_family.causal_lm(config)
     model_family.check_built(model, config, topo.layout.pp, topo.pp_rank)
     return model

@@ -10,21 +10,37 @@ import paddle
 from paddle import nn
 from paddle.distributed import fleet
 from paddle.distributed.fleet.layers.mpu import mp_layers
+from paddle.distributed.fleet.utils import sequence_parallel_utils as sp_utils
+
+from modeling import sequence_parallel
 
 
 def tp_degree(config) -> int:
     return max(config.tensor_parallel_degree, 1)
 
 
+class GatheredColumnLinear(sp_utils.ColumnSequenceParallelLinear):
+    """Paddle's sequence-parallel column linear (same parameters) on an input its block already
+    gathered (`sequence_parallel.gather_tokens`), so q, k and v share one all-gather."""
+
+    def forward(self, x):
+        return self.linear(x, self.weight, self.bias, name=self._name)
+
+
 def column_linear(config, in_features: int, out_features: int, bias: bool = False) -> nn.Layer:
     """Output features split over tp ranks; the output stays split for the matching row linear."""
+    if sequence_parallel.enabled(config):
+        return GatheredColumnLinear(in_features, out_features, has_bias=bias, gather_output=False)
     if tp_degree(config) > 1:
         return mp_layers.ColumnParallelLinear(in_features, out_features, has_bias=bias, gather_output=False)
     return nn.Linear(in_features, out_features, bias_attr=None if bias else False)
 
 
 def row_linear(config, in_features: int, out_features: int, bias: bool = False) -> nn.Layer:
-    """Input features split over tp ranks; partial outputs are all-reduced (bias added once)."""
+    """Input features split over tp ranks; partial outputs are all-reduced (bias added once), or under
+    sequence parallelism reduce-scattered along the sequence (the bias then marked sequence-parallel)."""
+    if sequence_parallel.enabled(config):
+        return sp_utils.RowSequenceParallelLinear(in_features, out_features, has_bias=bias, input_is_parallel=True)
     if tp_degree(config) > 1:
         return mp_layers.RowParallelLinear(in_features, out_features, has_bias=bias, input_is_parallel=True)
     return nn.Linear(in_features, out_features, bias_attr=None if bias else False)

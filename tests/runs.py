@@ -8,8 +8,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from checkpoint.plan import save_items
-from checkpoint.unified_io import load_config
+from checkpoint.unified_io import UnifiedReader, load_config
 from checkpoint.writers import assign_writers
 from paddle_pp.runtime.layout import Layout
 from paddle_pp.training.arguments import parse_args
@@ -40,7 +42,10 @@ class Run:
     nnodes: int = 1
 
 
-SINGLE = Run("single")
+FINAL_STEP = 20
+FINAL_SAVE = ("--save_steps", str(FINAL_STEP))  # the single-card runs keep their final weights for parity tests
+SINGLE = Run("single", flags=FINAL_SAVE)
+SINGLE_GPT = Run("full_gpt", flags=GPT + FINAL_SAVE)
 # The 16-rank run both suites need: the trainer compares its 20 steps with single card, the
 # checkpoint tests resume its step-10 checkpoint on one card.
 FOUR_D_SAVING = Run("4d_saving", 16, TP2 + PP2 + SHARDING2 + ("--save_steps", str(RESUME_STEP)))
@@ -70,3 +75,17 @@ def planned_writers(folder: Path, flags, nproc: int) -> dict[tuple[str, str], in
     predicted = assign_writers(save_items(load_config(folder), layout), layout.tp).writer
     ranks = {slot: rank for rank, slot in enumerate(layout.rank_slots())}
     return {key: ranks[slot] for key, slot in predicted.items()}
+
+
+def final_weight_drifts(pretrain_run, run: Run, reference: Run, skip: str = "\0") -> dict[str, float]:
+    """Per tensor of the step-20 checkpoints of `run` and `reference`: the difference's norm over the
+    reference tensor's norm (elementwise rtol is meaningless for entries near zero). Names ending
+    in `skip` are left out."""
+    weights = []
+    for description in (run, reference):
+        _, out = pretrain_run(description)
+        reader = UnifiedReader(out / f"checkpoint-{FINAL_STEP}", "model")
+        weights.append({name: reader.read(name) for name in reader.tensors})
+    assert weights[0].keys() == weights[1].keys()
+    return {name: float(np.linalg.norm(weights[0][name] - value) / np.linalg.norm(value))
+            for name, value in weights[1].items() if not name.endswith(skip)}

@@ -16,8 +16,8 @@ import paddle
 import pytest
 from parity import assert_same_logits
 from runs import (
-    FOUR_D_SAVING, GPT, HALF, MODEL, PP2, REPO, RESUME_STEP, SCRIPT, SHARDING2, SINGLE, TP2, Run, planned_writers, pretrain,
-    written_by_rank,
+    FOUR_D_SAVING, GPT, HALF, MODEL, PP2, REPO, RESUME_STEP, SCRIPT, SHARDING2, SINGLE, SINGLE_GPT, TP2, Run,
+    planned_writers, pretrain, written_by_rank,
 )
 
 from checkpoint.commit import latest_checkpoint, rotate
@@ -43,7 +43,7 @@ MATRIX = [("single", "4d"), ("4d", "single"), ("tp2pp2", "dp2_sharding2"), ("pp2
 
 def full(model: str) -> Run:
     """20 uninterrupted steps on one card (LLaMA's is the trainer suite's single-card run)."""
-    return SINGLE if model == "llama" else Run("full_gpt", flags=GPT)
+    return SINGLE if model == "llama" else SINGLE_GPT
 
 
 def first(model: str, layout: str) -> Run:

@@ -30,6 +30,12 @@ INVALID = [
     (["--virtual_pp_degree", "2", "--pipeline_parallel_degree", "2"], 2, "gpu", ["pipeline_parallel_degree 2", "pp > 2"]),
     (["--pipeline_parallel_degree", "2", "--sharding_parallel_degree", "2", "--sharding", "stage1",
       "--tensor_parallel_degree", "2"], 12, "cpu", ["= 8 does not divide the world size 12"]),
+    (["--sharding", "stage2 offload", "--sharding_parallel_degree", "2"], 2, "cpu",
+     ["--sharding 'stage2 offload'", "(offload) are not supported", "--sharding stage2 alone"]),
+    # sequence parallelism splits what TP replicates, and does not compose with stage2/3 yet
+    (["--sequence_parallel"], 2, "cpu", ["--sequence_parallel needs --tensor_parallel_degree >= 2"]),
+    (["--sequence_parallel", "--tensor_parallel_degree", "2", "--sharding", "stage2", "--sharding_parallel_degree",
+      "2"], 4, "cpu", ["--sequence_parallel with --sharding stage2", "--sharding stage1"]),
 ]
 
 
@@ -39,6 +45,14 @@ def test_invalid_layout_names_the_flag(flags, world, device, words):
         parse_layout(flags, world_size=world, device=device)
     for word in words:
         assert word in str(error.value)
+
+
+def test_sequence_parallel_needs_a_sequence_length_divisible_by_tp():
+    layout = parse_layout(["--sequence_parallel", "--tensor_parallel_degree", "4"], world_size=4, device="cpu")
+    layout.check_sequence_length(128)
+    with pytest.raises(LayoutError, match="--max_seq_length 130 is not divisible by --tensor_parallel_degree 4"):
+        layout.check_sequence_length(130)
+    parse_layout(["--tensor_parallel_degree", "4"], world_size=4, device="cpu").check_sequence_length(130)
 
 
 def test_invalid_topo_order_rejected_by_dataclass():
@@ -53,7 +67,8 @@ def test_invalid_topo_order_rejected_by_dataclass():
         (["--tensor_parallel_degree", "2", "--pipeline_parallel_degree", "2"], 8, dict(dp=2, tp=2, pp=2)),
         (["--sharding", "stage1", "--sharding_parallel_degree", "-1", "--tensor_parallel_degree", "2"], 8,
          dict(dp=1, sharding_degree=4)),
-        (["--sharding", "stage1 offload", "--sharding_parallel_degree", "2"], 8, dict(dp=4, sharding_degree=2)),
+        (["--sharding", "stage1", "--sharding_parallel_degree", "2"], 8, dict(dp=4, sharding_degree=2)),
+        (["--tensor_parallel_degree", "2", "--sequence_parallel"], 4, dict(dp=2, tp=2, sequence_parallel=True)),
         (["--sharding", "stage3", "--sharding_parallel_degree", "-1", "--tensor_parallel_degree", "2"], 8,
          dict(dp=1, sharding_degree=4, group_sharded_level="p_g_os")),
         (["--sharding", "stage2", "--sharding_parallel_degree", "2"], 8, dict(dp=4, group_sharded_level="os_g")),

@@ -230,13 +230,14 @@ def test_a_recipe_takes_paddlenlps_defaults_names_what_it_ignores_and_refuses_wh
     known = {action.dest for action in build_parser()._actions}
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"max_steps": 10, "use_fused_rope": True, "tokenizer_name_or_path": "tok",
-                                "fancy_new_field": 1, "learning_rate": 1e-4}))
-    flags, notes = read_recipe(path, known, {"continue_training"})
+                                "fancy_new_field": 1, "learning_rate": 1e-4, "sequence_parallel": 1}))
+    flags, notes = read_recipe(path, known, {"continue_training", "sequence_parallel"})
+    assert flags["sequence_parallel"] is True
     assert flags["lr_scheduler_type"] == "linear" and flags["continue_training"] is False  # PaddleNLP's defaults
     assert flags["tokenizer_dir"] == "tok" and flags["learning_rate"] == 1e-4 and flags["eval_steps"] == 500
     assert "use_fused_rope (a kernel" in notes[0] and "fancy_new_field (unknown" in notes[0]
-    path.write_text(json.dumps({"max_steps": 10, "sequence_parallel": 1, "recompute_granularity": "core_attn"}))
-    with pytest.raises(RecipeError, match="sequence_parallel=1 .*recompute_granularity='core_attn'"):
+    path.write_text(json.dumps({"max_steps": 10, "hidden_dropout_prob": 0.1, "recompute_granularity": "core_attn"}))
+    with pytest.raises(RecipeError, match="recompute_granularity='core_attn'.*hidden_dropout_prob=0.1"):
         read_recipe(path, known, set())
 
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from runs import FOUR_D_SAVING, PP2, RESUME_STEP, SINGLE, TP2, Run, planned_writers, written_by_rank
+from runs import (
+    FOUR_D_SAVING, PP2, RESUME_STEP, SINGLE, TP2, Run, final_weight_drifts, planned_writers, written_by_rank,
+)
 
 from checkpoint.verify import verify_checkpoint
 
@@ -27,7 +29,7 @@ def sharded(stage: str, degree: int) -> tuple[str, ...]:
 
 STAGE2 = Run("dp2_sharding2_stage2", 4, sharded("stage2", 2) + SAVE)
 STAGE3 = Run("sharding4_stage3", 4, sharded("stage3", 4) + SAVE)
-TP_STAGE3 = Run("tp2_sharding2_stage3", 4, TP2 + sharded("stage3", 2))
+TP_STAGE3 = Run("tp2_sharding2_stage3", 4, TP2 + sharded("stage3", 2) + SAVE)
 RESUMES = {  # the pairs: each continues the single-card curve from the step-10 checkpoint
     "sharding4_stage3->tp2pp2": Run("stage3_to_tp2pp2", 4, TP2 + PP2, resume_from=STAGE3),
     "4d_stage1->tp2_sharding2_stage3": Run("4d_to_tp2_stage3", 4, TP2 + sharded("stage3", 2),
@@ -53,6 +55,8 @@ def test_stage_trains_like_single_card(pretrain_run, run):
     # the sharding group (twice would be sqrt(2) off, never would be 1/sqrt(n) off)
     assert max(reference["grad_norms"]) > 1.0
     np.testing.assert_allclose(result["grad_norms"], reference["grad_norms"], rtol=PARITY_RTOL)
+    drifts = final_weight_drifts(pretrain_run, run, SINGLE)  # the step-20 checkpoints, tensor by tensor
+    assert max(drifts.values()) < PARITY_RTOL, max(drifts.items(), key=lambda item: item[1])
 
 
 @pytest.mark.multiproc

@@ -183,14 +183,21 @@ def test_check_alignment_passes_tp2_and_fails_a_tampered_layout(checkpoint, tmp_
     assert tampered.worst_gradient_rel > 1e-3, "step 5's gradients follow step 4's larger update"
 
 
+NEW_LAYOUTS = {
+    "stage3": ["--sharding", "stage3", "--sharding_parallel_degree", "2", "--stage3_segment_size", "1024"],
+    "tp2_sequence_parallel": ["--tensor_parallel_degree", "2", "--sequence_parallel"],
+}
+
+
 @pytest.mark.multiproc
-def test_check_alignment_passes_sharding_stage3(checkpoint, tmp_path):
+@pytest.mark.parametrize("layout", list(NEW_LAYOUTS))
+def test_check_alignment_passes_stage3_and_sequence_parallel(checkpoint, tmp_path, layout):
     """Under stage3 the gradients each update applies are flat slices: the alignment check gathers
-    them (and the sliced weights) into single-card tensors and compares every one."""
+    them (and the sliced weights) into single-card tensors and compares every one. Under sequence
+    parallelism the norm weights' gradients are each rank's positions, summed over tp before the update."""
     from paddle_pp.training.alignment import check_alignment
 
-    report = check_alignment(checkpoint, ["--sharding", "stage3", "--sharding_parallel_degree", "2",
-                                          "--stage3_segment_size", "1024"], 2, steps=2, work_dir=tmp_path / "stage3")
+    report = check_alignment(checkpoint, NEW_LAYOUTS[layout], 2, steps=2, work_dir=tmp_path / layout)
     assert report.aligned, report.table()
     assert len(report.tensor_diffs) == len(report.gradient_diffs) == len(plan_of(load_config(checkpoint)))
     assert report.worst_gradient_rel <= 1e-5

@@ -20,13 +20,14 @@ from pathlib import Path
 
 from checkpoint.fleet import merge_fleet
 from checkpoint.format import CheckpointError
-from checkpoint.plan import estimate_save, plan_layout, save_items
+from checkpoint.plan import Workload, estimate_save, plan_layout, save_items
 from checkpoint.writers import assign_writers
 from checkpoint.split import join_split, split_checkpoint
 from checkpoint.shards import EXPORT_DTYPES
 from checkpoint.unified_io import export_weights, load_config, rechunk
 from modeling.registry import config_from_dict
 from paddle_pp.runtime.errors import UserError
+from paddle_pp.runtime.flags import add_flags, read_flags
 from paddle_pp.runtime.layout import Layout, add_layout_args
 from paddle_pp.training.report import tensor_progress
 
@@ -37,15 +38,18 @@ def _plan(args) -> int:
     config = load_config(args.checkpoint) if args.checkpoint else config_from_dict(json.loads(args.config.read_text()))
     layout = Layout.from_args(args, world_size=args.world_size, device=args.device)
     compute_bytes = 2 if args.bf16 else 4
-    shares = plan_layout(config, layout, compute_bytes=compute_bytes)
+    workload = read_flags(Workload, args)
+    shares = plan_layout(config, layout, compute_bytes=compute_bytes, workload=workload)
     print(f"layout {layout.describe()} on {layout.world_size} ranks: valid")
-    print(f"{'stage':>5} {'tp':>3} {'params':>12} {'weights MB':>11} {'grads MB':>9} {'optim MB':>9} {'total MB':>9} "
-          f"{'load reads MB':>13}")
+    print(f"{'stage':>5} {'tp':>3} {'params':>12} {'weights MB':>11} {'grads MB':>9} {'optim MB':>9} "
+          f"{'activations MB':>14} {'total MB':>9} {'load reads MB':>13}")
     for s in shares:
         print(f"{s.stage:>5} {s.tp_rank:>3} {s.parameters:>12,} {s.weight_bytes / 2**20:>11.1f} "
-              f"{s.grad_bytes / 2**20:>9.1f} {s.optimizer_bytes / 2**20:>9.1f} {s.total_bytes / 2**20:>9.1f} "
-              f"{s.load_bytes / 2**20:>13.1f}")
-    print("(every dp/sharding rank at a (stage, tp) holds and reads the same; activations not included)")
+              f"{s.grad_bytes / 2**20:>9.1f} {s.optimizer_bytes / 2**20:>9.1f} {s.activation_bytes / 2**20:>14.1f} "
+              f"{s.total_bytes / 2**20:>9.1f} {s.load_bytes / 2**20:>13.1f}")
+    print(f"(every dp/sharding rank at a (stage, tp) holds and reads the same; activations: the decoder layers' at "
+          f"the step's peak for micro-batch {workload.per_device_train_batch_size} x {workload.max_seq_length} tokens"
+          f"{', recompute' if workload.recompute else ''}; embedding, head and loss not included)")
     slots = layout.rank_slots()
     writes = assign_writers(save_items(config, layout, compute_bytes), layout.tp)
     if len(slots) <= args.max_rows:
@@ -86,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     plan = add_layout_args(commands.add_parser("plan", help="validate a layout and size each rank"))
+    add_flags(plan, Workload, "activations (the trainer's flags)")
     source = plan.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", type=Path)
     source.add_argument("--config", type=Path, help="a config.json with model_type")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from modeling.family import ModelFamily
+from modeling.gpt.activations import layer_activation_bytes
 from modeling.gpt import tp_plan
 from modeling.gpt.config import GPTConfig
 from modeling.gpt.modeling import GPTForCausalLM
@@ -17,4 +18,5 @@ GPT = ModelFamily(
     tensor_plan=tp_plan.tensor_plan,
     check_tensor_parallel=tp_plan.check_tensor_parallel,
     tied_groups=tp_plan.tied_groups,
+    layer_activation_bytes=layer_activation_bytes,
 )

@@ -17,12 +17,15 @@ from modeling.gpt import tp_plan
 from modeling.gpt.config import GPTConfig
 from modeling.loss import CausalLMCriterion
 from modeling.recompute import maybe_recompute
+from modeling.sequence_parallel import gather_sequence, gather_tokens, mark_norm, scatter_sequence
+from modeling import sequence_parallel
 from modeling.tp_layers import column_linear, row_linear, tp_degree, vocab_embedding, vocab_logits
 
 
 class GPTAttention(nn.Layer):
     def __init__(self, config: GPTConfig):
         super().__init__()
+        self.config = config
         self.head_dim = config.head_dim
         self.local_heads = config.num_attention_heads // tp_degree(config)
         width = config.hidden_size
@@ -32,9 +35,10 @@ class GPTAttention(nn.Layer):
         self.out_proj = row_linear(config, width, width, bias=True)
 
     def forward(self, hidden):
-        shape = [hidden.shape[0], hidden.shape[1], self.local_heads, self.head_dim]
+        hidden = gather_tokens(hidden, self.config)
+        shape = hidden.shape[:2] + [self.local_heads, self.head_dim]  # [seq, batch, ...] under sequence parallelism
         q, k, v = (proj(hidden).reshape(shape) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        return self.out_proj(causal_attention(q, k, v))
+        return self.out_proj(causal_attention(q, k, v, sequence_parallel.enabled(self.config)))
 
 
 class GPTDecoderLayer(nn.Layer):
@@ -46,12 +50,13 @@ class GPTDecoderLayer(nn.Layer):
         self.self_attn = GPTAttention(config)
         self.linear1 = column_linear(config, config.hidden_size, config.intermediate_size, bias=True)
         self.linear2 = row_linear(config, config.intermediate_size, config.hidden_size, bias=True)
-        self.norm1 = nn.LayerNorm(config.hidden_size, epsilon=config.layer_norm_eps)
-        self.norm2 = nn.LayerNorm(config.hidden_size, epsilon=config.layer_norm_eps)
+        self.norm1 = mark_norm(nn.LayerNorm(config.hidden_size, epsilon=config.layer_norm_eps), config)
+        self.norm2 = mark_norm(nn.LayerNorm(config.hidden_size, epsilon=config.layer_norm_eps), config)
 
     def _block(self, hidden):
         hidden = hidden + self.self_attn(self.norm1(hidden))
-        return hidden + self.linear2(F.gelu(self.linear1(self.norm2(hidden)), approximate=True))
+        mlp_input = gather_tokens(self.norm2(hidden), self.config)
+        return hidden + self.linear2(F.gelu(self.linear1(mlp_input), approximate=True))
 
     def forward(self, hidden):
         return maybe_recompute(self._block, hidden, self.config.recompute, self.training)
@@ -60,19 +65,20 @@ class GPTDecoderLayer(nn.Layer):
 class GPTEmbeddings(nn.Layer):
     def __init__(self, config: GPTConfig):
         super().__init__()
+        self.config = config
         self.word_embeddings = vocab_embedding(config)
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
 
     def forward(self, input_ids):
         positions = paddle.arange(input_ids.shape[-1], dtype="int64").unsqueeze(0)
-        return self.word_embeddings(input_ids) + self.position_embeddings(positions)
+        return scatter_sequence(self.word_embeddings(input_ids) + self.position_embeddings(positions), self.config)
 
 
 class GPTDecoder(nn.Layer):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.layers = nn.LayerList([GPTDecoderLayer(config) for _ in range(config.num_hidden_layers)])
-        self.norm = nn.LayerNorm(config.hidden_size, epsilon=config.layer_norm_eps)
+        self.norm = mark_norm(nn.LayerNorm(config.hidden_size, epsilon=config.layer_norm_eps), config)
 
     def forward(self, hidden):
         for layer in self.layers:
@@ -105,7 +111,7 @@ class GPTForCausalLM(GPTPretrainedModel):
         self.apply(self._init_weights)
 
     def forward(self, input_ids, labels=None):
-        hidden = self.gpt(input_ids)
+        hidden = gather_sequence(self.gpt(input_ids), self.config)
         logits = vocab_logits(hidden, self.gpt.embeddings.word_embeddings.weight, tp_degree(self.config),
                               transpose_y=True)
         if labels is None:

@@ -17,6 +17,7 @@ from modeling.gpt.config import GPTConfig
 from modeling.gpt.modeling import GPTDecoderLayer, GPTEmbeddings, GPTPretrainedModel
 from modeling.loss import CausalLMCriterion
 from modeling.pipeline import bind_tensor_parallel, build_stages
+from modeling.sequence_parallel import gather_sequence, mark_norm
 from modeling.tp_layers import tp_degree, vocab_logits
 
 TIED_KEY = "gpt_tied_embedding"
@@ -31,6 +32,7 @@ class GPTEmbeddingPipe(GPTEmbeddings):
 class GPTLayerNormPipe(nn.LayerNorm):
     def __init__(self, config: GPTConfig):
         super().__init__(config.hidden_size, epsilon=config.layer_norm_eps)
+        mark_norm(self, config)
 
 
 class GPTLMHeadPipe(nn.Layer):
@@ -38,6 +40,7 @@ class GPTLMHeadPipe(nn.Layer):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
+        self.config = config
         self.tp = tp_degree(config)
         self.weight = self.create_parameter(shape=[config.vocab_size // self.tp, config.hidden_size])
         if self.tp > 1:
@@ -49,7 +52,7 @@ class GPTLMHeadPipe(nn.Layer):
         return self.weight
 
     def forward(self, hidden):
-        return vocab_logits(hidden, self.weight, self.tp, transpose_y=True)
+        return vocab_logits(gather_sequence(hidden, self.config), self.weight, self.tp, transpose_y=True)
 
 
 class GPTForCausalLMPipe(PipelinePretrainedModel, PipelineLayer):

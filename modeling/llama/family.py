@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from modeling.family import ModelFamily, TransformersNames
+from modeling.llama.activations import layer_activation_bytes
 from modeling.llama import tp_plan
 from modeling.llama.config import LlamaConfig
 from modeling.llama.modeling import LlamaForCausalLM
@@ -26,6 +27,7 @@ LLAMA = ModelFamily(
     tensor_plan=tp_plan.tensor_plan,
     check_tensor_parallel=tp_plan.check_tensor_parallel,
     tied_groups=tp_plan.tied_groups,
+    layer_activation_bytes=layer_activation_bytes,
     transformers=TransformersNames(
         to_hf=_to_hf, from_hf=_from_hf,
         config_keys=("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

@@ -20,6 +20,8 @@ from modeling.llama.config import LlamaConfig
 from modeling.loss import CausalLMCriterion
 from modeling.tp_layers import column_linear, row_linear, tp_degree, vocab_embedding, vocab_logits
 from modeling.recompute import maybe_recompute
+from modeling.sequence_parallel import gather_sequence, gather_tokens, mark_norm, scatter_sequence
+from modeling import sequence_parallel
 
 
 def reject_tied_embeddings(config: LlamaConfig) -> None:
@@ -45,17 +47,18 @@ class LlamaRMSNorm(nn.Layer):
 
 
 @functools.lru_cache(maxsize=8)
-def _rotary_cos_sin(head_dim: int, theta: float, seq_len: int) -> tuple[paddle.Tensor, paddle.Tensor]:
+def _rotary_cos_sin(head_dim: int, theta: float, seq_len: int, seq_first: bool) -> tuple[paddle.Tensor, paddle.Tensor]:
     inv_freq = 1.0 / (theta ** (paddle.arange(0, head_dim, 2).astype("float32") / head_dim))
     freqs = paddle.einsum("i,j->ij", paddle.arange(seq_len, dtype="float32"), inv_freq)
     emb = paddle.concat([freqs, freqs], axis=-1)
-    return emb.cos()[None, :, None, :], emb.sin()[None, :, None, :]
+    shape = [seq_len, 1, 1, head_dim] if seq_first else [1, seq_len, 1, head_dim]
+    return emb.cos().reshape(shape), emb.sin().reshape(shape)
 
 
-def rotary_tables(config: LlamaConfig, seq_len: int) -> tuple[paddle.Tensor, paddle.Tensor]:
-    """cos and sin tables [1, seq, 1, head_dim] in the half-rotation layout PaddleNLP and HF use,
-    built once per length (they are constants)."""
-    return _rotary_cos_sin(config.head_dim, float(config.rope_theta), seq_len)
+def rotary_tables(config: LlamaConfig, seq_len: int, seq_first: bool = False) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """cos and sin tables [1, seq, 1, head_dim] (or [seq, 1, 1, head_dim] for sequence-first
+    activations) in the half-rotation layout PaddleNLP and HF use, built once per length (they are constants)."""
+    return _rotary_cos_sin(config.head_dim, float(config.rope_theta), seq_len, seq_first)
 
 
 def rotate_half(x):
@@ -86,27 +89,31 @@ class LlamaAttention(nn.Layer):
         self.o_proj = row_linear(config, config.hidden_size, config.hidden_size)
 
     def forward(self, hidden):
-        batch, seq = hidden.shape[0], hidden.shape[1]
-        q = self.q_proj(hidden).reshape([batch, seq, self.local_heads, self.head_dim])
-        k = self.k_proj(hidden).reshape([batch, seq, self.local_kv_heads, self.head_dim])
-        v = self.v_proj(hidden).reshape([batch, seq, self.local_kv_heads, self.head_dim])
-        cos, sin = rotary_tables(self.config, seq)
+        hidden = gather_tokens(hidden, self.config)
+        seq_first = sequence_parallel.enabled(self.config)
+        lead = hidden.shape[:2]  # [batch, seq], or [seq, batch] under sequence parallelism
+        q = self.q_proj(hidden).reshape(lead + [self.local_heads, self.head_dim])
+        k = self.k_proj(hidden).reshape(lead + [self.local_kv_heads, self.head_dim])
+        v = self.v_proj(hidden).reshape(lead + [self.local_kv_heads, self.head_dim])
+        cos, sin = rotary_tables(self.config, lead[0] if seq_first else lead[1], seq_first)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         groups = self.local_heads // self.local_kv_heads
         if groups > 1:
-            k = k.unsqueeze(-2).tile([1, 1, 1, groups, 1]).reshape([batch, seq, self.local_heads, self.head_dim])
-            v = v.unsqueeze(-2).tile([1, 1, 1, groups, 1]).reshape([batch, seq, self.local_heads, self.head_dim])
-        return self.o_proj(causal_attention(q, k, v))
+            k = k.unsqueeze(-2).tile([1, 1, 1, groups, 1]).reshape(lead + [self.local_heads, self.head_dim])
+            v = v.unsqueeze(-2).tile([1, 1, 1, groups, 1]).reshape(lead + [self.local_heads, self.head_dim])
+        return self.o_proj(causal_attention(q, k, v, seq_first))
 
 
 class LlamaMLP(nn.Layer):
     def __init__(self, config: LlamaConfig):
         super().__init__()
+        self.config = config
         self.gate_proj = column_linear(config, config.hidden_size, config.intermediate_size)
         self.up_proj = column_linear(config, config.hidden_size, config.intermediate_size)
         self.down_proj = row_linear(config, config.intermediate_size, config.hidden_size)
 
     def forward(self, x):
+        x = gather_tokens(x, self.config)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -116,8 +123,8 @@ class LlamaDecoderLayer(nn.Layer):
         self.config = config
         self.self_attn = LlamaAttention(config)
         self.mlp = LlamaMLP(config)
-        self.input_layernorm = LlamaRMSNorm(config)
-        self.post_attention_layernorm = LlamaRMSNorm(config)
+        self.input_layernorm = mark_norm(LlamaRMSNorm(config), config)
+        self.post_attention_layernorm = mark_norm(LlamaRMSNorm(config), config)
 
     def _block(self, hidden):
         hidden = hidden + self.self_attn(self.input_layernorm(hidden))
@@ -132,6 +139,7 @@ class LlamaLMHead(nn.Layer):
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
+        self.config = config
         self.tp = tp_degree(config)
         self.weight = self.create_parameter(shape=[config.hidden_size, config.vocab_size // self.tp])
         if self.tp > 1:
@@ -139,7 +147,7 @@ class LlamaLMHead(nn.Layer):
             self.weight.split_axis = 1
 
     def forward(self, hidden):
-        return vocab_logits(hidden, self.weight, self.tp, transpose_y=False)
+        return vocab_logits(gather_sequence(hidden, self.config), self.weight, self.tp, transpose_y=False)
 
 
 class LlamaPretrainedModel(CausalLMPretrainedModel):
@@ -154,10 +162,10 @@ class LlamaModel(LlamaPretrainedModel):
         tp_plan.check_tensor_parallel(config, tp_degree(config))
         self.embed_tokens = vocab_embedding(config)
         self.layers = nn.LayerList([LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)])
-        self.norm = LlamaRMSNorm(config)
+        self.norm = mark_norm(LlamaRMSNorm(config), config)
 
     def forward(self, input_ids):
-        hidden = self.embed_tokens(input_ids)
+        hidden = scatter_sequence(self.embed_tokens(input_ids), self.config)
         for layer in self.layers:
             hidden = layer(hidden)
         return self.norm(hidden)

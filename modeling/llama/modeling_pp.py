@@ -22,22 +22,24 @@ from modeling.llama.modeling import (
 )
 from modeling.loss import CausalLMCriterion
 from modeling.pipeline import bind_tensor_parallel, build_stages
+from modeling.sequence_parallel import mark_norm, scatter_sequence
 from modeling.tp_layers import vocab_embedding
 
 
 class LlamaEmbeddingPipe(nn.Layer):
     def __init__(self, config: LlamaConfig):
         super().__init__()
+        self.config = config
         self.embed_tokens = vocab_embedding(config)
 
     def forward(self, input_ids):
-        return self.embed_tokens(input_ids)
+        return scatter_sequence(self.embed_tokens(input_ids), self.config)
 
 
 class LlamaRMSNormPipe(nn.Layer):
     def __init__(self, config: LlamaConfig):
         super().__init__()
-        self.norm = LlamaRMSNorm(config)
+        self.norm = mark_norm(LlamaRMSNorm(config), config)
 
     def forward(self, hidden):
         return self.norm(hidden)

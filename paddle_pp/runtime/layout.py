@@ -47,6 +47,7 @@ class Layout:
     virtual_pp_degree: int = 1
     hybrid_parallel_topo_order: str = "pp_first"
     device: str = "cpu"
+    sequence_parallel: bool = False
     dp: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -56,6 +57,10 @@ class Layout:
             raise LayoutError(
                 f"--sharding {self.sharding!r} is not a sharding stage; use one of {', '.join(SHARDING_STAGES)}."
             )
+        if len(self.sharding.split()) > 1:
+            raise LayoutError(
+                f"--sharding {self.sharding!r}: options after the stage ({' '.join(self.sharding.split()[1:])}) "
+                f"are not supported (no CPU offload is implemented); pass --sharding {stage} alone.")
         if self.sharding_parallel_degree == -1:
             rest = self.world_size // (self.tensor_parallel_degree * self.pipeline_parallel_degree)
             object.__setattr__(self, "sharding_parallel_degree", rest if stage else 1)
@@ -95,6 +100,15 @@ class Layout:
                 "Paddle's interleaved schedule on GPU (it asserts pp > 2: NCCL could pair the two messages to "
                 "the single neighbour wrongly); use pp >= 3. The CPU backend routes them apart and allows it."
             )
+        if self.sequence_parallel and self.tensor_parallel_degree < 2:
+            raise LayoutError(
+                "--sequence_parallel needs --tensor_parallel_degree >= 2: it splits along the sequence what tensor "
+                "parallelism would hold whole on every tp rank; add tensor parallelism or drop --sequence_parallel.")
+        if self.sequence_parallel and stage in GROUP_SHARDED_LEVELS:
+            raise LayoutError(
+                f"--sequence_parallel with --sharding {stage} is not supported yet (its tp gradient all-reduce and "
+                f"{stage}'s gradient reduction both hook the backward pass; their order is untested here); use "
+                "--sharding stage1 with --sequence_parallel, or drop one of them.")
         if self.hybrid_parallel_topo_order not in TOPO_ORDERS:
             raise LayoutError(
                 f"--hybrid_parallel_topo_order {self.hybrid_parallel_topo_order!r} is unknown; "
@@ -136,7 +150,7 @@ class Layout:
 
     @property
     def sharding_stage(self) -> str:
-        """The stage word of `--sharding` ("stage1 offload" -> "stage1"), or "" when unsharded."""
+        """The stage word of `--sharding` ("stage1"), or "" when unsharded (options after it are refused)."""
         words = self.sharding.split()
         return words[0] if words else ""
 
@@ -179,7 +193,7 @@ class Layout:
         return {"describe": self.describe(), "world_size": self.world_size, "tensor_parallel_degree": self.tp,
                 "pipeline_parallel_degree": self.pp, "sharding_parallel_degree": self.sharding_degree,
                 "data_parallel_degree": self.dp, "virtual_pp_degree": self.vpp,
-                "sharding": self.sharding_stage}
+                "sharding": self.sharding_stage, "sequence_parallel": self.sequence_parallel}
 
     def describe(self) -> str:
         text = f"dp{self.dp} x sharding{self.sharding_degree} x tp{self.tp} x pp{self.pp}"
@@ -187,7 +201,16 @@ class Layout:
             text += f" ({self.sharding_stage})"
         if self.vpp > 1:
             text += f" (vpp{self.vpp})"
+        if self.sequence_parallel:
+            text += " + SP"
         return text
+
+    def check_sequence_length(self, seq_len: int) -> None:
+        """Sequence parallelism cuts every sequence into tp equal runs of positions."""
+        if self.sequence_parallel and seq_len % self.tp:
+            raise LayoutError(
+                f"--max_seq_length {seq_len} is not divisible by --tensor_parallel_degree {self.tp}, which "
+                f"--sequence_parallel splits it over; use a multiple of {self.tp} or drop --sequence_parallel.")
 
     @classmethod
     def from_args(cls, args: LayoutArguments | argparse.Namespace, world_size: int | None = None, device: str | None = None) -> "Layout":
@@ -200,6 +223,7 @@ class Layout:
             virtual_pp_degree=args.virtual_pp_degree,
             hybrid_parallel_topo_order=args.hybrid_parallel_topo_order,
             device=device if device is not None else launched_device(),
+            sequence_parallel=args.sequence_parallel,
         )
 
 
@@ -234,6 +258,9 @@ class LayoutArguments:
     stage3_segment_size: int = flag(
         2**20, "stage3 slices only parameters of more elements than this (Paddle's segment_size); smaller ones "
         "stay whole on every sharding rank")
+    sequence_parallel: bool = flag(
+        False, "with tp: split the norm and residual activations along the sequence over the tp ranks "
+        "(reduce-scatter / all-gather in place of TP's all-reduce); the sequence length must divide by tp")
     hybrid_parallel_topo_order: str = flag(
         "pp_first", "rank order: pp_first = dp,pp,sharding,mp; sharding_first = dp,sharding,pp,mp",
         choices=sorted(TOPO_ORDERS))

@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     write_result({"rank": trainer.topo.global_rank, "losses": [r["loss"] for r in history if "loss" in r],
                   "trained_steps": [r["step"] for r in history if "loss" in r],
                   "grad_norms": [r["grad_norm"] for r in history if "loss" in r],
+                  "tokens_per_sec": [r["tokens_per_sec"] for r in history if "loss" in r],
                   "eval_loss": history[-1].get("eval_loss") if history else None,
                   "dataset_built": trainer.train_data is not None, "stage": trainer.topo.pp_rank,
                   "held_elements": trainer.held_after_last_step})

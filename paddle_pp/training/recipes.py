@@ -36,7 +36,8 @@ NO_EFFECT = {  # field: why it changes nothing that is trained here
                      "enable_linear_fused_grad_add", "fuse_attention_qkv", "fuse_attention_ffn",
                      "tensor_parallel_output"), "a kernel or fusion choice; the same arithmetic"),
     **dict.fromkeys(("pipeline_parallel_config", "tensor_parallel_config", "sharding_parallel_config",
-                     "sharding_comm_buffer_size_MB"), "communication scheduling options"),
+                     "sharding_comm_buffer_size_MB", "fuse_sequence_parallel_allreduce"),
+                    "communication scheduling options"),
     **dict.fromkeys(("dataloader_num_workers", "distributed_dataloader", "skip_warmup", "share_folder",
                      "skip_profile_timer", "autotuner_benchmark", "device", "overwrite_output_dir",
                      "per_device_eval_batch_size", "do_train", "do_eval", "do_predict", "num_train_epochs",
@@ -49,7 +50,6 @@ NO_EFFECT = {  # field: why it changes nothing that is trained here
 
 
 CHECKED: dict[str, tuple[Callable[[dict], bool], str]] = {  # field: (is its value trainable here?, why not)
-    "sequence_parallel": (lambda v: not v["sequence_parallel"], "sequence parallelism is not implemented yet"),
     "recompute_granularity": (lambda v: v["recompute_granularity"] == "full",
                               "only full-layer recompute is implemented"),
     "decay_steps": (lambda v: v["decay_steps"] in (None, v.get("max_steps")), "the decay always ends at max_steps"),

@@ -23,6 +23,7 @@ from checkpoint.save import PendingSave, save_checkpoint
 from checkpoint.single_card_state import init_single_card_weights
 from checkpoint.optimizer_state import states_by_parameter
 from checkpoint.stage3 import SLICE_PREFIX, is_sliced
+from modeling import sequence_parallel
 from modeling.registry import build_causal_lm, plan_of, validate_layout
 from modeling.tp_plan import split_axes
 from paddle_pp.data.sampler import SequentialBatches
@@ -91,6 +92,7 @@ class Pretrainer:
         self.args = args
         data, optim = args.data, args.optim
         self.layout = Layout.from_args(args.layout)
+        self.layout.check_sequence_length(data.max_seq_length)
         self.batches = plan_batches(data, self.layout)
         self.compute_dtype = precision.compute_dtype(optim.bf16, optim.fp16, optim.amp_master_grad, self.layout.device)
         # found before the output_dir lock: `latest` only ever moves forward, and a live writer fails the lock
@@ -134,6 +136,7 @@ class Pretrainer:
         else:  # weights before the wrappers take the model (stage3 slices what it finds), states after
             resumed = load_checkpoint(self.resume_dir, raw, None, self.topo, self.axes)
         self.criterion = getattr(raw, "criterion", None)
+        sequence_parallel.register_gradient_allreduce(raw, self.config, self.batches.accumulate_steps)
         self.clip = ReportingGlobalNormClip(optim.max_grad_norm)
         optimizer = _build_optimizer(raw, optim, self.schedule, self.clip)
         raw, optimizer = precision.decorate(raw, optimizer, self.compute_dtype, optim.amp_master_grad)

@@ -56,12 +56,14 @@ def _group_or_default(group: Any) -> Any:
 # ---------------------------------------------------------------- tensor-parallel ops (mp_ops)
 
 class _CopyToParallel(PyLayer):
-    """Identity forward, all-reduce backward: replaces `_C_ops.c_identity` (no CPU kernel)."""
+    """Identity forward, all-reduce backward: replaces `_C_ops.c_identity` (no CPU kernel). The output
+    is a view of the input (returning the input itself is an in-place op to PyLayer), so the q, k and
+    v projections of one input keep one copy of it for backward, not three."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return x.clone()
+        return x.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
@@ -421,6 +423,29 @@ def _patch_group_sharded() -> None:
     param_storage.add_rank_params = _param_storage_on_host(_require(param_storage, "add_rank_params"))
 
 
+# ---------------------------------------------------------------- sequence parallelism
+
+def _sequence_reduce_scatter(input):
+    """`sequence_parallel_utils.reduce_scatter` calls `dist.stream.reduce_scatter(sync_op=True)`,
+    which gloo lacks ("ProcessGroupGLOO does not support reduce_scatter with sync_op flag",
+    process_group.h:211): all-reduce over the mp group, then keep this rank's rows of axis 0."""
+    from paddle.distributed import fleet
+
+    group = fleet.get_hybrid_communicate_group().get_model_parallel_group()
+    if input.shape[0] % group.nranks:
+        raise ValueError(f"sequence length {input.shape[0]} does not split over {group.nranks} tensor-parallel ranks")
+    summed = input.clone()
+    dist.all_reduce(summed, group=group)
+    rows = input.shape[0] // group.nranks
+    return summed[group.rank * rows:(group.rank + 1) * rows].clone()
+
+
+def _patch_sequence_parallel() -> None:
+    from paddle.distributed.fleet.utils import sequence_parallel_utils
+
+    _replace(sequence_parallel_utils, "reduce_scatter", _sequence_reduce_scatter)  # ReduceScatterOp, AllGatherOp's grad
+
+
 # ---------------------------------------------------------------- gloo group creation
 
 def _endpoint_host() -> str:
@@ -525,4 +550,5 @@ def apply() -> None:
     _patch_pipeline_p2p()
     _patch_group_creation()
     _patch_group_sharded()
+    _patch_sequence_parallel()
     _applied = True

@@ -1,0 +1,33 @@
+"""What one LLaMA decoder layer keeps for backward on a rank, by sublayer: the planner's activation
+model, equal byte for byte to what `paddle_pp.training.activations` measures in fp32 (tested).
+
+T = batch x seq tokens, h hidden, f intermediate, t tp ranks; n = t under sequence parallelism,
+else 1 (the norms are the only activations TP leaves whole and SP splits). Each projection group
+keeps its input once (q, k and v share one; gate and up share one), full-size with or without SP.
+"""
+
+from __future__ import annotations
+
+FP32_BYTES = 4  # norm statistics and attention probabilities stay fp32
+
+
+def layer_activation_bytes(config, batch: int, seq_len: int, tp: int, sequence_parallel: bool,
+                           dtype_bytes: int = 4) -> dict[str, int]:
+    tokens, h, f, c = batch * seq_len, config.hidden_size, config.intermediate_size, dtype_bytes
+    n = tp if sequence_parallel else 1
+    kv_width = config.num_key_value_heads * config.head_dim
+    scores = batch * (config.num_attention_heads // tp) * seq_len * seq_len
+    norm = (2 * tokens * h * c + tokens * FP32_BYTES) // n  # its input, the normalised input, 1/rms
+    attention = (  # rotary: input, expanded cos, rotated input, expanded sin, for q and for k;
+        # then scaled q, k and v (repeated to every head), probabilities and the causal mask
+        (4 * tokens * h + 4 * tokens * kv_width + 3 * tokens * h) // tp * c + scores * (FP32_BYTES + 1))
+    return {
+        "input_layernorm": norm,
+        "self_attn.q_proj": tokens * h * c,
+        "self_attn": attention,
+        "self_attn.o_proj": tokens * h // tp * c,
+        "post_attention_layernorm": norm,
+        "mlp.gate_proj": tokens * h * c,
+        "mlp": 3 * tokens * f // tp * c,  # gate and up outputs, silu(gate)
+        "mlp.down_proj": tokens * f // tp * c,
+    }
