@@ -5,7 +5,7 @@ real tp processes (`paddle_pp.training.activations`: every tensor an op or PyLay
 once, parameters left out) for tp1, tp2 and tp2 + SP, next to the planner's model of the same
 bytes. Target (issue 16): the norm activations at 1/tp with SP. Time: run_pretrain.py at tp2 with
 and without --sequence_parallel on the same model and data, median tokens/s of the steps after
-the first two. Writes bench/results/activation_memory.json.
+the first two, per run; medians of --repeats alternating runs. Writes bench/results/activation_memory.json.
 
   .venv/bin/python bench/activation_memory.py --hidden_size 1024 --max_seq_length 512
 """
@@ -46,6 +46,7 @@ def main() -> None:
     parser.add_argument("--max_seq_length", type=int, default=512)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     shape = [args.batch, args.max_seq_length, args.hidden_size, args.intermediate_size, args.num_attention_heads,
              args.num_attention_heads]
@@ -76,15 +77,19 @@ def main() -> None:
                  "--gradient_accumulation_steps", "1", "--max_steps", str(args.steps), "--warmup_steps", "1",
                  "--eval_steps", "0", "--disable_progress_bar", "--tensor_parallel_degree", "2",
                  "--data_cache", f"{tmp}/cache"]
-        speed = {}
-        for name, extra in (("tp2", []), ("tp2 + SP", ["--sequence_parallel"])):
-            (rank0, *_) = launch(REPO / "run_pretrain.py", 2, [*model, *extra, "--output_dir", f"{tmp}/{name}_out"],
-                                 work_dir=Path(tmp) / f"{name}_run", timeout=1800)
-            speed[name] = statistics.median(rank0["tokens_per_sec"][2:])
-            print(f"{name:>9}: {speed[name]:.0f} tokens/s (median of steps 3-{args.steps})", flush=True)
-    print(f"tp2 + SP / tp2 speed: {speed['tp2 + SP'] / speed['tp2']:.3f}")
+        runs: dict[str, list[float]] = {"tp2": [], "tp2 + SP": []}
+        for repeat in range(args.repeats):  # alternating, so drift in the machine hits both alike
+            for name, extra in (("tp2", []), ("tp2 + SP", ["--sequence_parallel"])):
+                (rank0, *_) = launch(REPO / "run_pretrain.py", 2,
+                                     [*model, *extra, "--output_dir", f"{tmp}/{name}_{repeat}_out"],
+                                     work_dir=Path(tmp) / f"{name}_{repeat}_run", timeout=1800)
+                runs[name].append(statistics.median(rank0["tokens_per_sec"][2:]))
+                print(f"{name:>9}: {runs[name][-1]:.0f} tokens/s (median of steps 3-{args.steps})", flush=True)
+    speed = {name: statistics.median(values) for name, values in runs.items()}
+    print(f"tp2 + SP / tp2 speed: {speed['tp2 + SP'] / speed['tp2']:.3f} (medians of {args.repeats} runs each; "
+          + "; ".join(f"{name} {min(v):.0f}-{max(v):.0f}" for name, v in runs.items()) + ")")
     out = {**machine(), "measured": time.strftime("%Y-%m-%d"), "shape": vars(args), "memory": memory,
-           "norm_ratio": norm_ratio, "layer_ratio": layer_ratio, "tokens_per_sec": speed,
+           "norm_ratio": norm_ratio, "layer_ratio": layer_ratio, "tokens_per_sec": speed, "runs": runs,
            "speed_ratio": speed["tp2 + SP"] / speed["tp2"]}
     (REPO / "bench" / "results" / "activation_memory.json").write_text(json.dumps(out, indent=1))
 

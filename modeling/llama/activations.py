@@ -15,12 +15,11 @@ def layer_activation_bytes(config, batch: int, seq_len: int, tp: int, sequence_p
                            dtype_bytes: int = 4) -> dict[str, int]:
     tokens, h, f, c = batch * seq_len, config.hidden_size, config.intermediate_size, dtype_bytes
     n = tp if sequence_parallel else 1
-    kv_width = config.num_key_value_heads * config.head_dim
     scores = batch * (config.num_attention_heads // tp) * seq_len * seq_len
     norm = (2 * tokens * h * c + tokens * FP32_BYTES) // n  # its input, the normalised input, 1/rms
-    attention = (  # rotary: input, expanded cos, rotated input, expanded sin, for q and for k;
-        # then scaled q, k and v (repeated to every head), probabilities and the causal mask
-        (4 * tokens * h + 4 * tokens * kv_width + 3 * tokens * h) // tp * c + scores * (FP32_BYTES + 1))
+    rotary_tables = 2 * seq_len * config.head_dim * FP32_BYTES  # cos and sin, shared by q and k (and every layer)
+    # scaled q, k and v (repeated to every head), probabilities and the causal mask
+    attention = 3 * tokens * h // tp * c + rotary_tables + scores * (FP32_BYTES + 1)
     return {
         "input_layernorm": norm,
         "self_attn.q_proj": tokens * h * c,

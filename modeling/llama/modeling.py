@@ -12,6 +12,7 @@ import functools
 import paddle
 import paddle.nn.functional as F
 from paddle import nn
+from paddle.autograd import PyLayer
 
 from modeling.attention import causal_attention
 from modeling.base import CausalLMPretrainedModel
@@ -67,11 +68,29 @@ def rotate_half(x):
     return paddle.concat([-second, first], axis=-1)
 
 
+class _Rotary(PyLayer):
+    """x * cos + rotate_half(x) * sin with a backward that keeps only the (constant) tables.
+    Autograd keeps four activation-sized tensors per call (x, the expanded cos, rotate_half(x), the
+    expanded sin: 8 of a tp2 layer's 45 MB in docs/benchmarks.md); the gradient needs none of them:
+    dx = dy * cos + rotate_half^T(dy * sin), where rotate_half^T([g1, g2]) = [g2, -g1]."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        # expanded first: a product broadcasting over inner axes is 10x slower on CPU
+        return x * cos.expand(x.shape) + rotate_half(x) * sin.expand(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        cos, sin = ctx.saved_tensor()
+        first, second = paddle.split(dy * sin.expand(dy.shape), 2, axis=-1)
+        return dy * cos.expand(dy.shape) + paddle.concat([second, -first], axis=-1), None, None
+
+
 def apply_rotary(x, cos, sin):
-    """Rotate [batch, seq, heads, head_dim] by position. The tables are expanded to x's shape
-    first: a product broadcasting over inner axes is 10x slower on CPU, with its backward."""
-    cos, sin = cos.expand(x.shape), sin.expand(x.shape)
-    return x * cos + rotate_half(x) * sin
+    """Rotate [batch, seq, heads, head_dim] (or sequence first) by position; cos and sin are the
+    broadcastable tables of `rotary_tables`."""
+    return _Rotary.apply(x, cos, sin)
 
 
 class LlamaAttention(nn.Layer):
