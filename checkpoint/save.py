@@ -46,6 +46,7 @@ class _Entry:
     axis: int | None
     tp_gather: bool  # this rank's tp group gathers it
     mine: bool  # this rank writes it
+    writer: int  # the tp rank that writes it
 
 
 @dataclass
@@ -128,7 +129,7 @@ def _shard(kind: str, tensors: dict, plan: WritePlan, topo: Topology) -> _Shard:
             takes_part = ours and (split or mine)
         if not takes_part:
             continue
-        shard.entries.append(_Entry(name, tensor, axis, split and ours, mine))
+        shard.entries.append(_Entry(name, tensor, axis, split and ours, mine, writer))
         if mine:
             shard.specs.append(TensorSpec(name, _written_dtype(kind, tensor),
                                           tuple(single_card_shape(tensor.shape, axis, tp))))
@@ -140,9 +141,9 @@ def _assembled(shard: _Shard, topo: Topology, cast: str | None, borrow: bool) ->
     (views of live tensors where `borrow` allows, see `replicas.host_array`)."""
     for entry in shard.entries:
         local = (entry.local.gather() if isinstance(entry.local, FlatSlice) else entry.local).detach()
-        if entry.tp_gather:
-            parts: list = []
-            dist.all_gather(parts, local, group=topo.tp_group)
+        if entry.tp_gather:  # to the writer only: an all-gather would send every piece to every tp rank
+            parts = [paddle.empty_like(local) for _ in range(topo.layout.tp)] if entry.mine else []
+            dist.gather(local, parts, dst=topo.tp_group.ranks[entry.writer], group=topo.tp_group)
             if entry.mine:
                 yield np.concatenate([host_array(p, cast, borrow) for p in parts], axis=entry.axis)
         elif entry.mine:

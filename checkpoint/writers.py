@@ -35,7 +35,7 @@ class WritePlan:
 
     writer: dict[tuple[str, str], Slot]
     written: dict[Slot, int]  # bytes each rank writes
-    received: dict[Slot, int]  # bytes each rank receives in TP gathers
+    received: dict[Slot, int]  # bytes each rank receives in TP gathers (as the writer of split tensors)
 
 
 def assign_writers(items: Iterable[WriteItem], tp: int) -> WritePlan:
@@ -50,9 +50,8 @@ def assign_writers(items: Iterable[WriteItem], tp: int) -> WritePlan:
         slot = min(candidates, key=lambda c: (written[c], c))
         written[slot] += item.nbytes
         writer[(item.kind, item.name)] = slot
-        if item.split and tp > 1:
-            for t in range(tp):
-                received[(slot[0], slot[1], t)] += item.nbytes * (tp - 1) // tp
+        if item.split and tp > 1:  # gathered to the writer: the other tp ranks' pieces
+            received[slot] += item.nbytes * (tp - 1) // tp
     return WritePlan(writer, dict(written), dict(received))
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from runs import GPT, PP2, RESUME_STEP, SINGLE, SINGLE_GPT, TP2, Run, final_weight_drifts
+from runs import GPT, HALF, PP2, RESUME_STEP, SINGLE, SINGLE_GPT, TP2, Run, final_weight_drifts
 
 from checkpoint.plan import Workload, decoder_activation_bytes
 from modeling.registry import config_from_dict, family
@@ -50,11 +50,18 @@ def test_sequence_parallel_trains_like_single_card(pretrain_run, run, reference)
     assert max(drifts.values()) < PARITY_RTOL, max(drifts.items(), key=lambda item: item[1])
 
 
+SINGLE_FIRST_HALF = Run("first_llama_single", 1, HALF)  # the checkpoint suite's 10 single-card steps and save
+SP_RESUMES = {  # the checkpoint does not depend on SP: either way the single-card curve continues
+    "tp2_sp->single": Run("tp2_sp_to_single", 1, (), resume_from=TP2_SP),
+    "single->tp2_sp": Run("single_to_tp2_sp", 2, TP2 + ("--sequence_parallel",), resume_from=SINGLE_FIRST_HALF),
+}
+
+
 @pytest.mark.multiproc
-def test_checkpoint_saved_with_sequence_parallel_resumes_on_one_card(pretrain_run):
-    """The checkpoint does not depend on SP: tp2 + SP's step-10 save continues the single-card curve."""
+@pytest.mark.parametrize("pair", list(SP_RESUMES))
+def test_checkpoints_move_between_sequence_parallel_and_single_card(pretrain_run, pair):
     reference = _history(pretrain_run, SINGLE)
-    result = _history(pretrain_run, Run("tp2_sp_to_single", 1, (), resume_from=TP2_SP))
+    result = _history(pretrain_run, SP_RESUMES[pair])
     np.testing.assert_allclose(result["losses"], reference["losses"][RESUME_STEP:], rtol=RESUME_RTOL)
 
 
