@@ -33,3 +33,14 @@ def causal_attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, seq_f
     if seq_first:
         return out.transpose([2, 0, 1, 3]).reshape([seq, batch, heads * head_dim])
     return out.transpose([0, 2, 1, 3]).reshape([batch, seq, heads * head_dim])
+
+
+FP32_BYTES = 4  # the softmax (and the norms' statistics) stay fp32 whatever the compute dtype
+
+
+def causal_attention_saved_bytes(batch: int, seq_len: int, heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """What `causal_attention` keeps for backward on `heads` local heads: the scaled q, k and v,
+    the fp32 probabilities and the boolean causal mask (the planner's activation model, tested
+    equal to the measured bytes)."""
+    scores = batch * heads * seq_len * seq_len
+    return 3 * batch * seq_len * heads * head_dim * dtype_bytes + scores * (FP32_BYTES + 1)

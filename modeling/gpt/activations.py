@@ -8,19 +8,18 @@ saved input, full-size with or without SP.
 
 from __future__ import annotations
 
-FP32_BYTES = 4  # norm statistics and attention probabilities stay fp32
+from modeling.attention import FP32_BYTES, causal_attention_saved_bytes
 
 
 def layer_activation_bytes(config, batch: int, seq_len: int, tp: int, sequence_parallel: bool,
                            dtype_bytes: int = 4) -> dict[str, int]:
     tokens, h, f, c = batch * seq_len, config.hidden_size, config.intermediate_size, dtype_bytes
     n = tp if sequence_parallel else 1
-    scores = batch * (config.num_attention_heads // tp) * seq_len * seq_len
     norm = (tokens * h * c + 2 * tokens * FP32_BYTES) // n  # its input, mean and variance
     return {
         "norm1": norm,
         "self_attn.q_proj": tokens * h * c,
-        "self_attn": 3 * tokens * h // tp * c + scores * (FP32_BYTES + 1),  # q, k, v; probabilities; mask
+        "self_attn": causal_attention_saved_bytes(batch, seq_len, config.num_attention_heads // tp, config.head_dim, c),
         "self_attn.out_proj": tokens * h // tp * c,
         "norm2": norm,
         "linear1": tokens * h * c,

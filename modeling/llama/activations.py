@@ -8,18 +8,18 @@ keeps its input once (q, k and v share one; gate and up share one), full-size wi
 
 from __future__ import annotations
 
-FP32_BYTES = 4  # norm statistics and attention probabilities stay fp32
+from modeling.attention import FP32_BYTES, causal_attention_saved_bytes
 
 
 def layer_activation_bytes(config, batch: int, seq_len: int, tp: int, sequence_parallel: bool,
                            dtype_bytes: int = 4) -> dict[str, int]:
     tokens, h, f, c = batch * seq_len, config.hidden_size, config.intermediate_size, dtype_bytes
     n = tp if sequence_parallel else 1
-    scores = batch * (config.num_attention_heads // tp) * seq_len * seq_len
     norm = (2 * tokens * h * c + tokens * FP32_BYTES) // n  # its input, the normalised input, 1/rms
     rotary_tables = 2 * seq_len * config.head_dim * FP32_BYTES  # cos and sin, shared by q and k (and every layer)
-    # scaled q, k and v (repeated to every head), probabilities and the causal mask
-    attention = 3 * tokens * h // tp * c + rotary_tables + scores * (FP32_BYTES + 1)
+    # k and v reach the attention core repeated to every head
+    attention = rotary_tables + causal_attention_saved_bytes(batch, seq_len, config.num_attention_heads // tp,
+                                                             config.head_dim, c)
     return {
         "input_layernorm": norm,
         "self_attn.q_proj": tokens * h * c,
