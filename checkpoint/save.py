@@ -3,8 +3,9 @@
 Who writes what is `checkpoint.writers.assign_writers`: every rank of the job, data replicas
 included, takes a share balanced by bytes, from the lowest pipeline stage holding each tensor (a
 tied embedding held by the first and last stage is written once); a tensor split by TP is
-all-gathered over the writer's tp group; a stage3 flat slice first over its sharding group (the
-whole sharding group of the writer's dp rank takes part, one tensor at a time). Each writer
+gathered to the writer over its tp group; a stage3 flat slice first over its sharding group, to
+the member in the writer's data replica (the whole sharding group of the writer's dp rank takes
+part, one tensor at a time). Each writer
 writes one shard file per kind, whose index entry records its rank. Shard headers are written
 from the planned shapes before any data, so a synchronous save streams one tensor at a time.
 """
@@ -47,6 +48,7 @@ class _Entry:
     tp_gather: bool  # this rank's tp group gathers it
     mine: bool  # this rank writes it
     writer: int  # the tp rank that writes it
+    slice_root: int  # the sharding rank in the writer's data replica (a stage3 slice is gathered there)
 
 
 @dataclass
@@ -129,7 +131,7 @@ def _shard(kind: str, tensors: dict, plan: WritePlan, topo: Topology) -> _Shard:
             takes_part = ours and (split or mine)
         if not takes_part:
             continue
-        shard.entries.append(_Entry(name, tensor, axis, split and ours, mine, writer))
+        shard.entries.append(_Entry(name, tensor, axis, split and ours, mine, writer, replica % sharding))
         if mine:
             shard.specs.append(TensorSpec(name, _written_dtype(kind, tensor),
                                           tuple(single_card_shape(tensor.shape, axis, tp))))
@@ -140,7 +142,12 @@ def _assembled(shard: _Shard, topo: Topology, cast: str | None, borrow: bool) ->
     """Drive every gather of the shard's entries in order; yield the tensors this rank writes
     (views of live tensors where `borrow` allows, see `replicas.host_array`)."""
     for entry in shard.entries:
-        local = (entry.local.gather() if isinstance(entry.local, FlatSlice) else entry.local).detach()
+        local = entry.local
+        if isinstance(local, FlatSlice):
+            local = local.gather(entry.slice_root)
+            if local is None:  # a sharding peer outside the writer's replica: it only sent its slice
+                continue
+        local = local.detach()
         if entry.tp_gather:  # to the writer only: an all-gather would send every piece to every tp rank
             parts = [paddle.empty_like(local) for _ in range(topo.layout.tp)] if entry.mine else []
             dist.gather(local, parts, dst=topo.tp_group.ranks[entry.writer], group=topo.tp_group)

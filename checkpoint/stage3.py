@@ -30,10 +30,15 @@ class FlatSlice:
         self.piece, self.shape, self.rank, self.group = piece, list(shape), rank, group
         self.dtype = piece.dtype
 
-    def gather(self) -> paddle.Tensor:
-        """The whole tensor, from every rank's piece (a collective over the sharding group)."""
-        parts: list = []
-        dist.all_gather(parts, self.piece.detach().reshape([-1]), group=self.group)
+    def gather(self, root: int) -> paddle.Tensor | None:
+        """The whole tensor on sharding rank `root`, from every rank's piece (a collective over the
+        sharding group; None on the other ranks, which only send: an all-gather would give every
+        rank the whole tensor)."""
+        piece = self.piece.detach().reshape([-1])
+        parts = [paddle.empty_like(piece) for _ in range(self.group.nranks)] if self.rank == root else []
+        dist.gather(piece, parts, dst=self.group.ranks[root], group=self.group)
+        if self.rank != root:
+            return None
         return paddle.concat(parts)[: int(np.prod(self.shape))].reshape(self.shape)
 
     def assign(self, array: np.ndarray) -> None:
