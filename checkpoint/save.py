@@ -2,12 +2,14 @@
 
 Who writes what is `checkpoint.writers.assign_writers`: every rank of the job, data replicas
 included, takes a share balanced by bytes, from the lowest pipeline stage holding each tensor (a
-tied embedding held by the first and last stage is written once); a tensor split by TP is
-gathered to the writer over its tp group; a stage3 flat slice first over its sharding group, to
-the member in the writer's data replica (the whole sharding group of the writer's dp rank takes
-part, one tensor at a time). Each writer
-writes one shard file per kind, whose index entry records its rank. Shard headers are written
-from the planned shapes before any data, so a synchronous save streams one tensor at a time.
+tied embedding held by the first and last stage is written once). Each writer writes one shard
+file per kind, whose index entry records its rank. A tensor split by TP is not gathered: every tp
+rank of the writer's replica computes the writer's file layout from the same plan and writes its
+piece into its place (`shards.PieceWriter`), and the file's CRC-32 is combined from the pieces'
+(`crc32_ranges`) at commit. A stage3 flat slice is first gathered over its sharding group, to the
+member in the writer's data replica (the whole sharding group of the writer's dp rank takes part,
+one tensor at a time). Shard headers are written from the planned shapes before any data, so a
+synchronous save streams one tensor at a time.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from typing import Iterator
 
 import numpy as np
 import paddle
-import paddle.distributed as dist
 
 from checkpoint import commit as commits
+from checkpoint import crc32_ranges
 from checkpoint.durable import fsync_file, write_json_durably
 from checkpoint.format import (
     CONFIG_FILE, FORMAT_VERSION, GRADIENTS, MODEL, OPTIMIZER, STATE_SEPARATOR, TRAINER_STATE_FILE, index_name, shard_name,
@@ -30,31 +32,42 @@ from checkpoint.format import (
 )
 from checkpoint.optimizer_state import state_tp_axis, states_by_parameter
 from checkpoint.replicas import host_array, judge_replicas, replica_fingerprints
-from checkpoint.shards import TensorSpec, write_shard
+from checkpoint.shards import CHECKSUM, PieceWriter, TensorSpec, shard_layout, write_shard
 from checkpoint.stage3 import FlatSlice, as_saved, model_tensors, slice_param_name
-from checkpoint.writers import WritePlan, assign_writers, items_from_holdings
+from checkpoint.writers import Slot, WritePlan, assign_writers, items_from_holdings
 from modeling.registry import family_of
 from modeling.tp_plan import single_card_shape
 from paddle_pp.runtime.topology import Topology, gather_objects
 
 
+@dataclass(frozen=True)
+class _Place:
+    """Where a TP piece goes: the single-card tensor's bytes in its writer's shard file."""
+
+    fname: str
+    offset: int
+    file_size: int
+    shape: tuple[int, ...]
+
+
 @dataclass
 class _Entry:
-    """One tensor this rank's tp group assembles (or this rank alone writes, when not TP-split)."""
+    """One tensor this rank takes part in saving: writes whole, writes a TP piece of, or (stage3)
+    sends its slice of."""
 
     name: str
     local: paddle.Tensor | FlatSlice
     axis: int | None
-    tp_gather: bool  # this rank's tp group gathers it
-    mine: bool  # this rank writes it
-    writer: int  # the tp rank that writes it
+    mine: bool  # this rank writes it whole into its own file
     slice_root: int  # the sharding rank in the writer's data replica (a stage3 slice is gathered there)
+    place: _Place | None = None  # this rank writes its TP piece there
 
 
 @dataclass
 class _Shard:
     kind: str
-    specs: list[TensorSpec] = field(default_factory=list)
+    specs: list[TensorSpec] = field(default_factory=list)  # this rank's file
+    holes: frozenset[str] = frozenset()  # tensors of its file the tp group writes in place
     entries: list[_Entry] = field(default_factory=list)
 
 
@@ -87,9 +100,18 @@ def _holdings(held: Held, topo: Topology) -> dict:
     tp = topo.layout.tp
     return {"rank": topo.global_rank, "stage": topo.pp_rank, "replica": topo.data_replica_index,
             "tp_rank": topo.tp_rank, "tensors": {
-                kind: {name: [int(np.prod(single_card_shape(t.shape, axis, tp))) * _written_dtype(kind, t).itemsize,
-                              axis is not None and tp > 1] for name, (t, axis) in tensors.items()}
+                kind: {name: [nbytes, split, _slice_bytes(t, nbytes // (tp if split else 1), topo)]
+                       for name, (t, axis) in tensors.items()
+                       for split in [axis is not None and tp > 1]
+                       for nbytes in [int(np.prod(single_card_shape(t.shape, axis, tp)))
+                                      * _written_dtype(kind, t).itemsize]}
                 for kind, tensors in held.items()}}
+
+
+def _slice_bytes(tensor, piece_bytes: int, topo: Topology) -> int:
+    """What a rank writing `piece_bytes` of `tensor` receives first: the other stage3 slices."""
+    shards = topo.layout.sharding_degree if isinstance(tensor, FlatSlice) else 1
+    return piece_bytes * (shards - 1) // shards
 
 
 def _plan_writers(holdings: list[dict], tp: int) -> WritePlan:
@@ -104,57 +126,65 @@ def _plan_writers(holdings: list[dict], tp: int) -> WritePlan:
     return assign_writers(items_from_holdings(holdings), tp)
 
 
-def _file_names(plan: WritePlan, holdings: list[dict], kinds: list[str], rank: int) -> dict[str, str | None]:
-    """This rank's shard file name per kind: writers of a kind are numbered in rank order."""
+def _file_names(plan: WritePlan, holdings: list[dict], kinds: list[str]) -> dict[str, dict[Slot, str]]:
+    """Each writer's shard file name per kind: writers of a kind are numbered in rank order."""
     rank_of = {(h["stage"], h["replica"], h["tp_rank"]): h["rank"] for h in holdings}
-    names: dict[str, str | None] = {}
+    names: dict[str, dict[Slot, str]] = {}
     for kind in kinds:
-        writers = sorted({rank_of[slot] for (k, _), slot in plan.writer.items() if k == kind})
-        names[kind] = shard_name(kind, writers.index(rank) + 1, len(writers)) if rank in writers else None
+        slots = sorted({slot for (k, _), slot in plan.writer.items() if k == kind}, key=rank_of.__getitem__)
+        names[kind] = {slot: shard_name(kind, number + 1, len(slots)) for number, slot in enumerate(slots)}
     return names
 
 
-def _shard(kind: str, tensors: dict, plan: WritePlan, topo: Topology) -> _Shard:
-    """This rank's part in saving `kind`: the tensors its tp group (and, for stage3 slices, its
-    sharding group) assembles, the ones it writes."""
+SHARD_METADATA = {"format": "np"}
+
+
+def _shard(kind: str, tensors: dict, plan: WritePlan, files: dict[Slot, str], topo: Topology) -> _Shard:
+    """This rank's part in saving `kind`: the tensors it writes whole, the TP pieces it writes into
+    its tp group's files (whose layouts every member computes alike from the plan), the stage3
+    slices it sends."""
     shard, tp, sharding = _Shard(kind), topo.layout.tp, topo.layout.sharding_degree
+    group = (topo.pp_rank, topo.data_replica_index)
+    group_specs: dict[int, list[TensorSpec]] = {t: [] for t in range(tp)}  # each tp rank's file in this group
+    pieces: list[tuple[_Entry, int, TensorSpec]] = []
     for name in sorted(tensors):
         stage, replica, writer = plan.writer[(kind, name)]
         tensor, axis = tensors[name]
-        split, mine = axis is not None and tp > 1, writer == topo.tp_rank
-        ours = (stage, replica) == (topo.pp_rank, topo.data_replica_index)
-        mine = mine and ours
+        split, ours = axis is not None and tp > 1, (stage, replica) == group
+        spec = TensorSpec(name, _written_dtype(kind, tensor), tuple(single_card_shape(tensor.shape, axis, tp)))
+        if ours:
+            group_specs[writer].append(spec)
         if isinstance(tensor, FlatSlice):  # every sharding peer of a tp rank that takes part gathers with it
             takes_part = (stage, replica // sharding) == (topo.pp_rank, topo.dp_rank) and \
                 (split or writer == topo.tp_rank)
         else:
-            takes_part = ours and (split or mine)
-        if not takes_part:
-            continue
-        shard.entries.append(_Entry(name, tensor, axis, split and ours, mine, writer, replica % sharding))
-        if mine:
-            shard.specs.append(TensorSpec(name, _written_dtype(kind, tensor),
-                                          tuple(single_card_shape(tensor.shape, axis, tp))))
+            takes_part = ours and (split or writer == topo.tp_rank)
+        if takes_part:
+            shard.entries.append(_Entry(name, tensor, axis, ours and not split and writer == topo.tp_rank,
+                                        replica % sharding))
+            if ours and split:
+                pieces.append((shard.entries[-1], writer, spec))
+    layouts = {t: shard_layout(specs, SHARD_METADATA) for t, specs in group_specs.items() if specs}
+    for entry, writer, spec in pieces:
+        starts, size = layouts[writer]
+        entry.place = _Place(files[(*group, writer)], starts[spec.name], size, spec.shape)
+    shard.specs = group_specs[topo.tp_rank]
+    shard.holes = frozenset(spec.name for spec in shard.specs if tensors[spec.name][1] is not None and tp > 1)
     return shard
 
 
-def _assembled(shard: _Shard, topo: Topology, cast: str | None, borrow: bool) -> Iterator[np.ndarray]:
-    """Drive every gather of the shard's entries in order; yield the tensors this rank writes
-    (views of live tensors where `borrow` allows, see `replicas.host_array`)."""
+def _assembled(shard: _Shard, cast: str | None, borrow: bool) -> Iterator[tuple[_Entry, np.ndarray]]:
+    """Drive every stage3 gather of the shard's entries in order; yield each tensor this rank writes
+    whole and each TP piece it writes in place (views of live tensors where `borrow` allows, see
+    `replicas.host_array`)."""
     for entry in shard.entries:
         local = entry.local
         if isinstance(local, FlatSlice):
             local = local.gather(entry.slice_root)
             if local is None:  # a sharding peer outside the writer's replica: it only sent its slice
                 continue
-        local = local.detach()
-        if entry.tp_gather:  # to the writer only: an all-gather would send every piece to every tp rank
-            parts = [paddle.empty_like(local) for _ in range(topo.layout.tp)] if entry.mine else []
-            dist.gather(local, parts, dst=topo.tp_group.ranks[entry.writer], group=topo.tp_group)
-            if entry.mine:
-                yield np.concatenate([host_array(p, cast, borrow) for p in parts], axis=entry.axis)
-        elif entry.mine:
-            yield host_array(local, cast, borrow)
+        if entry.mine or entry.place is not None:
+            yield entry, host_array(local.detach(), cast, borrow)
 
 
 @dataclass
@@ -192,20 +222,40 @@ class PendingSave:
         return final
 
 
+def _with_pieces(fname: str, entry: dict, pieces: dict[tuple[str, str], list[int]], tp: int) -> dict:
+    """A file's index entry with its exact CRC-32, from its writer's (holes as zeros) and the TP
+    pieces written into its holes."""
+    holes = entry.pop("holes", {})
+    missing = [name for name in holes if len(pieces.get((fname, name), [])) != tp]
+    if missing:
+        raise RuntimeError(f"{fname}: the TP pieces of {missing[:3]} did not all arrive; the save is not committed")
+    crc = crc32_ranges.combine(int(entry[CHECKSUM], 16), [(state, after) for name, after in holes.items()
+                                                          for state in pieces[(fname, name)]])
+    return entry | {CHECKSUM: f"{crc:08x}"}
+
+
 def _commit(pending: PendingSave, everyone: list[dict]) -> Path:
     staged = commits.temp_dir(pending.output_dir, pending.step)
-    for kind in {kind for result in everyone for kind in result}:
+    pieces: dict[tuple[str, str], list[int]] = {}
+    for result in everyone:
+        for fname, states in result["pieces"].items():
+            for name, state in states.items():
+                pieces.setdefault((fname, name), []).append(state)
+    for kind in {kind for result in everyone for kind in result["shards"]}:
         files, tensors, weight_map, total = {}, {}, {}, 0
         for result in everyone:
-            if kind not in result:
+            if kind not in result["shards"]:
                 continue
-            fname, entry, specs = result[kind]
-            files[fname] = entry
+            fname, entry, specs = result["shards"][kind]
+            files[fname] = _with_pieces(fname, entry, pieces, pending.topo.layout.tp)
             for name, meta in specs.items():
                 tensors[name], weight_map[name] = meta, fname
                 total += tensor_nbytes(meta)
+        written = {str(rank): result["written"][kind] for rank, result in enumerate(everyone)
+                   if result["written"].get(kind)}
         metadata = {"format_version": FORMAT_VERSION, "total_size": total, "saving_layout": pending.layout_info,
-                    "files": files, "tensors": tensors, **pending.extra.get(f"{kind}_metadata", {})}
+                    "files": files, "tensors": tensors, "bytes_written": written,
+                    **pending.extra.get(f"{kind}_metadata", {})}
         write_json_durably(staged / index_name(kind), {"metadata": metadata, "weight_map": weight_map})
     for name, payload in pending.extra["json_files"].items():
         write_json_durably(staged / name, payload)
@@ -255,10 +305,12 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, topo: Topolog
     holdings = [report["holdings"] for report in reports]
     judge_replicas([report["fingerprints"] for report in reports], replica_check)
     writers = _plan_writers(holdings, topo.layout.tp)
-    names = _file_names(writers, holdings, list(held), topo.global_rank)
-    if topo.global_rank == 0 or any(names.values()):  # only once the checks passed: a failed one leaves nothing
-        staged.mkdir(exist_ok=True)
-    plans = {kind: (names[kind], _shard(kind, tensors, writers, topo)) for kind, tensors in held.items()}
+    files = _file_names(writers, holdings, list(held))
+    me = (topo.pp_rank, topo.data_replica_index, topo.tp_rank)
+    plans = {kind: (files[kind].get(me), _shard(kind, tensors, writers, files[kind], topo))
+             for kind, tensors in held.items()}
+    if topo.global_rank == 0 or any(fname or any(e.place for e in shard.entries) for fname, shard in plans.values()):
+        staged.mkdir(exist_ok=True)  # only once the checks passed: a failed one leaves nothing
     layout_info = topo.layout.record()
     extra = {"json_files": {CONFIG_FILE: single_card_config(config),
                             TRAINER_STATE_FILE: {"format_version": FORMAT_VERSION, "saving_layout": layout_info,
@@ -267,17 +319,37 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, topo: Topolog
              "model_metadata": model_metadata(config)}
     pending = PendingSave(output_dir, step, topo, layout_info, plans, extra, keep)
 
-    def write(kind: str, fname: str | None, shard: _Shard, arrays) -> None:
-        if fname is None:
-            for _ in arrays:
-                pass
-            return
-        entry = write_shard(staged / fname, shard.specs, arrays, {"format": "np"}) | {"rank": topo.global_rank}
-        pending.results[kind] = (fname, entry, {s.name: {"dtype": str(s.dtype), "shape": list(s.shape),
-                                                             "tp_axis": _axis_of(shard, s.name)} for s in shard.specs})
+    results = pending.results = {"shards": {}, "pieces": {}, "written": {}}
+
+    def write(kind: str, fname: str | None, shard: _Shard, assembled) -> None:
+        """Stream this rank's file; each piece for a file of its tp group goes in place on the way."""
+        pieces, streamed = PieceWriter(), 0
+        try:
+            def whole():
+                for entry, array in assembled:
+                    if entry.place is None:
+                        yield array
+                        continue
+                    place = entry.place
+                    state = pieces.write(staged / place.fname, place.file_size, place.offset, place.shape, entry.axis,
+                                         topo.layout.tp, topo.tp_rank, array)
+                    results["pieces"].setdefault(place.fname, {})[entry.name] = state
+
+            arrays = whole()
+            if fname is not None:
+                entry = write_shard(staged / fname, shard.specs, arrays, SHARD_METADATA, shard.holes)
+                results["shards"][kind] = (fname, entry | {"rank": topo.global_rank}, {
+                    s.name: {"dtype": str(s.dtype), "shape": list(s.shape), "tp_axis": _axis_of(shard, s.name)}
+                    for s in shard.specs})
+                streamed = entry["size"] - sum(s.nbytes for s in shard.specs if s.name in shard.holes)
+            for _ in arrays:  # without a file of this kind: write its pieces, take its part in stage3 gathers
+                raise RuntimeError(f"{kind}: rank {topo.global_rank} has a tensor to write whole but no file")
+        finally:
+            pieces.close()
+        results["written"][kind] = streamed + pieces.nbytes
 
     if asynchronous:
-        copies = {kind: (fname, shard, list(_assembled(shard, topo, "float32" if kind == MODEL else None, False)))
+        copies = {kind: (fname, shard, list(_assembled(shard, "float32" if kind == MODEL else None, False)))
                   for kind, (fname, shard) in plans.items()}
 
         def background():
@@ -291,7 +363,7 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, topo: Topolog
         pending.thread.start()
         return pending
     for kind, (fname, shard) in plans.items():
-        write(kind, fname, shard, _assembled(shard, topo, "float32" if kind == MODEL else None, True))
+        write(kind, fname, shard, _assembled(shard, "float32" if kind == MODEL else None, True))
     pending.finish()
     return pending
 

@@ -25,6 +25,12 @@ def enabled(config) -> bool:
     return bool(getattr(config, "sequence_parallel", False)) and max(config.tensor_parallel_degree, 1) > 1
 
 
+def sequence_shards(tp: int, sequence_parallel: bool) -> int:
+    """Over how many ranks the activations around the norms and residual adds are split: the
+    sequence is cut over tp under SP, and whole on every tp rank without it (for memory models)."""
+    return tp if sequence_parallel else 1
+
+
 def scatter_sequence(hidden: paddle.Tensor, config) -> paddle.Tensor:
     """[batch, seq, hidden] -> this rank's [seq / tp, batch, hidden] (identity without SP)."""
     if not enabled(config):

@@ -58,12 +58,13 @@ def pretrain(launch, data_cache: Path, out: Path, nproc: int, flags, tag: str, n
 
 
 def written_by_rank(folder: Path) -> tuple[dict[int, int], dict[tuple[str, str], int]]:
-    """(bytes each rank wrote, the rank that wrote each tensor), from a checkpoint's index entries."""
+    """(bytes each rank wrote: its files but the TP pieces other ranks wrote in them, and its pieces
+    in other ranks' files; the rank whose file holds each tensor), from a checkpoint's indexes."""
     written, writer = defaultdict(int), {}
     for kind in ("model", "optimizer"):
         index = json.loads((folder / f"{kind}.safetensors.index.json").read_text())
-        for entry in index["metadata"]["files"].values():
-            written[entry["rank"]] += entry["size"]
+        for rank, nbytes in index["metadata"]["bytes_written"].items():
+            written[int(rank)] += nbytes
         writer |= {(kind, name): index["metadata"]["files"][fname]["rank"] for name, fname in index["weight_map"].items()}
     return dict(written), writer
 

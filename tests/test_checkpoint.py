@@ -31,7 +31,7 @@ RESUME_TOL = 1e-5
 LAYOUTS = {  # name: (nproc, flags)
     "single": (1, ()),
     "4d": (FOUR_D_SAVING.nproc, FOUR_D_SAVING.flags),
-    "tp2pp2": (4, TP2 + PP2),
+    "tp2pp2": (4, TP2 + PP2 + ("--async_save",)),  # TP pieces written in place from host copies, in the background
     "dp2_sharding2": (4, SHARDING2),
     "pp2": (2, PP2),
     "pp2_vpp2": (2, PP2 + ("--virtual_pp_degree", "2")),

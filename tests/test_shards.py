@@ -125,3 +125,58 @@ def test_direct_and_fallback_writes_give_a_sound_file_across_buffer_edges(tmp_pa
     assert entry["size"] == len(data) and entry["crc32"] == f"{zlib.crc32(data):08x}"
     loaded = load_file(str(tmp_path / "ours.safetensors"))
     assert all(np.array_equal(loaded[n], a) for n, a in tensors.items())
+
+
+@pytest.mark.parametrize("pieces_first, mapping", [(True, "taken"), (False, "taken"), (True, "refused")])
+def test_tp_pieces_written_in_place_give_the_whole_file_and_its_exact_crc(tmp_path, pieces_first, mapping,
+                                                                          monkeypatch):
+    """A shard whose split tensors are written piece by piece by their tp ranks (positioned writes
+    along the first axis, a shared mapping for short runs along inner ones, a positioned write per
+    long run or where a file system refuses the mapping), the owner streaming the rest with holes, is byte for byte the
+    file the owner writes from whole tensors, and the CRC-32 combined from the owner's and the
+    pieces' states is zlib's over the finished file, whichever writes first."""
+    import mmap
+
+    from checkpoint.crc32_ranges import combine
+    from checkpoint.shards import PieceWriter, TensorSpec, shard_layout, write_shard
+
+    if mapping == "refused":
+        real_mmap = mmap.mmap
+
+        def refusing_mmap(fd, *args, **kwargs):  # anonymous memory (the O_DIRECT buffers) still maps
+            if fd != -1:
+                raise OSError("shared writable mappings not supported")
+            return real_mmap(fd, *args, **kwargs)
+
+        monkeypatch.setattr(mmap, "mmap", refusing_mmap)
+
+    rng = np.random.default_rng(7)
+    tensors = {"a_rows": rng.standard_normal((6, 5), dtype=np.float32), "b_whole": rng.standard_normal(7),
+               "c_cols": rng.standard_normal((3, 9), dtype=np.float32),
+               "d_inner": rng.integers(0, 9, (2, 3, 12)).astype(np.int64),
+               "e_tail_cols": rng.standard_normal((4097, 6), dtype=np.float32),
+               "f_long_cols": rng.standard_normal((3, 3 * PieceWriter.MAPPED_RUN_BYTES // 4), dtype=np.float32)}
+    axes, parts = {"a_rows": 0, "c_cols": 1, "d_inner": 2, "e_tail_cols": 1, "f_long_cols": 1}, 3
+    specs = [TensorSpec(name, value.dtype, value.shape) for name, value in tensors.items()]
+    reference = write_shard(tmp_path / "whole.safetensors", specs, tensors.values(), {"format": "np"})
+    path, (starts, size) = tmp_path / "pieced.safetensors", shard_layout(specs, {"format": "np"})
+    states: list[tuple[str, int]] = []
+
+    def write_pieces():
+        for part in range(parts):  # each tp rank with its own writer, as in a save
+            writer = PieceWriter()
+            for name, axis in axes.items():
+                piece = np.split(tensors[name], parts, axis=axis)[part]
+                states.append((name, writer.write(path, size, starts[name], tensors[name].shape, axis, parts, part,
+                                                  piece)))
+            writer.close()
+
+    if pieces_first:
+        write_pieces()
+    entry = write_shard(path, specs, [tensors["b_whole"]], {"format": "np"}, frozenset(axes))
+    if not pieces_first:
+        write_pieces()
+    crc = combine(int(entry["crc32"], 16), [(state, entry["holes"][name]) for name, state in states])
+    assert path.read_bytes() == (tmp_path / "whole.safetensors").read_bytes()
+    assert f"{crc:08x}" == reference["crc32"] == f"{zlib.crc32(path.read_bytes()):08x}"
+    assert entry["size"] == reference["size"]

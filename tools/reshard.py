@@ -53,14 +53,16 @@ def _plan(args) -> int:
     slots = layout.rank_slots()
     writes = assign_writers(save_items(config, layout, compute_bytes), layout.tp)
     if len(slots) <= args.max_rows:
-        print(f"\nsave: {'rank':>4} {'stage':>5} {'replica':>7} {'tp':>3} {'writes MB':>10} {'TP gather in MB':>15}")
+        print(f"\nsave: {'rank':>4} {'stage':>5} {'replica':>7} {'tp':>3} {'writes MB':>10} "
+              f"{'stage3 gather in MB':>19}")
         for rank, slot in enumerate(slots):
             print(f"      {rank:>4} {slot[0]:>5} {slot[1]:>7} {slot[2]:>3} "
-                  f"{writes.written.get(slot, 0) / 2**20:>10.1f} {writes.received.get(slot, 0) / 2**20:>15.1f}")
+                  f"{writes.written.get(slot, 0) / 2**20:>10.1f} {writes.received.get(slot, 0) / 2**20:>19.1f}")
     estimate = estimate_save(writes, slots, args.disk_gbps, args.link_gbps, args.fs_gbps)
     print(f"save of {sum(writes.written.values()) / 1e9:.2f} GB over {len(slots)} ranks: writes per rank max "
           f"{estimate.max_write_bytes / 1e9:.2f} GB, mean {estimate.mean_write_bytes / 1e9:.2f} GB (max/mean "
-          f"{estimate.balance:.3f}); TP gathers bring a rank up to {estimate.max_received_bytes / 1e9:.2f} GB")
+          f"{estimate.balance:.3f}); TP pieces are written in place; stage3 gathers bring a rank up to "
+          f"{estimate.max_received_bytes / 1e9:.2f} GB")
     fs = f", file system {args.fs_gbps} GB/s in all" if args.fs_gbps else ""
     print(f"predicted save time {estimate.seconds:.1f} s (per rank: disk {args.disk_gbps} GB/s, "
           f"interconnect {args.link_gbps} GB/s{fs})")
@@ -98,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
     plan.add_argument("--bf16", action="store_true", help="size for bf16 compute with fp32 master weights")
     plan.add_argument("--disk_gbps", type=float, default=2.0, help="write bandwidth of one rank, GB/s")
-    plan.add_argument("--link_gbps", type=float, default=25.0, help="TP-gather receive bandwidth of one rank, GB/s")
+    plan.add_argument("--link_gbps", type=float, default=25.0, help="receive bandwidth of a rank (stage3), GB/s")
     plan.add_argument("--fs_gbps", type=float, default=None, help="aggregate write bandwidth of a shared file system")
     plan.add_argument("--max_rows", type=int, default=64, help="print the per-rank save table up to this many ranks")
     helps = {"split": "write a per-rank pre-split copy for a layout", "join": "a pre-split copy back to unified",

@@ -9,12 +9,13 @@ saved input, full-size with or without SP.
 from __future__ import annotations
 
 from modeling.attention import FP32_BYTES, causal_attention_saved_bytes
+from modeling.sequence_parallel import sequence_shards
 
 
 def layer_activation_bytes(config, batch: int, seq_len: int, tp: int, sequence_parallel: bool,
                            dtype_bytes: int = 4) -> dict[str, int]:
     tokens, h, f, c = batch * seq_len, config.hidden_size, config.intermediate_size, dtype_bytes
-    n = tp if sequence_parallel else 1
+    n = sequence_shards(tp, sequence_parallel)
     norm = (tokens * h * c + 2 * tokens * FP32_BYTES) // n  # its input, mean and variance
     return {
         "norm1": norm,

@@ -17,8 +17,9 @@ from modeling.gpt import tp_plan
 from modeling.gpt.config import GPTConfig
 from modeling.loss import CausalLMCriterion
 from modeling.recompute import maybe_recompute
-from modeling.sequence_parallel import gather_sequence, gather_tokens, mark_norm, scatter_sequence
-from modeling import sequence_parallel
+from modeling.sequence_parallel import (  # under SP activations are sequence-first: [seq, batch, hidden]
+    enabled as sequence_first, gather_sequence, gather_tokens, mark_norm, scatter_sequence,
+)
 from modeling.tp_layers import column_linear, row_linear, tp_degree, vocab_embedding, vocab_logits
 
 
@@ -38,7 +39,7 @@ class GPTAttention(nn.Layer):
         hidden = gather_tokens(hidden, self.config)
         shape = hidden.shape[:2] + [self.local_heads, self.head_dim]  # [seq, batch, ...] under sequence parallelism
         q, k, v = (proj(hidden).reshape(shape) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        return self.out_proj(causal_attention(q, k, v, sequence_parallel.enabled(self.config)))
+        return self.out_proj(causal_attention(q, k, v, sequence_first(self.config)))
 
 
 class GPTDecoderLayer(nn.Layer):

@@ -9,12 +9,13 @@ keeps its input once (q, k and v share one; gate and up share one), full-size wi
 from __future__ import annotations
 
 from modeling.attention import FP32_BYTES, causal_attention_saved_bytes
+from modeling.sequence_parallel import sequence_shards
 
 
 def layer_activation_bytes(config, batch: int, seq_len: int, tp: int, sequence_parallel: bool,
                            dtype_bytes: int = 4) -> dict[str, int]:
     tokens, h, f, c = batch * seq_len, config.hidden_size, config.intermediate_size, dtype_bytes
-    n = tp if sequence_parallel else 1
+    n = sequence_shards(tp, sequence_parallel)
     norm = (2 * tokens * h * c + tokens * FP32_BYTES) // n  # its input, the normalised input, 1/rms
     rotary_tables = 2 * seq_len * config.head_dim * FP32_BYTES  # cos and sin, shared by q and k (and every layer)
     # k and v reach the attention core repeated to every head

@@ -21,8 +21,9 @@ from modeling.llama.config import LlamaConfig
 from modeling.loss import CausalLMCriterion
 from modeling.tp_layers import column_linear, row_linear, tp_degree, vocab_embedding, vocab_logits
 from modeling.recompute import maybe_recompute
-from modeling.sequence_parallel import gather_sequence, gather_tokens, mark_norm, scatter_sequence
-from modeling import sequence_parallel
+from modeling.sequence_parallel import (  # under SP activations are sequence-first: [seq, batch, hidden]
+    enabled as sequence_first, gather_sequence, gather_tokens, mark_norm, scatter_sequence,
+)
 
 
 def reject_tied_embeddings(config: LlamaConfig) -> None:
@@ -109,7 +110,7 @@ class LlamaAttention(nn.Layer):
 
     def forward(self, hidden):
         hidden = gather_tokens(hidden, self.config)
-        seq_first = sequence_parallel.enabled(self.config)
+        seq_first = sequence_first(self.config)
         lead = hidden.shape[:2]  # [batch, seq], or [seq, batch] under sequence parallelism
         q = self.q_proj(hidden).reshape(lead + [self.local_heads, self.head_dim])
         k = self.k_proj(hidden).reshape(lead + [self.local_kv_heads, self.head_dim])
