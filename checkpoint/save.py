@@ -121,7 +121,7 @@ def _plan_writers(holdings: list[dict], tp: int) -> WritePlan:
         groups.setdefault((rank["stage"], rank["replica"]), []).append(
             {kind: sorted(names) for kind, names in rank["tensors"].items()})
     uneven = [group for group, peers in groups.items() if any(peer != peers[0] for peer in peers)]
-    if uneven:  # a TP gather of a tensor some peer lacks would never finish
+    if uneven:  # each tp rank lays out its peers' files from its own tensors: they would disagree
         raise RuntimeError(f"the tp ranks of (stage, replica) {uneven[0]} hold different tensors; cannot save")
     return assign_writers(items_from_holdings(holdings), tp)
 
