@@ -4,9 +4,11 @@
 row split in two runs of `--run_bytes` (by default 1 MB tensors of 1 KB runs: q, k and v of a
 hidden-512 model in fp32 at tp2), each process writing its run of every row, alternating the
 methods `--repeats` times:
-- `PieceWriter` (`checkpoint.shards`, what a save runs): one shared mapping per file, short runs
-  copied through it, the CRC-32 state of every piece computed, fsync at the end;
-- the same with a mapping per tensor (what the first version did);
+- `PieceWriter` (`checkpoint.shards`, what a save runs): each file's blocks allocated (fallocate),
+  one shared mapping per file, short runs copied through it, the CRC-32 state of every piece
+  computed, fsync at the end;
+- the same without allocating the blocks first;
+- the same with a mapping per tensor, no allocation either (what the first version did);
 - the same with a positioned write per run (`MAPPED_RUN_BYTES = 0`: what a file system without
   shared writable mappings gets, and what long runs take);
 - the bound: each process writing its bytes contiguously to a file of its own (pwrite + fsync).
@@ -63,6 +65,10 @@ def _write(method: str, folder: Path, rank: int, args: argparse.Namespace) -> No
         os.close(fd)
         return
     writer = PieceWriter()
+    if method in ("no fallocate", "mapping per tensor"):  # each method runs in a process of its own
+        import checkpoint.shards
+
+        checkpoint.shards._fallocate = lambda fd, size: 0
     if method == "mapping per tensor":
         writer._mapped_copy = lambda *a: _per_tensor_mapping(writer, *a)
     if method == "write per run":
@@ -80,7 +86,7 @@ def _process(method: str, folder: Path, rank: int, args, barrier, results) -> No
     results.put(time.perf_counter() - started)
 
 
-METHODS = ("PieceWriter", "mapping per tensor", "write per run", "own contiguous file")
+METHODS = ("PieceWriter", "no fallocate", "mapping per tensor", "write per run", "own contiguous file")
 
 
 def main(argv: list[str] | None = None) -> int:

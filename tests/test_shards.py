@@ -127,14 +127,16 @@ def test_direct_and_fallback_writes_give_a_sound_file_across_buffer_edges(tmp_pa
     assert all(np.array_equal(loaded[n], a) for n, a in tensors.items())
 
 
-@pytest.mark.parametrize("pieces_first, mapping", [(True, "taken"), (False, "taken"), (True, "refused")])
+@pytest.mark.parametrize("pieces_first, mapping", [(True, "taken"), (False, "taken"), (True, "refused"),
+                                                   (False, "no fallocate")])
 def test_tp_pieces_written_in_place_give_the_whole_file_and_its_exact_crc(tmp_path, pieces_first, mapping,
                                                                           monkeypatch):
     """A shard whose split tensors are written piece by piece by their tp ranks (positioned writes
     along the first axis, a shared mapping for short runs along inner ones, a positioned write per
-    long run or where a file system refuses the mapping), the owner streaming the rest with holes, is byte for byte the
-    file the owner writes from whole tensors, and the CRC-32 combined from the owner's and the
-    pieces' states is zlib's over the finished file, whichever writes first."""
+    long run, or where a file system refuses the mapping or cannot allocate blocks up front), the
+    owner streaming the rest with holes, is byte for byte the file the owner writes from whole
+    tensors, and the CRC-32 combined from the owner's and the pieces' states is zlib's over the
+    finished file, whichever writes first."""
     import mmap
 
     from checkpoint.crc32_ranges import combine
@@ -149,6 +151,10 @@ def test_tp_pieces_written_in_place_give_the_whole_file_and_its_exact_crc(tmp_pa
             return real_mmap(fd, *args, **kwargs)
 
         monkeypatch.setattr(mmap, "mmap", refusing_mmap)
+    if mapping == "no fallocate":
+        import errno
+
+        monkeypatch.setattr("checkpoint.shards._fallocate", lambda fd, size: errno.EOPNOTSUPP)
 
     rng = np.random.default_rng(7)
     tensors = {"a_rows": rng.standard_normal((6, 5), dtype=np.float32), "b_whole": rng.standard_normal(7),
@@ -180,3 +186,17 @@ def test_tp_pieces_written_in_place_give_the_whole_file_and_its_exact_crc(tmp_pa
     assert path.read_bytes() == (tmp_path / "whole.safetensors").read_bytes()
     assert f"{crc:08x}" == reference["crc32"] == f"{zlib.crc32(path.read_bytes()):08x}"
     assert entry["size"] == reference["size"]
+
+
+def test_a_full_disk_fails_a_mapped_piece_write_with_a_clear_error(tmp_path, monkeypatch):
+    """Blocks are allocated before a file is mapped, so a full disk is an error naming the file and
+    the fix, not a SIGBUS that kills the rank."""
+    import errno
+
+    from checkpoint.shards import PieceWriter
+
+    monkeypatch.setattr("checkpoint.shards._fallocate", lambda fd, size: errno.ENOSPC)
+    writer, piece = PieceWriter(), np.ones((4, 8), np.float32)
+    with pytest.raises(OSError, match="no space left for .*shard.safetensors .*free space or save elsewhere"):
+        writer.write(tmp_path / "shard.safetensors", 256, 0, (4, 16), 1, 2, 0, piece)
+    writer.close()
