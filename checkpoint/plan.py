@@ -8,7 +8,7 @@ import numpy as np
 
 from checkpoint.format import MODEL, OPTIMIZER, STATE_SEPARATOR
 from checkpoint.optimizer_state import MASTER_WEIGHT
-from checkpoint.writers import Slot, WriteItem, WritePlan, sharding_owners, stage2_owners
+from checkpoint.writers import Slot, WriteItem, WritePlan, gathered_bytes, sharding_owners, stage2_owners
 from modeling.registry import family_of, plan_of, validate_layout
 from modeling.sequence_parallel import sequence_shards
 from modeling.tp_plan import TensorPlan, local_shape, stages_holding
@@ -107,14 +107,6 @@ OPTIMIZER_STATES = ("moment1", "moment2")  # AdamW's fp32 moments, one of each p
 OPTIMIZER_SCALARS = ("beta1_pow_acc", "beta2_pow_acc")  # one fp32 number each per parameter
 
 
-def stage3_gathered(piece_bytes: int, layout: Layout) -> int:
-    """What the writer of a piece of `piece_bytes` receives from the other sharding ranks when stage3
-    holds it as flat slices (every parameter over the segment size, which the planner does not know:
-    all are counted)."""
-    shards = layout.sharding_degree if layout.sharding_stage == "stage3" else 1
-    return piece_bytes * (shards - 1) // shards
-
-
 def save_items(config, layout: Layout, compute_bytes: int = 4) -> list[WriteItem]:
     """What a save of this model under `layout` writes, and who holds each tensor: the model in
     fp32, AdamW's states (and fp32 master weights under bf16/fp16), each parameter's states held by
@@ -133,7 +125,9 @@ def save_items(config, layout: Layout, compute_bytes: int = 4) -> list[WriteItem
         for name, owner in zip(names, owners):
             row, numel = plan[name], int(np.prod(plan[name].shape))
             split = row.tp_axis is not None and layout.tp > 1
-            gathered = stage3_gathered(numel * 4 // (layout.tp if split else 1), layout)
+            # stage3 slices every parameter over the segment size, which the planner does not know: all are counted
+            gathered = gathered_bytes(numel * 4, split, layout.tp,
+                                      layout.sharding_degree if layout.sharding_stage == "stage3" else 1)
             items.append(WriteItem(MODEL, name, numel * 4, split, gathered, everyone))
             holders = everyone if layout.sharding_stage == "stage3" else \
                 tuple((stage, dp * layout.sharding_degree + owner) for dp in range(layout.dp))

@@ -34,7 +34,7 @@ from checkpoint.optimizer_state import state_tp_axis, states_by_parameter
 from checkpoint.replicas import host_array, judge_replicas, replica_fingerprints
 from checkpoint.shards import CHECKSUM, PieceWriter, TensorSpec, shard_layout, write_shard
 from checkpoint.stage3 import FlatSlice, as_saved, model_tensors, slice_param_name
-from checkpoint.writers import Slot, WritePlan, assign_writers, items_from_holdings
+from checkpoint.writers import Slot, WritePlan, assign_writers, gathered_bytes, items_from_holdings
 from modeling.registry import family_of
 from modeling.tp_plan import single_card_shape
 from paddle_pp.runtime.topology import Topology, gather_objects
@@ -100,7 +100,7 @@ def _holdings(held: Held, topo: Topology) -> dict:
     tp = topo.layout.tp
     return {"rank": topo.global_rank, "stage": topo.pp_rank, "replica": topo.data_replica_index,
             "tp_rank": topo.tp_rank, "tensors": {
-                kind: {name: [nbytes, split, _slice_bytes(t, nbytes // (tp if split else 1), topo)]
+                kind: {name: [nbytes, split, gathered_bytes(nbytes, split, tp, _slices(t, topo))]
                        for name, (t, axis) in tensors.items()
                        for split in [axis is not None and tp > 1]
                        for nbytes in [int(np.prod(single_card_shape(t.shape, axis, tp)))
@@ -108,10 +108,9 @@ def _holdings(held: Held, topo: Topology) -> dict:
                 for kind, tensors in held.items()}}
 
 
-def _slice_bytes(tensor, piece_bytes: int, topo: Topology) -> int:
-    """What a rank writing `piece_bytes` of `tensor` receives first: the other stage3 slices."""
-    shards = topo.layout.sharding_degree if isinstance(tensor, FlatSlice) else 1
-    return piece_bytes * (shards - 1) // shards
+def _slices(tensor, topo: Topology) -> int:
+    """How many stage3 flat slices hold `tensor` (1: held whole)."""
+    return topo.layout.sharding_degree if isinstance(tensor, FlatSlice) else 1
 
 
 def _plan_writers(holdings: list[dict], tp: int) -> WritePlan:

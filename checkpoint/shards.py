@@ -184,11 +184,12 @@ class DirectWriter:
 
     def __init__(self, path: Path, shared_size: int | None = None):
         self.path, self.offset, self.fill, self.current = Path(path), 0, 0, 0
-        self.fd, self.direct = (None, False) if shared_size is not None else (self._open_direct(), True)
         if shared_size is not None:
-            self.fd = _open_shared(self.path, shared_size)
-        elif self.fd is None:
-            self.fd, self.direct = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), False
+            self.fd, self.direct = _open_shared(self.path, shared_size), False
+        else:
+            self.fd, self.direct = self._open_direct(), True
+            if self.fd is None:
+                self.fd, self.direct = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), False
         self.buffers = [_BOUNCE_BUFFERS.take(self.BUFFER_BYTES) for _ in range(2)] if self.direct else []
         self.writing: list = [None, None]  # each buffer's pending write
         self.writer = ThreadPoolExecutor(max_workers=1) if self.direct else None
@@ -266,12 +267,12 @@ def write_shard(path: Path, specs: list[TensorSpec], tensors: Iterable[np.ndarra
     checksum computed while writing. With holes, the checksum counts them as zeros and the entry
     lists each hole's bytes to the end of the file, for `crc32_ranges.combine`."""
     size, after, arrays = 0, {}, iter(tensors)
-    total = shard_layout(specs, metadata or {})[1]
+    head = _header(specs, metadata or {})
+    total = len(head) + sum(spec.nbytes for spec in specs)
     handle = DirectWriter(path, total if holes else None)
     try:
         with ThreadPoolExecutor(max_workers=1) as hasher:
             digest = OverlappedDigest(hasher)
-            head = _header(specs, metadata or {})
             handle.write(head)
             digest.update(head)
             size += len(head)
@@ -315,8 +316,8 @@ class PieceWriter:
     Each file is mapped once, whole, and unmapped at `close`. bench/piece_writes.py, 4 ranks
     writing 0.54 GB of 1 MB tensors in 1 KB runs: 0.59 s so, 1.55 s with a mapping per tensor
     (each unmap of dirty shared pages is dear), 1.12 s with a write per run, against 0.51 s for
-    contiguous files of their own (every page is faulted in by both ranks). Each piece returns its CRC-32 state
-    (`crc32_ranges.piece_state`) for the owner's checksum. Each rank fsyncs what it wrote when it
+    contiguous files of their own (every page is faulted in by both ranks). Each piece returns its
+    CRC-32 state (`crc32_ranges.piece_state`) for the owner's checksum. Each rank fsyncs what it wrote when it
     is done (deferring every fsync until all ranks had written, so that no shared page goes out
     twice, cost a collective and measured no faster: 1.3-1.6 s against 1.3-1.5 s per tp2 x pp2 save)."""
 
@@ -324,7 +325,7 @@ class PieceWriter:
 
     def __init__(self):
         self.fds: dict[Path, int] = {}
-        self.maps: dict[Path, mmap.mmap | None] = {}  # None: the file system refused the mapping
+        self.maps: dict[Path, mmap.mmap | None] = {}  # None: no blocks allocated up front, or mapping refused
         self.nbytes = 0
 
     def write(self, path: Path, file_size: int, offset: int, shape: tuple[int, ...], axis: int, parts: int,

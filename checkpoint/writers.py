@@ -62,6 +62,13 @@ def assign_writers(items: Iterable[WriteItem], tp: int) -> WritePlan:
     return WritePlan(writer, dict(written), dict(received))
 
 
+def gathered_bytes(nbytes: int, split: bool, tp: int, slices: int) -> int:
+    """What each rank writing (a TP piece of) a tensor of `nbytes` receives first when stage3 holds
+    it as `slices` flat slices (1: not sliced): the other slices of its piece."""
+    piece = nbytes // tp if split else nbytes
+    return piece * (slices - 1) // slices
+
+
 def sharding_owners(numels: list[int], sharding_degree: int) -> list[int]:
     """The sharding rank that updates each parameter (given in model order), by the rule of Paddle's
     DygraphShardingOptimizer._partition_parameters: largest first (stable), each to the rank
