@@ -1,4 +1,4 @@
-"""Pretrain LLaMA or GPT: `python run_pretrain.py [--config x.yaml] [flags]`, or under
+"""Pretrain a LLaMA, Mistral, Qwen2, Qwen3, Gemma or GPT model: `python run_pretrain.py [--config x.yaml] [flags]`, or under
 `python -m paddle.distributed.launch --nproc_per_node N run_pretrain.py ...` for N ranks."""
 
 from __future__ import annotations

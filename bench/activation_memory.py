@@ -27,6 +27,7 @@ from machine import machine  # noqa: E402
 
 from modeling.registry import config_from_dict, family  # noqa: E402
 from paddle_pp.runtime.launch import launch  # noqa: E402
+from paddle_pp.training.report import read_metrics  # noqa: E402
 
 WORKER = REPO / "tests" / "workers" / "activation_worker.py"
 CASES = {"tp1": (1, False), "tp2": (2, False), "tp2 + SP": (2, True)}
@@ -80,10 +81,10 @@ def main() -> None:
         runs: dict[str, list[float]] = {"tp2": [], "tp2 + SP": []}
         for repeat in range(args.repeats):  # alternating, so drift in the machine hits both alike
             for name, extra in (("tp2", []), ("tp2 + SP", ["--sequence_parallel"])):
-                (rank0, *_) = launch(REPO / "run_pretrain.py", 2,
-                                     [*model, *extra, "--output_dir", f"{tmp}/{name}_{repeat}_out"],
-                                     work_dir=Path(tmp) / f"{name}_{repeat}_run", timeout=1800)
-                runs[name].append(statistics.median(rank0["tokens_per_sec"][2:]))
+                launch(REPO / "run_pretrain.py", 2, [*model, *extra, "--output_dir", f"{tmp}/{name}_{repeat}_out"],
+                       work_dir=Path(tmp) / f"{name}_{repeat}_run", timeout=1800, collect_results=False)
+                metrics = read_metrics(Path(tmp) / f"{name}_{repeat}_out" / "metrics.jsonl")
+                runs[name].append(statistics.median([r["tokens_per_sec"] for r in metrics if "loss" in r][2:]))
                 print(f"{name:>9}: {runs[name][-1]:.0f} tokens/s (median of steps 3-{args.steps})", flush=True)
     speed = {name: statistics.median(values) for name, values in runs.items()}
     print(f"tp2 + SP / tp2 speed: {speed['tp2 + SP'] / speed['tp2']:.3f} (medians of {args.repeats} runs each; "

@@ -68,13 +68,12 @@ def _random_training_state(config, topo):
 
     from checkpoint.optimizer_state import ensure_states, states_by_parameter
     from modeling.registry import build_causal_lm, plan_of
-    from modeling.tp_plan import split_axes
 
     model = build_causal_lm(config, topo)
     optimizer = paddle.optimizer.AdamW(parameters=model.parameters())
     ensure_states(optimizer)
     by_param = states_by_parameter(optimizer)
-    axes = split_axes(plan_of(config))
+    axes = plan_of(config).axes()
     arrays = {}
     for name, param in model.state_dict().items():
         for key, tensor in [(name, param), *((f"{name}/{state}", t) for state, t in by_param[param.name].items())]:
@@ -106,13 +105,13 @@ def _methods(model, optimizer, topo, config, arrays: dict[str, np.ndarray]) -> d
     from checkpoint.load import load_checkpoint
     from checkpoint.save import save_checkpoint
     from modeling.registry import plan_of
-    from modeling.tp_plan import split_axes
 
-    axes, rank = split_axes(plan_of(config)), topo.global_rank
+    plan, rank = plan_of(config), topo.global_rank
+    axes = plan.axes()
     whole, replicas = arrays, topo.layout.data_replicas
     arrays = _share(arrays, replicas, topo.data_replica_index) if replicas > 1 else arrays
     methods: dict[str, Method] = {
-        "unified": (lambda path: save_checkpoint(path, 1, model, optimizer, topo, axes, config=config,
+        "unified": (lambda path: save_checkpoint(path, 1, model, optimizer, topo, plan, config=config,
                                                  trainer_state={"step": 1, "consumed_samples": 0}),
                     lambda path: load_checkpoint(path / "checkpoint-1", model, optimizer, topo, axes)),
         "safetensors": (lambda path: st.save_file(arrays, str(path / f"rank{rank}.safetensors")),
@@ -138,7 +137,8 @@ def _methods(model, optimizer, topo, config, arrays: dict[str, np.ndarray]) -> d
 
 
 def worker(args: argparse.Namespace) -> int:
-    from modeling.llama.config import LlamaConfig
+    from modeling.llama import LlamaConfig
+
     from paddle_pp.runtime.launch import write_result
     from paddle_pp.runtime.layout import Layout
     from paddle_pp.runtime.topology import align_ranks, end_job, init_distributed

@@ -40,9 +40,9 @@ def _timed(owner, method: str, log: list[float]) -> None:
 
 
 def worker(flags: list[str]) -> int:
-    from paddle_pp.training.arguments import parse_args
     from paddle_pp.runtime.launch import write_result
     from paddle_pp.runtime.topology import end_job
+    from paddle_pp.training.arguments import parse_args
     from paddle_pp.training.trainer import Pretrainer
 
     trainer = Pretrainer(parse_args(flags))

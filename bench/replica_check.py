@@ -37,9 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     from checkpoint.optimizer_state import ensure_states
     from checkpoint.replicas import check_replicas
     from checkpoint.save import save_checkpoint
-    from modeling.llama.config import LlamaConfig
+    from modeling.llama import LlamaConfig
     from modeling.registry import build_causal_lm, plan_of
-    from modeling.tp_plan import split_axes
     from paddle_pp.runtime.layout import Layout
     from paddle_pp.runtime.topology import init_distributed
 
@@ -50,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     model = build_causal_lm(config, topo)
     optimizer = paddle.optimizer.AdamW(parameters=model.parameters())
     ensure_states(optimizer)
-    axes = split_axes(plan_of(config))
+    plan = plan_of(config)
+    axes = plan.axes()
     weight_bytes = sum(int(np.prod(p.shape)) * 4 for p in model.parameters())
     work = Path(tempfile.mkdtemp(prefix="replica_check_"))
     checks, saves = [], []
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         check_replicas(model.state_dict(), axes, topo, "error")
         checks.append(time.perf_counter() - started)
         started = time.perf_counter()
-        save_checkpoint(work / str(repeat), 1, model, optimizer, topo, axes, config=config,
+        save_checkpoint(work / str(repeat), 1, model, optimizer, topo, plan, config=config,
                         trainer_state={"step": 1, "consumed_samples": 0})
         saves.append(time.perf_counter() - started)
         shutil.rmtree(work / str(repeat))

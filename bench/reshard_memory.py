@@ -31,10 +31,11 @@ CHILD = """
 import json, os, sys, threading, time
 sys.path.insert(0, {repo!r})
 from paddle_pp.runtime.layout import Layout
-from checkpoint.fleet import merge_fleet
+from paddle_pp.interop.fleet import merge_fleet
 from checkpoint.unified_io import rechunk
 from checkpoint.split import join_split, split_checkpoint
-import modeling.registry, paddle  # imported before the clock starts, like everything above
+from modeling.registry import plan_of_folder
+import paddle  # imported before the clock starts, like everything above
 
 def rss():
     with open("/proc/self/statm") as handle:
@@ -59,7 +60,7 @@ print(json.dumps({{"seconds": seconds, "rss_before": before, "peak_rss": max(pea
 
 OPERATIONS = {
     "split tp2 pp2": "split_checkpoint({src!r}, {dst!r}, Layout(world_size=4, tensor_parallel_degree=2, "
-                     "pipeline_parallel_degree=2))",
+                     "pipeline_parallel_degree=2), plan_of_folder({src!r}))",
     "join": "join_split({src!r}, {dst!r})",
     "rechunk 256 MB": "rechunk({src!r}, {dst!r}, 256 * 2**20)",
     "merge fleet tp2 pp2": "merge_fleet({src!r}, {dst!r})",
@@ -89,9 +90,10 @@ def write_random_checkpoint(folder: Path, config, seed: int = 0) -> int:
 
     folder.mkdir(parents=True)
     layout = {"describe": "random", "tensor_parallel_degree": 1, "pipeline_parallel_degree": 1}
-    write_unified_kind(folder, MODEL, model, random, {"saving_layout": layout, **model_metadata(config)}, 5 * 2**30)
+    plan = plan_of(config)
+    write_unified_kind(folder, MODEL, model, random, {"saving_layout": layout, **model_metadata(plan)}, 5 * 2**30)
     write_unified_kind(folder, OPTIMIZER, optimizer, random, {"saving_layout": layout}, 5 * 2**30)
-    write_json_durably(folder / CONFIG_FILE, single_card_config(config))
+    write_json_durably(folder / CONFIG_FILE, single_card_config(config, plan))
     write_json_durably(folder / TRAINER_STATE_FILE, {"step": 1, "consumed_samples": 8, "lr_scheduler": {}})
     return max(tensor_nbytes(meta) for meta in model.values())
 
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from checkpoint.unified_io import UnifiedReader
-    from modeling.llama.config import LlamaConfig
+    from modeling.llama import LlamaConfig
 
     config = LlamaConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
                          intermediate_size=args.intermediate_size, num_hidden_layers=args.num_hidden_layers,

@@ -41,7 +41,7 @@ def _hand_loop(trainer):
 
     args, batch = trainer.args.optim, trainer.batches.global_batch
     model = build_causal_lm(trainer.config, trainer.topo)
-    init_single_card_weights(model, trainer.axes, trainer.topo, trainer.args.data.seed,
+    init_single_card_weights(model, trainer.plan, trainer.topo, trainer.args.data.seed,
                              trainer.args.model.initializer_range)
     schedule = WarmupCosine(args.learning_rate, args.warmup_steps, args.max_steps, args.min_learning_rate)
     optimizer = paddle.optimizer.AdamW(learning_rate=schedule, parameters=model.parameters(),

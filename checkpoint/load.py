@@ -21,14 +21,22 @@ import numpy as np
 import paddle
 
 from checkpoint.format import (
-    CONFIG_FILE, MODEL, OPTIMIZER, STATE_SEPARATOR, TRAINER_STATE_FILE, CheckpointError, index_name, read_index,
+    CONFIG_FILE,
+    MODEL,
+    OPTIMIZER,
+    STATE_SEPARATOR,
+    TRAINER_STATE_FILE,
+    CheckpointError,
+    index_name,
+    read_index,
 )
 from checkpoint.optimizer_state import ensure_states, state_tp_axis, states_by_parameter
-from checkpoint.stage3 import FlatSlice, as_saved, slice_param_name
 from checkpoint.shards import ShardReader, recorded_checksum
 from checkpoint.split import check_split_layout, is_split, rank_key, read_split_index
+from checkpoint.stage3 import FlatSlice, as_saved
 from modeling.tp_plan import single_card_shape
 from paddle_pp.runtime.layout import Layout
+from paddle_pp.runtime.stage3 import slice_param_name
 from paddle_pp.runtime.topology import Topology, gather_objects
 
 ARCHITECTURE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

@@ -9,8 +9,8 @@ import paddle
 from paddle.base import framework
 from paddle.base.framework import EagerParamBase
 
-from checkpoint.stage3 import SLICE_PREFIX, is_sliced
 from paddle_pp.runtime.fleet_wrappers import inner_optimizer
+from paddle_pp.runtime.stage3 import SLICE_PREFIX, is_sliced
 
 MASTER_WEIGHT = "master_weight"
 

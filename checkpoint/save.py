@@ -23,20 +23,27 @@ from typing import Iterator
 import numpy as np
 import paddle
 
-from checkpoint import commit as commits
-from checkpoint import crc32_ranges
+from checkpoint import commit as commits, crc32_ranges
 from checkpoint.durable import fsync_file, write_json_durably
 from checkpoint.format import (
-    CONFIG_FILE, FORMAT_VERSION, GRADIENTS, MODEL, OPTIMIZER, STATE_SEPARATOR, TRAINER_STATE_FILE, index_name, shard_name,
+    CONFIG_FILE,
+    FORMAT_VERSION,
+    GRADIENTS,
+    MODEL,
+    OPTIMIZER,
+    STATE_SEPARATOR,
+    TRAINER_STATE_FILE,
+    index_name,
+    shard_name,
     tensor_nbytes,
 )
 from checkpoint.optimizer_state import state_tp_axis, states_by_parameter
 from checkpoint.replicas import host_array, judge_replicas, replica_fingerprints
 from checkpoint.shards import CHECKSUM, PieceWriter, TensorSpec, shard_layout, write_shard
-from checkpoint.stage3 import FlatSlice, as_saved, model_tensors, slice_param_name
+from checkpoint.stage3 import FlatSlice, as_saved, model_tensors
 from checkpoint.writers import Slot, WritePlan, assign_writers, gathered_bytes, items_from_holdings
-from modeling.registry import family_of
-from modeling.tp_plan import single_card_shape
+from modeling.tp_plan import ModelPlan, single_card_shape
+from paddle_pp.runtime.stage3 import slice_param_name
 from paddle_pp.runtime.topology import Topology, gather_objects
 
 
@@ -266,20 +273,20 @@ def _commit(pending: PendingSave, everyone: list[dict]) -> Path:
     return final
 
 
-def single_card_config(config) -> dict:
+def single_card_config(config, plan: ModelPlan) -> dict:
     """config.json in single-card form: the layout that saved the checkpoint is in its index."""
     values = config.to_dict()
-    values.update(tensor_parallel_degree=1, tensor_parallel_rank=0, virtual_pp_degree=1,
-                  architectures=[family_of(config).architecture])
+    values.update(tensor_parallel_degree=1, tensor_parallel_rank=0, virtual_pp_degree=1, sequence_parallel=False,
+                  architectures=[plan.architecture])
     return values
 
 
-def model_metadata(config) -> dict:
+def model_metadata(plan: ModelPlan) -> dict:
     """What the model index records beside its tensors: the family and which names are one tensor."""
-    return {"model_type": config.model_type, "tied": family_of(config).tied_groups(config)}
+    return {"model_type": plan.model_type, "tied": [list(names) for names in plan.tied]}
 
 
-def save_checkpoint(output_dir: Path, step: int, model, optimizer, topo: Topology, axes: dict, *,
+def save_checkpoint(output_dir: Path, step: int, model, optimizer, topo: Topology, plan: ModelPlan, *,
                     config, trainer_state: dict, extra_files: tuple[Path, ...] = (), keep: int = 0,
                     asynchronous: bool = False, gradients: dict | None = None,
                     replica_check: str = "error") -> PendingSave:
@@ -292,6 +299,7 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, topo: Topolog
     folder of this step before the first, each rank that writes creates the folder after it. Each is
     a few tens of ms among 4 ranks on 2 cores."""
     output_dir = Path(output_dir)
+    axes = plan.axes()
     state = model.state_dict()
     tensors = model_tensors(state, topo)
     held = _held(state, tensors, axes, optimizer, gradients, topo)
@@ -311,11 +319,11 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, topo: Topolog
     if topo.global_rank == 0 or any(fname or any(e.place for e in shard.entries) for fname, shard in plans.values()):
         staged.mkdir(exist_ok=True)  # only once the checks passed: a failed one leaves nothing
     layout_info = topo.layout.record()
-    extra = {"json_files": {CONFIG_FILE: single_card_config(config),
+    extra = {"json_files": {CONFIG_FILE: single_card_config(config, plan),
                             TRAINER_STATE_FILE: {"format_version": FORMAT_VERSION, "saving_layout": layout_info,
                                                  **trainer_state}},
              "copy_files": [str(path) for path in extra_files],
-             "model_metadata": model_metadata(config)}
+             "model_metadata": model_metadata(plan)}
     pending = PendingSave(output_dir, step, topo, layout_info, plans, extra, keep)
 
     results = pending.results = {"shards": {}, "pieces": {}, "written": {}}

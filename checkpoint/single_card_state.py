@@ -13,7 +13,7 @@ from typing import Callable, Mapping
 import numpy as np
 import paddle.distributed as dist
 
-from modeling.tp_plan import merge_tensors, single_card_shape, split_tensor
+from modeling.tp_plan import NORMAL, ONES, ModelPlan, merge_tensors, single_card_shape, split_tensor
 from paddle_pp.runtime.topology import Topology, gather_objects
 
 
@@ -46,21 +46,22 @@ def load_single_card_state(model, full_state: Mapping[str, np.ndarray], axes: Ma
     _assign_slices(model, axes, topo, lookup)
 
 
-def init_single_card_weights(model, axes: Mapping[str, int | None], topo: Topology, seed: int, std: float) -> None:
+def init_single_card_weights(model, plan: ModelPlan, topo: Topology, seed: int, std: float) -> None:
     """Initialise every parameter as the single-card model would be, whatever the layout.
 
-    Each tensor is drawn from its own generator keyed by (seed, single-card name): matrices from
-    N(0, std), biases zero, norm scales one. TP ranks slice the same full tensor and pipeline
-    stages draw only their own, so every layout starts from bit-identical weights (fleet's own
-    per-layer seeding differs between layouts)."""
+    Each tensor is drawn from its own generator keyed by (seed, single-card name), as its plan says:
+    matrices from N(0, std), vectors zeros or ones (biases, norm scales; a `1 + weight` norm's zeros).
+    TP ranks slice the same full tensor and pipeline stages draw only their own, so every layout
+    starts from bit-identical weights (fleet's own per-layer seeding differs between layouts)."""
 
     def draw(name: str, shape: list[int]) -> np.ndarray:
-        if len(shape) >= 2:
+        init = plan[name].init
+        if init == NORMAL:
             rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
             return rng.normal(0.0, std, size=shape).astype(np.float32)
-        return np.zeros(shape, np.float32) if name.endswith(".bias") else np.ones(shape, np.float32)
+        return (np.ones if init == ONES else np.zeros)(shape, np.float32)
 
-    _assign_slices(model, axes, topo, draw)
+    _assign_slices(model, plan.axes(), topo, draw)
 
 
 def gather_single_card_state(model, axes: Mapping[str, int | None], topo: Topology) -> dict[str, np.ndarray]:

@@ -18,11 +18,10 @@ import numpy as np
 
 from checkpoint.durable import new_folder, write_json_durably
 from checkpoint.format import FORMAT_VERSION, MODEL, OPTIMIZER, CheckpointError, index_name, read_versioned_json
-from checkpoint.plan import tensor_stages
+from checkpoint.save_plan import tensor_stages
 from checkpoint.shards import ShardReader, TensorSpec, write_shard
-from checkpoint.unified_io import UnifiedReader, load_config, reading, write_unified_kind
-from modeling.registry import plan_of, validate_layout
-from modeling.tp_plan import local_shape
+from checkpoint.unified_io import UnifiedReader, reading, write_unified_kind
+from modeling.tp_plan import ModelPlan, local_shape
 from paddle_pp.runtime.layout import Layout
 
 SPLIT_INDEX = "split.index.json"
@@ -95,13 +94,11 @@ class SplitWriter:
             "ranks": self.ranks, "tensors": {kind: t for kind, t in self.tensors.items() if t}})
 
 
-def split_checkpoint(source: Path, target: Path, layout: Layout,
+def split_checkpoint(source: Path, target: Path, layout: Layout, plan: ModelPlan,
                      on_tensor: Callable[[str, int], None] | None = None) -> Path:
-    """Write `source` (unified) as per-rank files for `layout`'s tp, pp and vpp."""
+    """Write `source` (unified) as per-rank files for `layout`'s tp, pp and vpp; `plan` is its model's,
+    and the layout one the model fits (`modeling.registry.validate_layout`)."""
     source = Path(source)
-    config = load_config(source)
-    validate_layout(config, layout)
-    plan = plan_of(config)
     with new_folder(target) as partial:
         shutil.copytree(source, partial, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
@@ -114,7 +111,7 @@ def split_checkpoint(source: Path, target: Path, layout: Layout,
             if kind == MODEL:
                 model_metadata = {k: unified.index["metadata"][k] for k in ("model_type", "tied")}
             for stage in range(layout.pp):
-                names = [n for n in sorted(unified.tensors) if stage in tensor_stages(plan, n, config, layout)]
+                names = [n for n in sorted(unified.tensors) if stage in tensor_stages(plan, n, layout)]
                 for tp_rank in range(layout.tp):
                     specs = [TensorSpec(n, np.dtype(unified.tensors[n]["dtype"]),
                                         local_shape(unified.tensors[n]["shape"], _axis(unified.tensors[n], layout.tp),

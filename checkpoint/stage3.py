@@ -14,12 +14,7 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
-SLICE_PREFIX = "slice@"
-
-
-def is_sliced(param) -> bool:
-    """Stage3 sliced this parameter (it keeps only `fw_storage`, a flat piece)."""
-    return getattr(param, "fw_storage", None) is not None
+from paddle_pp.runtime.stage3 import is_sliced
 
 
 class FlatSlice:
@@ -48,11 +43,6 @@ class FlatSlice:
         piece = np.zeros(width, flat.dtype)
         piece[: flat.size] = flat
         self.piece.set_value(piece.reshape(self.piece.shape).astype(str(self.dtype).removeprefix("paddle.")))
-
-
-def slice_param_name(param) -> str:
-    """The name the optimizer knows `param` by: its slice's under stage3, its own otherwise."""
-    return SLICE_PREFIX + param.name if is_sliced(param) else param.name
 
 
 def as_saved(param, tensor, topo):

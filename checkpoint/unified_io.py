@@ -7,7 +7,6 @@ model, and goes through `durable.new_folder`, so an interrupted tool leaves no f
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Callable, Iterator
@@ -16,11 +15,17 @@ import numpy as np
 
 from checkpoint.durable import new_folder, write_json_durably
 from checkpoint.format import (
-    CONFIG_FILE, FORMAT_VERSION, MODEL, OPTIMIZER, copy_tokenizer_files, index_name, read_index, shard_name,
+    CONFIG_FILE,
+    FORMAT_VERSION,
+    MODEL,
+    OPTIMIZER,
+    copy_tokenizer_files,
+    index_name,
+    read_index,
+    shard_name,
     tensor_nbytes,
 )
 from checkpoint.shards import ShardReader, TensorSpec, pack, write_shard
-from modeling.registry import config_from_dict
 
 
 def reading(names: list[str], read: Callable[[str], np.ndarray],
@@ -97,8 +102,3 @@ def export_weights(source: Path, target: Path, dtype: str = "float32", max_shard
         write_unified_kind(partial, MODEL, {n: {**meta, "dtype": dtype} for n, meta in unified.tensors.items()},
                            lambda n: unified.read(n).astype(dtype), metadata, max_shard_bytes, on_tensor)
     return Path(target)
-
-
-def load_config(folder: Path):
-    """The model config stored in a checkpoint folder's config.json."""
-    return config_from_dict(json.loads((Path(folder) / CONFIG_FILE).read_text()))

@@ -7,17 +7,18 @@ from typing import Callable
 
 from checkpoint.format import MODEL, OPTIMIZER, STATE_SEPARATOR, CheckpointError, index_name, read_index
 from checkpoint.shards import ShardReader, file_checksum, recorded_checksum
-from checkpoint.unified_io import load_config
-from modeling.registry import plan_of
+from modeling.tp_plan import ModelPlan
 
 
-def verify_checkpoint(folder: Path, on_file: Callable[[str, int], None] | None = None) -> list[str]:
+def verify_checkpoint(folder: Path, plan_of_folder: Callable[[Path], ModelPlan] | None = None,
+                      on_file: Callable[[str, int], None] | None = None) -> list[str]:
     """Problems found (empty when the checkpoint is sound): missing or altered files, tensors the
-    index lists but a shard lacks, weights missing from or shaped unlike the model its config.json
-    describes, optimizer states of parameters the model does not have. `on_file(name, bytes)` is
-    called as each file is hashed (the long part, for a progress bar)."""
+    index lists but a shard lacks, optimizer states of parameters the model does not have, and with
+    `plan_of_folder` (the model a folder's config.json describes: `modeling.registry.plan_of_folder`)
+    weights missing from or shaped unlike that model. `on_file(name, bytes)` is called as each file
+    is hashed (the long part, for a progress bar)."""
     folder = Path(folder)
-    problems: list[str] = _against_config(folder)
+    problems: list[str] = _against_config(folder, plan_of_folder) if plan_of_folder else []
     model_names: set[str] = set()
     for kind in (MODEL, OPTIMIZER):
         if kind == OPTIMIZER and not (folder / index_name(kind)).is_file():
@@ -61,14 +62,14 @@ def verify_checkpoint(folder: Path, on_file: Callable[[str, int], None] | None =
     return problems
 
 
-def _against_config(folder: Path) -> list[str]:
+def _against_config(folder: Path, plan_of_folder: Callable[[Path], ModelPlan]) -> list[str]:
     """The model index against the shapes `config.json` implies (single-card names and shapes)."""
     try:
-        config = load_config(folder)
+        plan = plan_of_folder(folder)
         tensors = read_index(folder, MODEL)["metadata"]["tensors"]
-    except (CheckpointError, OSError, ValueError, KeyError) as err:
+    except (CheckpointError, OSError, ValueError, KeyError, TypeError) as err:
         return [f"{folder}: cannot compare with config.json ({err})"]
-    expected = {name: list(row.shape) for name, row in plan_of(config).items()}
+    expected = {name: list(row.shape) for name, row in plan.items()}
     problems = [f"{name}: missing; config.json describes it with shape {shape}"
                 for name, shape in sorted(expected.items()) if name not in tensors]
     problems += [f"{name}: shape {tensors[name]['shape']}, config.json implies {shape}"

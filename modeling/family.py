@@ -1,16 +1,19 @@
-"""What the rest of the code base may know about a model family: one `ModelFamily` object each.
-
-The checkpoint, the planner and the tools ask a family for its TP plan, its names and its classes
-instead of matching parameter names themselves; a new family is one folder with a `family.py`
-and one line in `modeling/registry.py`.
+"""A model family, declared once: its config class, where its pieces sit (`Skeleton`), how it maps
+to transformers, and whether PaddleNLP has it. Everything else is derived here: the single-card/TP
+model and the pipeline model (generated classes named `<Arch>` and `<Arch>Pipe`), the TP plan, the
+tp divisibility checks, the activation model, the check that a built model agrees with its plan.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
+import types
+from dataclasses import dataclass
+from functools import cached_property
 
-from modeling.tp_plan import Plan, TensorPlan, local_shape, stages_holding
+from modeling.causal_lm import CausalLM, Skeleton
+from modeling.pipeline import CausalLMPipe
+from modeling.tp_plan import ModelPlan, check_divisible, local_shape
+from modeling.transformers_adapter import TransformersAdapter
 
 
 class PlanMismatchError(RuntimeError):
@@ -18,40 +21,53 @@ class PlanMismatchError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class TransformersNames:
-    """How a family's single-card names and config map to Hugging Face transformers' (whose linear
-    weights are stored [out, in], the transpose of Paddle's: the plan marks them `linear`)."""
-
-    to_hf: Callable[[str], str]
-    from_hf: Callable[[str], str]
-    config_keys: tuple[str, ...]  # config.json fields both sides share
-    fixed_config: dict = field(default_factory=dict)  # transformers-only fields with this family's values
-
-
-@dataclass(frozen=True)
 class ModelFamily:
-    model_type: str  # config.json "model_type"
-    architecture: str  # config.json "architectures" entry; PaddleNLP's class of the same name loads our folders
-    config_class: type
-    causal_lm: type  # single card, or TP with fleet's parallel layers when config.tensor_parallel_degree > 1
-    pipe: type  # PipelinePretrainedModel + PipelineLayer, registered under single-card prefixes
-    tensor_plan: Callable[..., dict[str, TensorPlan]]
-    check_tensor_parallel: Callable[..., None]  # (config, tp): raises TPPlanError naming the field
-    tied_groups: Callable[..., list[list[str]]]  # names that denote one tensor, the stored one first
-    # (config, batch, seq_len, tp, sequence_parallel, dtype_bytes) -> bytes one decoder layer saves, by sublayer
-    layer_activation_bytes: Callable[..., dict[str, int]]
-    transformers: TransformersNames | None = None
+    config_class: type  # its `model_type` is config.json's
+    architecture: str  # config.json "architectures"; PaddleNLP's class of this name loads our folders when `paddlenlp`
+    skeleton: Skeleton
+    transformers: TransformersAdapter | None = None
+    paddlenlp: bool = False  # PaddleNLP 3.0.0b4 has this family under the same names
 
-    def stage_names(self, plan: Plan, num_layers: int, pp: int, vpp: int, stage: int) -> set[str]:
-        """Single-card names the pipeline stage `stage` holds."""
-        return {name for name, row in plan.items() if stage in stages_holding(row, num_layers, pp, vpp)}
+    @property
+    def model_type(self) -> str:
+        return self.config_class.model_type
+
+    @cached_property
+    def causal_lm(self) -> type:
+        """`<Arch>`: single card, or TP with fleet's parallel layers when config.tensor_parallel_degree > 1."""
+        return self._generated(self.architecture, CausalLM)
+
+    @cached_property
+    def pipe(self) -> type:
+        """`<Arch>Pipe`: PaddleNLP's PipelinePretrainedModel + fleet's PipelineLayer, single-card prefixes."""
+        return self._generated(f"{self.architecture}Pipe", CausalLMPipe)
+
+    def _generated(self, name: str, base: type) -> type:
+        namespace = {"family": self, "config_class": self.config_class,
+                     "base_model_prefix": self.skeleton.base_prefix, "__module__": self.config_class.__module__}
+        return types.new_class(name, (base,), {}, lambda ns: ns.update(namespace))
+
+    def tensor_plan(self, config) -> ModelPlan:
+        return ModelPlan(self.model_type, self.architecture, config.num_hidden_layers, self.skeleton.tensors(config),
+                         self.skeleton.tied_names(config))
+
+    def check_tensor_parallel(self, config, tp: int) -> None:
+        """Fail before any weight is built when the vocabulary or a unit TP splits (heads, kv heads,
+        MLP width) does not divide by `tp`."""
+        fields = ("vocab_size",) + self.skeleton.decoder_layer.all_tp_fields(config)
+        check_divisible(self.architecture, config, fields, tp)
+
+    def layer_activation_bytes(self, config, batch: int, seq_len: int, tp: int, sequence_parallel: bool,
+                               dtype_bytes: int = 4) -> dict[str, int]:
+        """What one decoder layer keeps for backward on a rank, by sublayer (the planner's model)."""
+        return self.skeleton.decoder_layer.saved_bytes(config, batch, seq_len, tp, sequence_parallel, dtype_bytes)
 
     def check_built(self, model, config, pp: int, stage: int) -> None:
         """The built model holds exactly the plan's tensors for its stage, in the plan's per-rank
-        shapes. Run on every rank of every job, so a plan that drifts from the model code fails at
-        start-up instead of saving a checkpoint that another layout reads wrong."""
+        shapes. Run on every rank of every job, so a declaration that drifts from the model code
+        fails at start-up instead of saving a checkpoint that another layout reads wrong."""
         plan, tp = self.tensor_plan(config), max(config.tensor_parallel_degree, 1)
-        expected = self.stage_names(plan, config.num_hidden_layers, pp, config.virtual_pp_degree, stage)
+        expected = plan.stage_names(stage, pp, config.virtual_pp_degree)
         held = {name: tuple(param.shape) for name, param in model.state_dict().items()}
         problems = [f"{name}: held but not planned for stage {stage}" for name in sorted(set(held) - expected)]
         problems += [f"{name}: planned for stage {stage} but not held" for name in sorted(expected - set(held))]
@@ -59,5 +75,4 @@ class ModelFamily:
                      for name, shape in sorted(held.items())
                      if name in plan and shape != local_shape(plan[name].shape, plan[name].tp_axis, tp)]
         if problems:
-            raise PlanMismatchError(f"{self.architecture} disagrees with modeling/{self.model_type}/tp_plan.py: "
-                                    + "; ".join(problems[:5]))
+            raise PlanMismatchError(f"{self.architecture} disagrees with its declaration: " + "; ".join(problems[:5]))

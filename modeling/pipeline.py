@@ -1,11 +1,27 @@
-"""Pipeline construction shared by every model family: stage boundaries, fleet set-up, tied weights."""
+"""Pipeline models built from a family's declaration: `*ForCausalLMPipe` registers the single-card
+pieces as fleet `LayerDesc`s under their single-card prefixes, so `state_dict()` speaks single-card
+names through PaddleNLP's `PipelinePretrainedModel` prefix mapping.
+
+Only hidden states flow between stages (rotary tables and the causal mask are rebuilt per layer).
+A tied embedding is two `SharedLayerDesc`s under one key, the embedding on the first stage and the
+head on the last, as PaddleNLP ties them: fleet broadcasts the first stage's weight at start and
+all-reduces the two gradients after every batch, and both map to the embedding's single-card name.
+"""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from paddle import nn
 from paddle.distributed import fleet
-from paddle.distributed.fleet.meta_parallel import PipelineLayer
+from paddle.distributed.fleet.meta_parallel import LayerDesc, PipelineLayer, SharedLayerDesc
+from paddlenlp.transformers.model_utils import PipelinePretrainedModel
 
+from modeling.blocks.embedding import HeadLayer, TiedHeadLayer, embed
+from modeling.blocks.parts import Leaf
+from modeling.causal_lm import CausalLMPretrainedModel
+from modeling.loss import CausalLMCriterion
+from modeling.tp_plan import FIRST, FIRST_AND_LAST
 from paddle_pp.runtime.errors import UserError
 
 
@@ -46,27 +62,97 @@ def tie_shared_weights(pipe) -> None:
             getattr(comm["layer"], attr).is_firstly_shared = False
 
 
-def bind_tensor_parallel(config) -> None:
-    """Record this rank's tp degree and rank on the config before any stage layer is built."""
-    hcg = fleet.get_hybrid_communicate_group()
-    config.tensor_parallel_degree = hcg.get_model_parallel_world_size()
-    config.tensor_parallel_rank = hcg.get_model_parallel_rank()
+class EmbeddingSection(nn.Layer):
+    """The first stage's embeddings (token, and learned positions), children under their names."""
+
+    def __init__(self, config, parts: dict[str, Leaf], tokens: str, positions: str | None):
+        super().__init__()
+        self.config = config
+        for name, part in parts.items():
+            self.add_sublayer(name, part.build(config))
+        self.names = (tokens, positions)
+
+    @property
+    def embedding_weight(self):
+        return getattr(self, self.names[0]).weight
+
+    def forward(self, input_ids):
+        tokens, positions = self.names
+        return embed(self.config, getattr(self, tokens), getattr(self, positions) if positions else None, input_ids)
 
 
-def build_stages(pipe, config, loss_fn: nn.Layer, decoder_class: str) -> None:
-    """Cut the registered layers into this rank's stage(s), initialise them and tie shared weights.
+class NormSection(nn.Layer):
+    """The last stage's final norm, under its own name."""
 
-    `PipelinePretrainedModel.__init__` is skipped on purpose (diamond with PipelineLayer): the
-    family's `__init__` sets `pipe.config` and registers layers before calling this."""
-    hcg = fleet.get_hybrid_communicate_group()
-    pp, vpp = hcg.get_pipe_parallel_world_size(), config.virtual_pp_degree
-    PipelineLayer.__init__(
-        pipe,
-        layers=pipe.get_sequential_layers(),
-        loss_fn=loss_fn,
-        topology=hcg.topology(),
-        seg_method=stage_segments(config.num_hidden_layers, pp, vpp, decoder_class),
-        num_virtual_pipeline_stages=vpp,
-    )
-    pipe.apply(pipe._init_weights)
-    tie_shared_weights(pipe)
+    def __init__(self, config, name: str, part: Leaf):
+        super().__init__()
+        self.add_sublayer(name, part.build(config))
+        self.name = name
+
+    def forward(self, hidden):
+        return getattr(self, self.name)(hidden)
+
+
+def _split(path: str) -> tuple[str, str]:
+    """(prefix, last name) of a dotted path."""
+    prefix, _, name = path.rpartition(".")
+    return prefix, name
+
+
+class CausalLMPipe(PipelinePretrainedModel, PipelineLayer):
+    """Every family's `*ForCausalLMPipe`: the skeleton's pieces registered in model order."""
+
+    family: ClassVar  # the `ModelFamily` this class was generated for
+    _get_tensor_parallel_mappings = CausalLMPretrainedModel._get_tensor_parallel_mappings
+    _init_weights = CausalLMPretrainedModel._init_weights
+
+    def __init__(self, config):
+        self.config = config
+        hcg = fleet.get_hybrid_communicate_group()
+        config.tensor_parallel_degree = hcg.get_model_parallel_world_size()
+        config.tensor_parallel_rank = hcg.get_model_parallel_rank()
+        self.family.check_tensor_parallel(config, config.tensor_parallel_degree)
+        skeleton, tied = self.family.skeleton, config.tie_word_embeddings
+        parts = skeleton.parts(config)
+        tied_key = f"{self.family.model_type}_tied_embedding"
+        first = {path: part for path, part, place in parts if place in (FIRST, FIRST_AND_LAST)}
+        prefix = _split(skeleton.tokens)[0]
+        embedding = dict(config=config, parts={_split(p)[1]: part for p, part in first.items()},
+                         tokens=_split(skeleton.tokens)[1],
+                         positions=_split(skeleton.positions)[1] if skeleton.positions else None)
+        self.add_sequential_layer(
+            SharedLayerDesc(tied_key, EmbeddingSection, shared_weight_attr="embedding_weight", **embedding) if tied
+            else LayerDesc(EmbeddingSection, **embedding), prefix)
+        for i in range(config.num_hidden_layers):
+            self.add_sequential_layer(LayerDesc(skeleton.decoder_layer, config=config), f"{skeleton.layers}.{i}")
+        norm_prefix, norm_name = _split(skeleton.norm)
+        self.add_sequential_layer(LayerDesc(NormSection, config=config, name=norm_name, part=config.hidden_norm()),
+                                  norm_prefix)
+        if tied:
+            self.add_sequential_layer(
+                SharedLayerDesc(tied_key, TiedHeadLayer, shared_weight_attr="embedding_weight", config=config),
+                skeleton.tokens)
+        else:
+            head = next(part for path, part, _ in parts if path == skeleton.head)
+            self.add_sequential_layer(LayerDesc(HeadLayer, config=config, hidden_size=head.hidden_size,
+                                                vocab_size=head.vocab_size), skeleton.head)
+        self._build_stages(CausalLMCriterion(config))
+
+    def _build_stages(self, loss_fn: nn.Layer) -> None:
+        """Cut the registered layers into this rank's stage(s), initialise them and tie shared weights.
+
+        `PipelinePretrainedModel.__init__` is skipped on purpose (diamond with PipelineLayer): the
+        registered layers are handed to `PipelineLayer.__init__` directly."""
+        hcg = fleet.get_hybrid_communicate_group()
+        pp, vpp = hcg.get_pipe_parallel_world_size(), self.config.virtual_pp_degree
+        PipelineLayer.__init__(
+            self,
+            layers=self.get_sequential_layers(),
+            loss_fn=loss_fn,
+            topology=hcg.topology(),
+            seg_method=stage_segments(self.config.num_hidden_layers, pp, vpp,
+                                      self.family.skeleton.decoder_layer.__name__),
+            num_virtual_pipeline_stages=vpp,
+        )
+        self.apply(self._init_weights)
+        tie_shared_weights(self)

@@ -1,25 +1,31 @@
 """The model families, by config.json "model_type", and the calls that pick one for a config.
 
-To add a family: a folder `modeling/<name>/` (config, model, pipeline model, TP plan, `family.py`)
-and its `ModelFamily` in `FAMILIES` below.
+A new family: a folder `modeling/<name>/` declaring its config and `ModelFamily`, and one line below.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from modeling.family import ModelFamily
-from modeling.gpt.family import GPT
-from modeling.llama.family import LLAMA
+from modeling.gemma import GEMMA
+from modeling.gpt import GPT
+from modeling.llama import LLAMA
+from modeling.mistral import MISTRAL
 from modeling.pipeline import stage_segments
-from modeling.tp_plan import TensorPlan
+from modeling.qwen2 import QWEN2
+from modeling.qwen3 import QWEN3
+from modeling.tp_plan import ALWAYS, ModelPlan
 from paddle_pp.runtime.errors import UserError
 
 if TYPE_CHECKING:
     from paddle_pp.runtime.layout import Layout
     from paddle_pp.runtime.topology import Topology
 
-FAMILIES: dict[str, ModelFamily] = {family.model_type: family for family in (LLAMA, GPT)}
+FAMILIES: dict[str, ModelFamily] = {family.model_type: family for family in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GPT)}
+BY_TRANSFORMERS_TYPE = {family.transformers.model_type: family for family in FAMILIES.values() if family.transformers}
 
 
 class UnknownModelError(UserError, ValueError):
@@ -27,25 +33,42 @@ class UnknownModelError(UserError, ValueError):
 
 
 def family(model_type: str) -> ModelFamily:
-    if model_type not in FAMILIES:
-        raise UnknownModelError(f"model_type {model_type!r} is not one of {sorted(FAMILIES)}")
-    return FAMILIES[model_type]
+    """The family of a config.json "model_type": ours, PaddleNLP's or transformers' (e.g. "gpt2")."""
+    found = FAMILIES.get(model_type) or BY_TRANSFORMERS_TYPE.get(model_type)
+    if found is None:
+        raise UnknownModelError(f"model_type {model_type!r} is not one of {sorted(FAMILIES)} "
+                                f"(transformers: {sorted(BY_TRANSFORMERS_TYPE)})")
+    return found
 
 
 def family_of(config) -> ModelFamily:
     return family(config.model_type)
 
 
-def plan_of(config) -> dict[str, TensorPlan]:
+def plan_of(config) -> ModelPlan:
     """The TP plan of `config`'s family for this config: every parameter's shape, split and stage."""
     return family_of(config).tensor_plan(config)
 
 
 def config_from_dict(values: dict):
-    """A model config from a Hugging Face-style config dict, chosen by its "model_type"."""
+    """A model config from our config.json dict, chosen by its "model_type"."""
     values = dict(values)
     values.pop("architectures", None)
     return family(values.pop("model_type", None)).config_class(**values)
+
+
+def load_config(folder: Path):
+    """The model config of a folder's config.json (a checkpoint, a weights-only export)."""
+    return config_from_dict(json.loads((Path(folder) / "config.json").read_text()))
+
+
+def plan_of_folder(folder: Path) -> ModelPlan:
+    """The plan of the model a folder's config.json describes."""
+    return plan_of(load_config(folder))
+
+
+class LayoutModelError(UserError, ValueError):
+    """A model and a layout that do not go together."""
 
 
 def validate_layout(config, layout: Layout) -> None:
@@ -55,11 +78,17 @@ def validate_layout(config, layout: Layout) -> None:
     family_of(config).check_tensor_parallel(config, layout.tp)
     if layout.pp > 1:
         stage_segments(config.num_hidden_layers, layout.pp, layout.vpp, "decoder")
+    if layout.tp > 1 and layout.group_sharded_level and any(
+            row.tp_partial_grad == ALWAYS for row in plan_of(config).values()):
+        raise LayoutModelError(
+            f"{family_of(config).architecture} has per-head norms (q/k norms) whose gradients are summed over "
+            f"tp after backward; with --sharding {layout.sharding_stage} that sum and the sharded gradient "
+            "reduction both hook the backward pass (untested order); use --sharding stage1 with tp, or tp 1")
 
 
 def build_causal_lm(config, topo: Topology):
     """The model form the layout needs (`*ForCausalLMPipe` when pp > 1, else `*ForCausalLM` with
-    TP inside), checked against its family's TP plan."""
+    TP inside), checked against its family's declaration."""
     model_family = family_of(config)
     config.tensor_parallel_degree = topo.layout.tp
     config.tensor_parallel_rank = topo.tp_rank

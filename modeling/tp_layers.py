@@ -46,11 +46,11 @@ def row_linear(config, in_features: int, out_features: int, bias: bool = False) 
     return nn.Linear(in_features, out_features, bias_attr=None if bias else False)
 
 
-def vocab_embedding(config) -> nn.Layer:
+def vocab_embedding(config, num_embeddings: int, dim: int) -> nn.Layer:
     """Vocabulary rows split over tp ranks; lookups outside a rank's rows are zero, then all-reduced."""
     if tp_degree(config) > 1:
-        return mp_layers.VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-    return nn.Embedding(config.vocab_size, config.hidden_size)
+        return mp_layers.VocabParallelEmbedding(num_embeddings, dim)
+    return nn.Embedding(num_embeddings, dim)
 
 
 def vocab_logits(hidden: paddle.Tensor, weight: paddle.Tensor, tp: int, transpose_y: bool) -> paddle.Tensor:

@@ -1,17 +1,24 @@
-"""The shape of a TP plan, shared by every model family: one row per single-card parameter saying
-its shape, how tensor parallelism splits it, and which pipeline stage holds it.
+"""The TP plan: every single-card parameter's placement, collected from what the blocks declare.
 
-Each family writes one table (`<family>/tp_plan.py::tensor_plan`); split axes, single-card shapes,
-per-rank shapes and pipeline placement are all read from it, so nothing else in the code base
-matches parameter names. Paddle linears store weights as [in, out]: a column-parallel linear splits
-axis 1 (and its bias), a row-parallel one axis 0; an embedding splits its vocabulary rows.
+No family writes this table: each block declares its parts (`modeling/blocks/parts.py`), and
+`ModelFamily.tensor_plan` walks the declarations. The TP model, the pipeline split, the checkpoint
+(which knows models only through a `ModelPlan`), the planner and the transformers adapter all read
+it. Paddle linears store weights as [in, out]: a column-parallel linear splits axis 1 (and its
+bias), a row-parallel one axis 0; an embedding splits its vocabulary rows.
+
+A placement says how a tensor is cut over the mesh (today: over tp, along one axis) and which
+pipeline stage holds it. An expert axis (and later a context-parallel one) is one more field of
+`TensorPlan` with its own "which ranks hold which piece" rule in `holding_stages` and the per-rank
+shape functions below; the save plans its writers from the holdings every rank reports, so it
+needs no new code for a tensor held by fewer replicas.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Mapping
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -21,6 +28,10 @@ COLUMN, ROW, REPLICATED = 1, 0, None
 VOCAB_ROWS = 0  # an embedding's rows (vocabulary entries) split over tp
 VECTOR_SPLIT = 0  # a column-parallel linear's bias
 FIRST, LAST, FIRST_AND_LAST = "first", "last", "first_and_last"  # stages of tensors outside the decoder layers
+NORMAL, ZEROS, ONES = "normal", "zeros", "ones"  # how a parameter starts (matrices N(0, initializer_range))
+# A replicated parameter whose gradient each tp rank holds only a part of, summed over tp after backward:
+ALWAYS = "always"  # q/k norms: each rank sees only its heads
+UNDER_SEQUENCE_PARALLEL = "sequence_parallel"  # norms and row-linear biases: each rank sees its positions
 
 
 class TPPlanError(UserError, ValueError):
@@ -30,24 +41,53 @@ class TPPlanError(UserError, ValueError):
 @dataclass(frozen=True)
 class TensorPlan:
     """One single-card parameter: full shape, TP split axis (None: replicated), where it lives in the
-    pipeline (its decoder layer's index, or FIRST / LAST / FIRST_AND_LAST), and whether it is a
-    linear weight (transformers stores those transposed)."""
+    pipeline (its decoder layer's index, or FIRST / LAST / FIRST_AND_LAST; None inside a block until
+    the model places it), whether it is a linear weight ([in, out]; torch stores the transpose), how
+    it starts, and when its gradient is summed over tp."""
 
     shape: tuple[int, ...]
     tp_axis: int | None
-    place: int | str
+    place: int | str | None = None
     linear: bool = False
+    init: str = NORMAL
+    tp_partial_grad: str | None = None
 
 
-Plan = Mapping[str, TensorPlan]
+@dataclass(frozen=True)
+class ModelPlan(Mapping):
+    """What the checkpoint, the planner and the tools know of a model: its family's names, its
+    decoder layers, every parameter's `TensorPlan` (a mapping by single-card name), and which names
+    denote one tensor (a tied embedding and head; the stored name first)."""
+
+    model_type: str
+    architecture: str
+    num_layers: int
+    tensors: Mapping[str, TensorPlan]
+    tied: tuple[tuple[str, ...], ...] = field(default=())
+
+    def __getitem__(self, name: str) -> TensorPlan:
+        return self.tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def axes(self) -> dict[str, int | None]:
+        return {name: row.tp_axis for name, row in self.tensors.items()}
+
+    def stages(self, name: str, pp: int, vpp: int) -> list[int]:
+        """The pipeline stages holding parameter `name`."""
+        return stages_holding(self.tensors[name], self.num_layers, pp, vpp)
+
+    def stage_names(self, stage: int, pp: int, vpp: int) -> set[str]:
+        """Single-card names pipeline stage `stage` holds."""
+        return {name for name in self.tensors if stage in self.stages(name, pp, vpp)}
 
 
-def split_axes(plan: Plan) -> dict[str, int | None]:
+def split_axes(plan: Mapping[str, TensorPlan]) -> dict[str, int | None]:
     return {name: row.tp_axis for name, row in plan.items()}
-
-
-def single_card_shapes(plan: Plan) -> dict[str, tuple[int, ...]]:
-    return {name: row.shape for name, row in plan.items()}
 
 
 def local_shape(shape, axis: int | None, tp: int) -> tuple[int, ...]:
@@ -74,15 +114,14 @@ def stages_holding(row: TensorPlan, num_layers: int, pp: int, vpp: int) -> list[
     return {FIRST: [0], LAST: [pp - 1], FIRST_AND_LAST: sorted({0, pp - 1})}[row.place]
 
 
-def check_divisible(family: str, config, fields: tuple[str, ...], tp: int) -> None:
+def check_divisible(architecture: str, config, fields: tuple[str, ...], tp: int) -> None:
     """Fail before any weight is built when a dimension that TP splits does not divide by `tp`."""
-    for field in fields:
-        value = getattr(config, field)
+    for name in fields:
+        value = getattr(config, name)
         if value % tp:
             raise TPPlanError(
-                f"{family} {field}={value} is not divisible by --tensor_parallel_degree {tp}; "
-                f"choose a degree that divides it{' (or pad the vocabulary)' if field == 'vocab_size' else ''}."
-            )
+                f"{architecture} {name}={value} is not divisible by --tensor_parallel_degree {tp}; "
+                f"choose a degree that divides it{' (or pad the vocabulary)' if name == 'vocab_size' else ''}.")
 
 
 def split_tensor(full: np.ndarray, axis: int | None, tp: int, rank: int) -> np.ndarray:

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import functools
+import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
-from runs import CORPUS, RESUME_STEP, TOKENIZER, Run, pretrain
 
+from checkpoint.format import tokenizer_files
 from paddle_pp.runtime.launch import launch
+
+import hf_models
+from runs import CORPUS, RESUME_STEP, TOKENIZER, Run, pretrain
 
 WORKERS = Path(__file__).parent / "workers"
 
@@ -42,6 +47,49 @@ def data_cache(tmp_path_factory):
     folder = tmp_path_factory.mktemp("data")
     ensure_corpus(CORPUS, TOKENIZER, folder)
     return folder
+
+
+def first_batch(data_cache: Path, tokenizer_dir: Path, max_steps: int, eval_steps: int = 0) -> np.ndarray:
+    """The 8 samples step 1 of a `max_steps` run of the test model trains on, in PaddleNLP's sample
+    order (which depends on the dataset's size, so on `max_steps`), with `tokenizer_dir`'s ids."""
+    from paddle_pp.data.source import build_data, dataset_sizes, plan_data
+
+    plan = plan_data("", CORPUS, tokenizer_dir, data_cache, "949,50,1", "mmap", 32, 42,
+                     dataset_sizes(8, max_steps, eval_steps, 1), 4096)
+    train, _ = build_data(plan)
+    return np.stack([train[i] for i in range(8)]).astype(np.int64)
+
+
+FOLDER_STEPS = 3  # steps of the runs that start from transformers 5 folders (their first batch is the reference's)
+IDS = np.random.default_rng(11).integers(0, 4096, size=(2, 24))  # logits are compared on these
+
+
+@pytest.fixture(scope="session")
+def transformers4_folders(tmp_path_factory) -> Path:
+    """Every model kind of `hf_models.KINDS` saved by transformers 4.x (this venv's), with its logits on
+    IDS beside it, and the tokenizer its hub folder ships (`hf_models.KIND_TOKENIZERS`, else ours)."""
+    root = tmp_path_factory.mktemp("transformers4")
+    hf_models.make_with_answers(root, IDS[:, :9], IDS, list(hf_models.KINDS))
+    tokenizers = {style: hf_models.hub_tokenizer(style, root / f"tokenizer_{style}", CORPUS)
+                  for style in set(hf_models.KIND_TOKENIZERS.values())}
+    for kind in hf_models.KINDS:
+        source = tokenizers.get(hf_models.KIND_TOKENIZERS.get(kind), TOKENIZER)
+        for path in tokenizer_files(source):
+            shutil.copy(path, root / kind)
+    return root
+
+
+@pytest.fixture(scope="session")
+def transformers5_folders(tmp_path_factory, data_cache) -> Path:
+    """Every model kind of `hf_models.KINDS` saved by transformers 5, with transformers 5's loss on
+    the first batch of a FOLDER_STEPS run and its logits on IDS beside each folder (one subprocess)."""
+    root = tmp_path_factory.mktemp("transformers5")
+    np.save(root / "rows.npy", first_batch(data_cache, TOKENIZER, FOLDER_STEPS))
+    np.save(root / "ids.npy", IDS)
+    hf_models.transformers5("make", root, root / "rows.npy", root / "ids.npy", *hf_models.KINDS)
+    for kind in hf_models.KINDS:
+        shutil.copy(TOKENIZER / "tokenizer.model", root / kind)
+    return root
 
 
 @pytest.fixture(scope="session")

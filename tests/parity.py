@@ -8,6 +8,9 @@ from pathlib import Path
 import numpy as np
 import paddle
 
+from modeling.registry import config_from_dict, family_of, plan_of
+from paddle_pp.interop.pretrained import load_pretrained, open_pretrained
+
 EVAL_RTOL, TRAIN_TOL = 1e-6, 1e-5
 
 
@@ -46,3 +49,14 @@ def assert_same_logits(ours, theirs, vocab_size: int, seed: int, rtol: float = 1
     theirs_logits = theirs(ids)
     theirs_logits = theirs_logits[0] if isinstance(theirs_logits, (tuple, list)) else theirs_logits
     np.testing.assert_allclose(ours(ids).numpy(), theirs_logits.numpy(), rtol=rtol, atol=rtol)
+
+
+def our_logits(folder: Path, ids: np.ndarray) -> np.ndarray:
+    """Our single-card model of `folder`, its weights read as --model_name_or_path reads them."""
+    pretrained = open_pretrained(folder)
+    config = config_from_dict(pretrained.config)
+    model = family_of(config).causal_lm(config)
+    load_pretrained(pretrained, model, plan_of(config).axes(), None)
+    model.eval()
+    with paddle.no_grad():
+        return model(paddle.to_tensor(ids)).numpy()

@@ -10,14 +10,16 @@ from pathlib import Path
 
 import numpy as np
 
-from checkpoint.plan import save_items
-from checkpoint.unified_io import UnifiedReader, load_config
+from checkpoint.save_plan import save_items
+from checkpoint.unified_io import UnifiedReader
 from checkpoint.writers import assign_writers
+from modeling.registry import plan_of_folder
 from paddle_pp.runtime.layout import Layout
 from paddle_pp.training.arguments import parse_args
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "run_pretrain.py"
+TRAINER = REPO / "tests" / "workers" / "pretrain_worker.py"  # run_pretrain.py writing per-rank results
 CORPUS, TOKENIZER = REPO / "data" / "jargon-4.4.7.txt", REPO / "data" / "tokenizer"
 MODEL = ("--hidden_size", "64", "--intermediate_size", "128", "--num_hidden_layers", "4", "--num_attention_heads", "4",
          "--num_key_value_heads", "2", "--max_seq_length", "32", "--global_batch_size", "8",
@@ -53,7 +55,7 @@ FOUR_D_SAVING = Run("4d_saving", 16, TP2 + PP2 + SHARDING2 + ("--save_steps", st
 
 def pretrain(launch, data_cache: Path, out: Path, nproc: int, flags, tag: str, nnodes: int = 1) -> list[dict]:
     """Launch run_pretrain.py on nnodes x nproc ranks writing into `out`; per-rank results."""
-    return launch(SCRIPT, nproc, [*MODEL, *flags, "--data_cache", data_cache, "--output_dir", out], timeout=400,
+    return launch(TRAINER, nproc, [*MODEL, *flags, "--data_cache", data_cache, "--output_dir", out], timeout=400,
                   nnodes=nnodes, tag=tag)
 
 
@@ -73,7 +75,7 @@ def planned_writers(folder: Path, flags, nproc: int) -> dict[tuple[str, str], in
     """The rank the planner (`tools/reshard.py plan`) predicts writes each tensor of a save of the
     test model under `flags`, from the checkpoint's config.json alone."""
     layout = Layout.from_args(parse_args([*MODEL, *flags]).layout, world_size=nproc, device="cpu")
-    predicted = assign_writers(save_items(load_config(folder), layout), layout.tp).writer
+    predicted = assign_writers(save_items(plan_of_folder(folder), layout), layout.tp).writer
     ranks = {slot: rank for rank, slot in enumerate(layout.rank_slots())}
     return {key: ranks[slot] for key, slot in predicted.items()}
 

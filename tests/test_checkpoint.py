@@ -14,18 +14,34 @@ from pathlib import Path
 import numpy as np
 import paddle
 import pytest
-from parity import assert_same_logits
-from runs import (
-    FOUR_D_SAVING, GPT, HALF, MODEL, PP2, REPO, RESUME_STEP, SCRIPT, SHARDING2, SINGLE, SINGLE_GPT, TP2, Run,
-    planned_writers, pretrain, written_by_rank,
-)
 
 from checkpoint.commit import latest_checkpoint, rotate
 from checkpoint.format import FORMAT_VERSION, CheckpointError
 from checkpoint.load import checking_ranks
 from checkpoint.shards import ShardReader
 from checkpoint.verify import verify_checkpoint
+from modeling.registry import plan_of_folder
 from paddle_pp.runtime.launch import LaunchError
+
+from parity import assert_same_logits
+from runs import (
+    FOUR_D_SAVING,
+    GPT,
+    HALF,
+    MODEL,
+    PP2,
+    REPO,
+    RESUME_STEP,
+    SCRIPT,
+    SHARDING2,
+    SINGLE,
+    SINGLE_GPT,
+    TP2,
+    Run,
+    planned_writers,
+    pretrain,
+    written_by_rank,
+)
 
 RESUME_TOL = 1e-5
 LAYOUTS = {  # name: (nproc, flags)
@@ -101,7 +117,7 @@ def test_every_rank_writes_a_share_balanced_by_bytes_as_the_planner_predicts(pre
         assert max(written.values()) <= mean + largest
     else:
         assert max(written.values()) <= 1.25 * mean
-    assert verify_checkpoint(folder) == []
+    assert verify_checkpoint(folder, plan_of_folder) == []
     assert writer == planned_writers(folder, flags, nproc)
 
 
@@ -120,15 +136,14 @@ def test_index_records_layout_checksums_and_split_axes(pretrain_run):
     optimizer = json.loads((folder / "optimizer.safetensors.index.json").read_text())
     assert {k.split("/")[1] for k in optimizer["weight_map"]} == {"moment1", "moment2", "beta1_pow_acc", "beta2_pow_acc"}
     assert len(meta["files"]) > 1, "the 4D save must spread its writing over several ranks"
-    assert verify_checkpoint(folder) == []
+    assert verify_checkpoint(folder, plan_of_folder) == []
 
 
 @pytest.mark.multiproc
 def test_paddlenlp_from_pretrained_gives_our_logits(pretrain_run):
     import paddlenlp.transformers as nlp
 
-    from modeling.llama.config import LlamaConfig
-    from modeling.llama.modeling import LlamaForCausalLM
+    from modeling.llama import LlamaConfig, LlamaForCausalLM
 
     folder = pretrain_run(first("llama", "tp2pp2"))[1] / "checkpoint-10"
     theirs = nlp.LlamaForCausalLM.from_pretrained(str(folder))
@@ -232,7 +247,7 @@ def test_flipped_byte_fails_verification_and_resume_naming_the_file(saved, tmp_p
     data = bytearray(shard.read_bytes())
     data[-5] ^= 0x01
     shard.write_bytes(bytes(data))
-    problems = verify_checkpoint(folder)
+    problems = verify_checkpoint(folder, plan_of_folder)
     assert len(problems) == 1 and shard.name in problems[0] and "crc32 checksum mismatch" in problems[0]
     tool = subprocess.run([sys.executable, str(REPO / "tools" / "verify_checkpoint.py"), str(folder)],
                           capture_output=True, text=True, timeout=60)
@@ -251,7 +266,7 @@ def test_stored_format_version_1_checkpoint_verifies_and_resumes(tmp_path):
     """A folder written in format version 1 (SHA-256 per file), stored in the repository: readers
     must keep verifying it (and catching damage) and resuming from it."""
     assert json.loads((V1 / "model.safetensors.index.json").read_text())["metadata"]["format_version"] == 1
-    assert verify_checkpoint(V1) == []
+    assert verify_checkpoint(V1, plan_of_folder) == []
     resumed = _single_card(tmp_path, *V1_MODEL, "--max_steps", "3", "--output_dir", str(tmp_path / "out"),
                            "--resume_from_checkpoint", str(V1))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
@@ -261,7 +276,7 @@ def test_stored_format_version_1_checkpoint_verifies_and_resumes(tmp_path):
     data = bytearray(shard.read_bytes())
     data[-5] ^= 0x01
     shard.write_bytes(bytes(data))
-    assert [p for p in verify_checkpoint(folder) if "sha256 checksum mismatch" in p and shard.name in p]
+    assert [p for p in verify_checkpoint(folder, plan_of_folder) if "sha256 checksum mismatch" in p and shard.name in p]
 
 
 def test_a_newer_format_version_is_refused_naming_both_versions(tmp_path):
@@ -280,7 +295,7 @@ def test_truncated_shard_fails_clearly(saved, tmp_path):
     folder = _copy(saved / "sync" / "checkpoint-3", tmp_path / "checkpoint-3")
     shard = folder / "optimizer-00001-of-00001.safetensors"
     shard.write_bytes(shard.read_bytes()[:1000])
-    assert any("truncated" in p and shard.name in p for p in verify_checkpoint(folder))
+    assert any("truncated" in p and shard.name in p for p in verify_checkpoint(folder, plan_of_folder))
     with pytest.raises(CheckpointError, match="truncated|not a readable"):
         ShardReader(shard)
 

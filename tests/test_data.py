@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from runs import MODEL, PP2, SCRIPT, TP2
 
 from paddle_pp.data import preprocess as preprocess_module
 from paddle_pp.data.causal import build_samples, parse_input_dir
@@ -24,6 +23,8 @@ from paddle_pp.data.sampler import SequentialBatches
 from paddle_pp.data.source import build_data, dataset_sizes, plan_data
 from paddle_pp.data.tokenizer import TokenizerError, load_text_tokenizer, load_tokenizer
 from paddle_pp.runtime.launch import LaunchError
+
+from runs import MODEL, PP2, SCRIPT, TP2
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS, TOKENIZER = REPO / "data" / "jargon-4.4.7.txt", REPO / "data" / "tokenizer"

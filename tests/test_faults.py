@@ -14,12 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
-from runs import MODEL, REPO, SCRIPT
 
 from checkpoint.commit import clear_interrupted_saves, commit, latest_checkpoint, temp_dir
 from paddle_pp.runtime.launch import processes_naming
 from paddle_pp.training.output_lock import LOCK_FILE, OutputDirInUseError, acquire, release
 from paddle_pp.training.report import MetricsLog, read_metrics
+
+from runs import MODEL, REPO, SCRIPT
 
 
 def _wait_for(condition, seconds: float, what: str) -> None:

@@ -11,11 +11,11 @@ import functools
 
 import paddle
 import pytest
+
+from modeling.gpt import GPTConfig, GPTForCausalLM
+
 from parity import assert_matches, assert_same_logits, run_model, write_model_files
 from runs import PP2, TP2
-
-from modeling.gpt.config import GPTConfig
-from modeling.gpt.modeling import GPTForCausalLM
 
 pytestmark = pytest.mark.multiproc
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from runs import PP2, SHARDING2, TP2
 
 pytestmark = pytest.mark.multiproc

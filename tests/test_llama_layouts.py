@@ -10,11 +10,11 @@ import functools
 
 import paddle
 import pytest
+
+from modeling.llama import LlamaConfig, LlamaForCausalLM
+
 from parity import assert_matches, assert_same_logits, run_model, write_model_files
 from runs import PP2, SHARDING2, TP2
-
-from modeling.llama.config import LlamaConfig
-from modeling.llama.modeling import LlamaForCausalLM
 
 pytestmark = pytest.mark.multiproc
 

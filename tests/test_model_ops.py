@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
-from modeling.llama.config import LlamaConfig
-from modeling.llama.modeling import apply_rotary, rotary_tables, rotate_half
+from modeling.blocks.rotary import apply_rotary, rotary_tables, rotate_half
+from modeling.llama import LlamaConfig
 
 
 def test_rotary_backward_keeps_only_the_tables_and_equals_autograd():

@@ -14,17 +14,21 @@ from modeling.family import PlanMismatchError
 from modeling.registry import FAMILIES, UnknownModelError, config_from_dict
 from modeling.tp_plan import COLUMN, ROW, TPPlanError, local_shape, stages_holding
 
-CONFIGS = {
-    "llama": dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16),
-    "gpt": dict(model_type="gpt", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                num_attention_heads=4, max_position_embeddings=16),
+SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+             max_position_embeddings=16)
+CONFIGS = {  # each family with what sets it apart: GQA, tied embeddings, biases, q/k norms, head_dim
+    "llama": dict(SHAPE, num_key_value_heads=2, attention_bias=True, mlp_bias=True),
+    "mistral": dict(SHAPE, num_key_value_heads=2, sliding_window=None),
+    "qwen2": dict(SHAPE, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen3": dict(SHAPE, num_key_value_heads=2, head_dim=12),
+    "gemma": dict(SHAPE, num_key_value_heads=2, head_dim=12),
+    "gpt": dict(SHAPE),
 }
 
 
 @pytest.fixture(params=sorted(FAMILIES))
 def built(request):
-    config = config_from_dict(CONFIGS[request.param])
+    config = config_from_dict({"model_type": request.param, **CONFIGS[request.param]})
     paddle.seed(0)
     return FAMILIES[request.param], config, FAMILIES[request.param].causal_lm(config)
 
@@ -64,22 +68,21 @@ def test_linears_split_by_column_or_row_and_every_layer_sits_on_one_stage(built)
         assert {s for held in stages.values() for s in held} == set(range(pp)), (pp, vpp)
 
 
-def test_a_plan_that_disagrees_with_the_model_is_named(built):
+def test_a_plan_that_disagrees_with_the_model_is_named(built, monkeypatch):
     family, config, model = built
     plan = family.tensor_plan(config)
     name = next(n for n, row in plan.items() if row.tp_axis == COLUMN)
     doubled = (2 * plan[name].shape[0], *plan[name].shape[1:])
-    wrong = {**plan, name: dataclasses.replace(plan[name], shape=doubled)}
-    with pytest.raises(PlanMismatchError, match=name):
-        dataclasses.replace(family, tensor_plan=lambda _: wrong).check_built(model, config, pp=1, stage=0)
-    missing = {n: r for n, r in plan.items() if n != name}
-    with pytest.raises(PlanMismatchError, match=f"{name}: held but not planned"):
-        dataclasses.replace(family, tensor_plan=lambda _: missing).check_built(model, config, pp=1, stage=0)
+    for tensors, message in (({**plan, name: dataclasses.replace(plan[name], shape=doubled)}, name),
+                             ({n: r for n, r in plan.items() if n != name}, f"{name}: held but not planned")):
+        monkeypatch.setattr(type(family), "tensor_plan", lambda self, _, t=tensors: dataclasses.replace(plan, tensors=t))
+        with pytest.raises(PlanMismatchError, match=message):
+            family.check_built(model, config, pp=1, stage=0)
 
 
 def test_unknown_family_and_indivisible_tp_are_user_errors():
     with pytest.raises(UnknownModelError, match="'bert' is not one of"):
         config_from_dict({"model_type": "bert"})
-    config = config_from_dict(CONFIGS["llama"])
+    config = config_from_dict({"model_type": "llama", **CONFIGS["llama"]})
     with pytest.raises(TPPlanError, match="num_key_value_heads=2 is not divisible by --tensor_parallel_degree 4"):
         FAMILIES["llama"].check_tensor_parallel(config, 4)

@@ -11,16 +11,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from runs import CORPUS, FOUR_D_SAVING, MODEL, PP2, REPO, RESUME_STEP, SCRIPT, TOKENIZER, TP2, Run, pretrain
+from conftest import first_batch
 
 from checkpoint.format import CheckpointError
-from checkpoint.pretrained import PADDLENLP, TRANSFORMERS, UNIFIED, open_pretrained
 from checkpoint.shards import ShardReader, TensorSpec, write_shard
-from paddle_pp.training.generation import load_generator
-from paddle_pp.data.source import build_data, dataset_sizes, plan_data
+from paddle_pp.interop.pretrained import PADDLENLP, TRANSFORMERS, UNIFIED, open_pretrained
 from paddle_pp.training.arguments import build_parser, parse_args
+from paddle_pp.training.generation import load_generator
 from paddle_pp.training.model_config import ModelSourceError, model_config
 from paddle_pp.training.recipes import RecipeError, read_recipe
+
+import hf_models
+from runs import FOUR_D_SAVING, MODEL, PP2, REPO, RESUME_STEP, TOKENIZER, TP2, TRAINER, Run, pretrain
 
 LOSS_RTOL = 1e-5  # step 1's loss is a forward of the same fp32 weights on the same batch
 SHAPE = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -34,16 +36,9 @@ def _with_tokenizer(folder: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def transformers_folder(tmp_path_factory) -> Path:
+def transformers_folder(transformers4_folders) -> Path:
     """A transformers LlamaForCausalLM with random weights, saved by transformers itself."""
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("hf_llama")
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE, tie_word_embeddings=False)).save_pretrained(
-        folder, safe_serialization=True)
-    return _with_tokenizer(folder)
+    return transformers4_folders / "llama"
 
 
 def _paddlenlp_folder(folder: Path, safetensors: bool) -> Path:
@@ -57,11 +52,9 @@ def _paddlenlp_folder(folder: Path, safetensors: bool) -> Path:
 
 
 @pytest.fixture(scope="module")
-def first_batch(data_cache) -> np.ndarray:
+def first_rows(data_cache) -> np.ndarray:
     """The 8 samples of step 1 of a 3-step run on the shipped corpus (PaddleNLP's sample order)."""
-    plan = plan_data("", CORPUS, TOKENIZER, data_cache, "949,50,1", "mmap", 32, 42, dataset_sizes(8, 3, 0, 1), 4096)
-    train, _ = build_data(plan)
-    return np.stack([train[i] for i in range(8)]).astype(np.int64)
+    return first_batch(data_cache, TOKENIZER, 3)
 
 
 @pytest.fixture(scope="module")
@@ -75,17 +68,6 @@ def launched(run_workers_module, data_cache, tmp_path_factory):
     return run
 
 
-def _transformers_loss(folder: Path, rows: np.ndarray) -> float:
-    import torch
-    import transformers
-
-    model = transformers.LlamaForCausalLM.from_pretrained(str(folder)).eval()
-    with torch.no_grad():
-        logits = model(torch.tensor(rows[:, :-1])).logits
-        return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                       torch.tensor(rows[:, 1:]).reshape(-1)))
-
-
 def _paddlenlp_loss(folder: Path, rows: np.ndarray) -> float:
     import paddle
     from paddlenlp.transformers import LlamaForCausalLM
@@ -97,14 +79,12 @@ def _paddlenlp_loss(folder: Path, rows: np.ndarray) -> float:
 
 
 @pytest.mark.multiproc
-def test_a_transformers_llama_starts_at_transformers_loss_under_single_and_tp2_pp2_then_trains_and_resumes(
-        transformers_folder, first_batch, launched):
-    expected = _transformers_loss(transformers_folder, first_batch)
+def test_a_transformers_llama_trains_and_the_same_command_resumes_its_own_checkpoint(
+        transformers_folder, first_rows, launched):
+    """(Starting under tp2 x pp2 and tp2 + SP: tests/test_family_training.py.)"""
     start = ("--model_name_or_path", str(transformers_folder), *STEPS)
     single, out = launched("hf_single", 1, start + ("--save_steps", "3"))
-    hybrid, _ = launched("hf_tp2pp2", 4, start + TP2 + PP2)
-    np.testing.assert_allclose(single["losses"][0], expected, rtol=LOSS_RTOL)
-    np.testing.assert_allclose(hybrid["losses"], single["losses"], rtol=LOSS_RTOL)
+    np.testing.assert_allclose(single["losses"][0], hf_models.loss(transformers_folder, first_rows), rtol=LOSS_RTOL)
     assert single["losses"][2] < single["losses"][0]
     # the same command again, now resuming its own checkpoint: the folder's config equals the saved one
     resumed, _ = launched("hf_single_again", 1, start + ("--max_steps", "4", "--resume_from_checkpoint", "latest"), out)
@@ -114,16 +94,16 @@ def test_a_transformers_llama_starts_at_transformers_loss_under_single_and_tp2_p
 @pytest.mark.multiproc
 @pytest.mark.parametrize("safetensors", [True, False], ids=["sharded_safetensors", "pdparams"])
 def test_a_paddlenlp_save_pretrained_folder_starts_at_paddlenlps_loss(
-        safetensors, first_batch, launched, tmp_path):
+        safetensors, first_rows, launched, tmp_path):
     folder = _paddlenlp_folder(tmp_path / "nlp", safetensors)
     assert len(list(folder.glob("*.safetensors" if safetensors else "*.pdparams"))) > 1  # sharded
     result, _ = launched(f"nlp_{safetensors}", 1, ("--model_name_or_path", str(folder), *STEPS))
-    np.testing.assert_allclose(result["losses"][0], _paddlenlp_loss(folder, first_batch), rtol=LOSS_RTOL)
+    np.testing.assert_allclose(result["losses"][0], _paddlenlp_loss(folder, first_rows), rtol=LOSS_RTOL)
 
 
 def test_folders_are_recognised_with_their_config(transformers_folder, pretrain_run, tmp_path):
     hf = open_pretrained(transformers_folder)
-    assert (hf.kind, hf.config["num_key_value_heads"], hf.config["rms_norm_eps"]) == (TRANSFORMERS, 2, 1e-5)
+    assert (hf.kind, hf.config["num_key_value_heads"], hf.config["rope_theta"]) == (TRANSFORMERS, 2, 50000.0)
     _, saved = pretrain_run(FOUR_D_SAVING)
     ours = open_pretrained(saved / f"checkpoint-{RESUME_STEP}")
     assert (ours.kind, ours.config["hidden_size"]) == (UNIFIED, 64)
@@ -155,9 +135,9 @@ BAD_FOLDERS = {
     "wrong_shape": (lambda f: _rewrite(f, lambda t: t | {"model.norm.weight": np.ones(32, np.float32)}),
                     "model.norm.weight: shape [32] in the folder, the model needs [64]"),
     "unexpected_tensor": (lambda f: _rewrite(f, lambda t: t | {"model.extra.bias": np.ones(4, np.float32)}),
-                          "model.extra.bias: not a tensor of llama"),
-    "rope_scaling": (lambda f: _edit_config(f, rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling="),
-    "architecture": (lambda f: _edit_config(f, model_type="mistral"), "model_type 'mistral'"),
+                          "model.extra.bias: not a tensor of LlamaForCausalLM"),
+    "rope_scaling": (lambda f: _edit_config(f, rope_scaling={"type": "yarn", "factor": 2.0}), "rope_type 'yarn'"),
+    "architecture": (lambda f: _edit_config(f, model_type="mixtral"), "model_type 'mixtral'"),
     "no_config": (lambda f: (f / "config.json").unlink() or f, "no config.json"),
     "no_weights": (lambda f: (f / "model.safetensors").unlink() or f, "no weights found"),
 }
@@ -217,7 +197,7 @@ def test_a_paddlenlp_recipe_runs_the_same_run_as_its_flags_and_visualdl_reads_ba
     (tmp_path / "pretrain.json").write_text(json.dumps(recipe))
     # PaddleNLP's form: the file first, command-line flags over it (its run_pretrain.py forces eval_iters 10)
     out = tmp_path / "out"
-    result, *_ = run_workers_module(SCRIPT, 4, [tmp_path / "pretrain.json", "--eval_iters", "1", "--data_cache",
+    result, *_ = run_workers_module(TRAINER, 4, [tmp_path / "pretrain.json", "--eval_iters", "1", "--data_cache",
                                                 data_cache, "--output_dir", out], timeout=400, tag="recipe")
     np.testing.assert_allclose(result["losses"], reference["losses"], rtol=1e-6)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -14,15 +14,17 @@ import sys
 import numpy as np
 import paddle
 import pytest
-from runs import MODEL, PP2, REPO, SCRIPT, TP2
 
-from checkpoint.fleet import merge_fleet
 from checkpoint.format import CheckpointError
-from checkpoint.unified_io import UnifiedReader
 from checkpoint.shards import ShardReader
 from checkpoint.split import join_split, rank_file, split_checkpoint
+from checkpoint.unified_io import UnifiedReader
 from checkpoint.verify import verify_checkpoint
+from modeling.registry import plan_of_folder
+from paddle_pp.interop.fleet import merge_fleet
 from paddle_pp.runtime.layout import Layout
+
+from runs import MODEL, PP2, REPO, SCRIPT, TP2, TRAINER
 
 RESUME_TOL = 1e-5
 TOOL = REPO / "tools" / "reshard.py"
@@ -63,7 +65,7 @@ def _resume(tmp_path, data_cache, folder, nproc_flags=(), steps=1) -> list[float
 @pytest.mark.multiproc
 def test_merged_fleet_files_resume_on_one_card_with_the_next_loss(fleet, merged, tmp_path, data_cache):
     _, next_loss = fleet
-    assert verify_checkpoint(merged) == []
+    assert verify_checkpoint(merged, plan_of_folder) == []
     state = json.loads((merged / "trainer_state.json").read_text())
     assert state["step"] == 3 and state["consumed_samples"] == 24 and state["lr_scheduler"]["last_epoch"] == 3
     optimizer = UnifiedReader(merged, "optimizer").tensors
@@ -75,7 +77,7 @@ def test_merged_fleet_files_resume_on_one_card_with_the_next_loss(fleet, merged,
 @pytest.mark.multiproc
 def test_split_holds_exactly_each_fleet_rank_and_loads_like_unified(fleet, merged, tmp_path, run_workers, data_cache):
     fleet_folder, next_loss = fleet
-    split = split_checkpoint(merged, tmp_path / "split", TP2PP2)
+    split = split_checkpoint(merged, tmp_path / "split", TP2PP2, plan_of_folder(merged))
     for tp_rank in range(2):
         for stage in range(2):
             theirs = paddle.load(str(fleet_folder / f"model_state.tp{tp_rank:02d}_pp{stage:02d}.pdparams"),
@@ -86,7 +88,7 @@ def test_split_holds_exactly_each_fleet_rank_and_loads_like_unified(fleet, merge
                 assert np.array_equal(ours.read(name), theirs[name]), name
     losses = {}
     for folder in (split, merged):
-        results = run_workers(SCRIPT, 4, [
+        results = run_workers(TRAINER, 4, [
             *MODEL, *TP2, *PP2, "--exit_after_steps", "2", "--resume_from_checkpoint", str(folder), "--data_cache",
             str(data_cache), "--output_dir", str(tmp_path / f"from_{folder.name}")],
             timeout=300, tag=f"from_{folder.name}")
@@ -96,8 +98,8 @@ def test_split_holds_exactly_each_fleet_rank_and_loads_like_unified(fleet, merge
 
 
 def test_join_gives_back_the_unified_tensors_bit_for_bit(merged, tmp_path):
-    joined = join_split(split_checkpoint(merged, tmp_path / "split", TP2PP2), tmp_path / "joined")
-    assert verify_checkpoint(joined) == []
+    joined = join_split(split_checkpoint(merged, tmp_path / "split", TP2PP2, plan_of_folder(merged)), tmp_path / "joined")
+    assert verify_checkpoint(joined, plan_of_folder) == []
     for kind in ("model", "optimizer"):
         before, after = UnifiedReader(merged, kind), UnifiedReader(joined, kind)
         assert before.tensors.keys() == after.tensors.keys()
@@ -106,7 +108,7 @@ def test_join_gives_back_the_unified_tensors_bit_for_bit(merged, tmp_path):
 
 
 def test_split_copy_under_another_layout_fails_before_training(merged, tmp_path, data_cache):
-    split = split_checkpoint(merged, tmp_path / "split", TP2PP2)
+    split = split_checkpoint(merged, tmp_path / "split", TP2PP2, plan_of_folder(merged))
     done = subprocess.run([sys.executable, str(SCRIPT), *MODEL, "--resume_from_checkpoint", str(split),
                            "--data_cache", str(data_cache), "--output_dir", str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=120, cwd=REPO)

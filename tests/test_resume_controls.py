@@ -10,9 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from runs import MODEL, REPO, SCRIPT, TP2
 
 from paddle_pp.data.sampler import SequentialBatches
+
+from runs import MODEL, REPO, SCRIPT, TP2
 
 GLOBAL_BATCH, MAX_STEPS = 8, 10  # as runs.MODEL and _run set them
 SKIP = ["--skip_data_intervals", "[[4, 6]]"]

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from runs import GPT, HALF, PP2, RESUME_STEP, SINGLE, SINGLE_GPT, TP2, Run, final_weight_drifts
 
-from checkpoint.plan import Workload, decoder_activation_bytes
 from modeling.registry import config_from_dict, family
+from paddle_pp.planning.memory import Workload, decoder_activation_bytes
 from paddle_pp.runtime.layout import Layout
+
+from runs import GPT, HALF, PP2, RESUME_STEP, SINGLE, SINGLE_GPT, TP2, Run, final_weight_drifts
 
 PARITY_RTOL = 1e-4  # the bound over 20 steps
 RESUME_RTOL = 1e-5

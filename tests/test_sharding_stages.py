@@ -11,11 +11,21 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from runs import (
-    FOUR_D_SAVING, PP2, RESUME_STEP, SINGLE, TP2, Run, final_weight_drifts, planned_writers, written_by_rank,
-)
 
 from checkpoint.verify import verify_checkpoint
+from modeling.registry import plan_of_folder
+
+from runs import (
+    FOUR_D_SAVING,
+    PP2,
+    RESUME_STEP,
+    SINGLE,
+    TP2,
+    Run,
+    final_weight_drifts,
+    planned_writers,
+    written_by_rank,
+)
 
 PARITY_RTOL = 1e-4  # the bound over 20 steps (measured: 2e-7 on losses, 8e-6 on grad norms)
 RESUME_RTOL = 1e-5
@@ -105,7 +115,7 @@ def test_stage_save_is_spread_over_every_rank_as_the_planner_predicts(pretrain_r
     written, writer = written_by_rank(folder)
     assert sorted(written) == [0, 1, 2, 3]
     assert writer == planned_writers(folder, run.flags, run.nproc)
-    assert verify_checkpoint(folder) == []
+    assert verify_checkpoint(folder, plan_of_folder) == []
 
 
 @pytest.mark.multiproc

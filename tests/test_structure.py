@@ -1,6 +1,7 @@
 """The code base's layers run one way, read from the source: a module imports only its own layer
-and the layers below; models use the topology only for type hints; no two modules import each
-other, directly or in a ring. The checker is shown to fail on a tree that breaks each rule."""
+and the layers below; models use the topology only for type hints; the checkpoint knows models only
+through their plans (it imports no family); no two modules import each other, directly or in a
+ring. The checker is shown to fail on a tree that breaks each rule."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ LAYERS = [  # bottom first: (name, packages or modules)
     ("parallel runtime", ("paddle_pp.runtime",)),
     ("models", ("modeling",)),
     ("checkpoint", ("checkpoint",)),
+    ("interop and planning", ("paddle_pp.interop", "paddle_pp.planning")),
     ("training loop", ("paddle_pp.training", "paddle_pp.data")),
     ("entry points and tools", ("run_pretrain", "tools")),
 ]
 TYPE_HINTS_ONLY = {"modeling": ("paddle_pp.runtime.topology", "paddle_pp.runtime.layout")}
+MODELS_SEEN_AS_PLANS = {"checkpoint": ("modeling.tp_plan",)}  # the only model modules these packages import
 SOURCES = ("paddle_pp", "modeling", "checkpoint", "tools", "run_pretrain.py")
 
 
@@ -61,11 +64,15 @@ def _imports(tree: ast.AST, known: set[str]) -> list[tuple[str, bool]]:
     return found
 
 
-def import_graph(root: Path) -> dict[str, list[tuple[str, bool]]]:
-    """Our module -> the modules of ours it imports (and whether only for type hints)."""
+def _source_files(root: Path) -> dict[str, Path]:
     files = [p for source in SOURCES for p in ([root / source] if source.endswith(".py") else
                                                 sorted((root / source).rglob("*.py"))) if p.is_file()]
-    names = {_module_name(root, path): path for path in files}
+    return {_module_name(root, path): path for path in files}
+
+
+def import_graph(root: Path) -> dict[str, list[tuple[str, bool]]]:
+    """Our module -> the modules of ours it imports (and whether only for type hints)."""
+    names = _source_files(root)
     graph = {}
     for module, path in names.items():
         imported = _imports(ast.parse(path.read_text(), str(path)), set(names))
@@ -84,6 +91,9 @@ def backward_imports(graph: dict[str, list[tuple[str, bool]]]) -> list[str]:
             for prefix, hinted in TYPE_HINTS_ONLY.items():
                 if module.startswith(prefix) and target in hinted and not hints:
                     problems.append(f"{module} imports {target} outside `if TYPE_CHECKING:`")
+            for prefix, allowed in MODELS_SEEN_AS_PLANS.items():
+                if module.startswith(prefix) and _layer(target) == 1 and target not in allowed:
+                    problems.append(f"{module} imports {target}: {prefix} sees models only as plans ({allowed[0]})")
     return problems
 
 
@@ -131,6 +141,12 @@ def test_no_module_imports_itself_through_others():
     assert import_cycles(import_graph(REPO)) == []
 
 
+def _write_tree(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
 def test_checker_catches_a_backward_import_a_runtime_import_in_a_model_and_a_cycle(tmp_path):
     files = {
         "paddle_pp/runtime/topology.py": "",
@@ -138,15 +154,60 @@ def test_checker_catches_a_backward_import_a_runtime_import_in_a_model_and_a_cyc
                              "    from paddle_pp.runtime.topology import Topology\n",
         "modeling/leaky.py": "from paddle_pp.runtime.topology import Topology\n",
         "modeling/upward.py": "def load():\n    from checkpoint import save\n",
-        "checkpoint/save.py": "from checkpoint.index import x\n",
+        "checkpoint/save.py": "from checkpoint.index import x\nfrom modeling.registry import plan_of\n",
         "checkpoint/index.py": "import checkpoint.save\n",
     }
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
+    _write_tree(tmp_path, files)
     graph = import_graph(tmp_path)
     assert sorted(backward_imports(graph)) == [
+        "checkpoint.save imports modeling.registry: checkpoint sees models only as plans (modeling.tp_plan)",
         "modeling.leaky imports paddle_pp.runtime.topology outside `if TYPE_CHECKING:`",
         "modeling.upward (models) imports checkpoint.save (checkpoint)",
     ]
     assert import_cycles(graph) == [["checkpoint.index", "checkpoint.save"]]
+
+
+PICKLE_LOADER = "paddle_pp.interop.pickled"  # the one module allowed to unpickle (issue 30)
+UNPICKLING_CALLS = {("paddle", "load"), ("pickle", "load"), ("pickle", "loads"), ("_pickle", "load"),
+                    ("_pickle", "loads"), ("dill", "load"), ("dill", "loads")}
+
+
+def unpickling_sites(root: Path) -> list[str]:
+    """Every place outside the restricted loader that could run a pickle's code: `paddle.load`,
+    `pickle.load(s)`, any `Unpickler`, and `allow_pickle=True`."""
+    found = []
+    for module, path in _source_files(root).items():
+        if module == PICKLE_LOADER:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            where = f"{module}:{getattr(node, 'lineno', 0)}"
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and (node.value.id, node.attr) in UNPICKLING_CALLS):
+                found.append(f"{where} {node.value.id}.{node.attr}")
+            elif (isinstance(node, (ast.Attribute, ast.Name, ast.alias))
+                  and "Unpickler" in (getattr(node, "attr", None) or getattr(node, "id", None)
+                                      or getattr(node, "name", ""))):
+                found.append(f"{where} Unpickler")
+            elif (isinstance(node, ast.keyword) and node.arg == "allow_pickle"
+                  and isinstance(node.value, ast.Constant) and node.value.value is True):
+                found.append(f"{where} allow_pickle=True")
+    return found
+
+
+def test_only_the_restricted_loader_unpickles():
+    assert unpickling_sites(REPO) == []
+
+
+def test_unpickling_checker_finds_each_way_in(tmp_path):
+    files = {
+        "paddle_pp/interop/pickled.py": "import pickle\nclass _Safe(pickle.Unpickler): pass\n",
+        "checkpoint/a.py": "import paddle\nstate = paddle.load(path)\n",
+        "tools/b.py": "import pickle\nx = pickle.loads(blob)\n",
+        "modeling/c.py": "from pickle import Unpickler\n",
+        "paddle_pp/d.py": "import numpy as np\nnp.load(p, allow_pickle=True)\n",
+        "paddle_pp/e.py": "import numpy as np\nnp.load(p)\nimport json\njson.loads(s)\n",
+    }
+    _write_tree(tmp_path, files)
+    assert sorted(unpickling_sites(tmp_path)) == [
+        "checkpoint.a:2 paddle.load", "modeling.c:1 Unpickler",
+        "paddle_pp.d:2 allow_pickle=True", "tools.b:2 pickle.loads"]

@@ -10,16 +10,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from runs import MODEL, REPO, SCRIPT
 
-from checkpoint.hf import export_hf, import_hf
-from checkpoint.plan import estimate_save, plan_layout, save_items
+from checkpoint.save_plan import estimate_save, save_items
 from checkpoint.shards import ShardReader
-from checkpoint.unified_io import load_config, rechunk
+from checkpoint.unified_io import rechunk
 from checkpoint.verify import verify_checkpoint
 from checkpoint.writers import assign_writers
-from modeling.registry import config_from_dict, plan_of
+from modeling.registry import config_from_dict, load_config, plan_of, plan_of_folder
+from paddle_pp.interop.transformers import export_hf, import_hf
+from paddle_pp.planning.memory import plan_layout
 from paddle_pp.runtime.layout import Layout, LayoutError
+
+from runs import MODEL, REPO, SCRIPT
 
 TOOLS = REPO / "tools"
 
@@ -82,7 +84,7 @@ LLAMA_70B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 8192, "i
 def test_the_save_plan_of_a_70b_llama_on_256_ranks_spreads_the_writing_evenly(tmp_path):
     config, layout = config_from_dict(LLAMA_70B), Layout(world_size=256, tensor_parallel_degree=8,
                                                           pipeline_parallel_degree=8, device="gpu")
-    items = save_items(config, layout)
+    items = save_items(plan_of(config), layout)
     writes = assign_writers(items, layout.tp)
     assert set(writes.written) == set(layout.rank_slots()), "every rank of the job writes"
     parameters = sum(int(np.prod(row.shape)) for row in plan_of(config).values())
@@ -111,7 +113,7 @@ def test_plan_refuses_an_invalid_layout(checkpoint):
 def test_rechunk_keeps_every_tensor_and_verifies(checkpoint, tmp_path):
     target = rechunk(checkpoint, tmp_path / "small", max_shard_bytes=256 << 10)
     assert len(list(target.glob("model-*.safetensors"))) > 2
-    assert verify_checkpoint(target) == []
+    assert verify_checkpoint(target, plan_of_folder) == []
     before, after = _tensors(checkpoint), _tensors(target)
     assert before.keys() == after.keys()
     for name, value in before.items():
@@ -137,7 +139,7 @@ def test_transformers_loads_the_export_with_our_logits(checkpoint, tmp_path):
     import torch
     import transformers
 
-    from modeling.llama.modeling import LlamaForCausalLM
+    from modeling.llama import LlamaForCausalLM
 
     exported = export_hf(checkpoint, tmp_path / "hf")
     theirs = transformers.LlamaForCausalLM.from_pretrained(str(exported)).eval()
@@ -163,7 +165,7 @@ def test_verify_names_weights_that_do_not_fit_config(checkpoint, tmp_path):
     copy = Path(shutil.copytree(checkpoint, tmp_path / "copy"))
     config = json.loads((copy / "config.json").read_text())
     (copy / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
-    problems = verify_checkpoint(copy)
+    problems = verify_checkpoint(copy, plan_of_folder)
     assert "llama.layers.0.mlp.up_proj.weight: shape [64, 128], config.json implies [64, 96]" in problems
     assert len(problems) == 3 * 4, "gate, up and down of each of the 4 layers, nothing else"
 
@@ -219,9 +221,10 @@ def test_bf16_weights_export_loads_in_ours_and_paddlenlp_within_bf16_rounding(ch
     import ml_dtypes
     import paddle
     import paddlenlp.transformers as nlp
-    from parity import assert_same_logits
 
-    from modeling.llama.modeling import LlamaForCausalLM
+    from modeling.llama import LlamaForCausalLM
+
+    from parity import assert_same_logits
 
     tool = subprocess.run([sys.executable, str(TOOLS / "reshard.py"), "weights", str(checkpoint), str(tmp_path / "bf16"),
                            "--dtype", "bfloat16"], capture_output=True, text=True, timeout=120)
@@ -229,7 +232,7 @@ def test_bf16_weights_export_loads_in_ours_and_paddlenlp_within_bf16_rounding(ch
     out = tmp_path / "bf16"
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model-00001-of-00001.safetensors",
                                                      "model.safetensors.index.json", "tokenizer.model"]
-    assert _header_dtypes(out) == {"BF16"} and verify_checkpoint(out) == []
+    assert _header_dtypes(out) == {"BF16"} and verify_checkpoint(out, plan_of_folder) == []
     fp32 = {name: value for name, value in _tensors(checkpoint).items() if "/" not in name}
     exported = _tensors(out)
     for name, value in fp32.items():

@@ -7,18 +7,18 @@ single card within 1e-4 relative; a 2-node launch equals the same layout on one 
 
 from __future__ import annotations
 
-
 import json
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from runs import FOUR_D_SAVING, MODEL, PP2, REPO, SCRIPT, SINGLE, TP2, Run
 
 from paddle_pp.training.arguments import parse_args
 from paddle_pp.training.precision import PrecisionError
 from paddle_pp.training.trainer import Pretrainer, TrainingConfigError
+
+from runs import FOUR_D_SAVING, MODEL, PP2, REPO, SCRIPT, SINGLE, TP2, Run
 
 LOSS_RTOL = 1e-4
 RUNS = {run.tag: run for run in (

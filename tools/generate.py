@@ -10,8 +10,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from paddle_pp.training.generation import load_generator
+from paddle_pp.interop.pickled import ALLOW_UNSAFE_PICKLE_HELP
 from paddle_pp.runtime.errors import UserError
+from paddle_pp.training.generation import load_generator
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,9 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature when sampling")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--tokenizer_dir", type=Path, default=None, help="when the folder carries no tokenizer")
+    parser.add_argument("--allow_unsafe_pickle", action="store_true", help=ALLOW_UNSAFE_PICKLE_HELP)
     args = parser.parse_args(argv)
     try:
-        generator = load_generator(args.model, args.tokenizer_dir)
+        generator = load_generator(args.model, args.tokenizer_dir, args.allow_unsafe_pickle)
     except UserError as err:
         print(f"generate.py: error: {err}", file=sys.stderr)
         return 2

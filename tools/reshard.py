@@ -18,14 +18,16 @@ import json
 import sys
 from pathlib import Path
 
-from checkpoint.fleet import merge_fleet
 from checkpoint.format import CheckpointError
-from checkpoint.plan import Workload, estimate_save, plan_layout, save_items
-from checkpoint.writers import assign_writers
-from checkpoint.split import join_split, split_checkpoint
+from checkpoint.save_plan import estimate_save, save_items
 from checkpoint.shards import EXPORT_DTYPES
-from checkpoint.unified_io import export_weights, load_config, rechunk
-from modeling.registry import config_from_dict
+from checkpoint.split import join_split, split_checkpoint
+from checkpoint.unified_io import export_weights, rechunk
+from checkpoint.writers import assign_writers
+from modeling.registry import config_from_dict, load_config, plan_of, validate_layout
+from paddle_pp.interop.fleet import merge_fleet
+from paddle_pp.interop.pickled import ALLOW_UNSAFE_PICKLE_HELP
+from paddle_pp.planning.memory import Workload, plan_layout
 from paddle_pp.runtime.errors import UserError
 from paddle_pp.runtime.flags import add_flags, read_flags
 from paddle_pp.runtime.layout import Layout, add_layout_args
@@ -51,7 +53,7 @@ def _plan(args) -> int:
           f"the step's peak for micro-batch {workload.per_device_train_batch_size} x {workload.max_seq_length} tokens"
           f"{', recompute' if workload.recompute else ''}; embedding, head and loss not included)")
     slots = layout.rank_slots()
-    writes = assign_writers(save_items(config, layout, compute_bytes), layout.tp)
+    writes = assign_writers(save_items(plan_of(config), layout, compute_bytes), layout.tp)
     if len(slots) <= args.max_rows:
         print(f"\nsave: {'rank':>4} {'stage':>5} {'replica':>7} {'tp':>3} {'writes MB':>10} "
               f"{'stage3 gather in MB':>19}")
@@ -78,11 +80,16 @@ def _rewrite(args) -> int:
         if args.command == "split":
             layout = Layout.from_args(args, world_size=args.tensor_parallel_degree * args.pipeline_parallel_degree
                                       * args.sharding_parallel_degree, device="cpu")
-            out = split_checkpoint(args.source, args.target, layout, on_tensor)
+            config = load_config(args.source)
+            validate_layout(config, layout)
+            out = split_checkpoint(args.source, args.target, layout, plan_of(config), on_tensor)
         elif args.command == "weights":
             out = export_weights(args.source, args.target, args.dtype, int(args.max_shard_mb * 2**20), on_tensor)
+        elif args.command == "merge":
+            out = merge_fleet(args.source, args.target, int(args.max_shard_mb * 2**20), on_tensor,
+                              args.allow_unsafe_pickle)
         else:
-            rewrite = {"join": join_split, "merge": merge_fleet, "rechunk": rechunk}[args.command]
+            rewrite = {"join": join_split, "rechunk": rechunk}[args.command]
             out = rewrite(args.source, args.target, int(args.max_shard_mb * 2**20), on_tensor)
     print(f"wrote {out}")
     return 0
@@ -117,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
                              help="largest output shard")
         if name == "weights":
             sub.add_argument("--dtype", choices=EXPORT_DTYPES, default="float32")
+        if name == "merge":
+            sub.add_argument("--allow_unsafe_pickle", action="store_true", help=ALLOW_UNSAFE_PICKLE_HELP)
     args = parser.parse_args(argv)
     try:
         return _plan(args) if args.command == "plan" else _rewrite(args)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from checkpoint.verify import verify_checkpoint
+from modeling.registry import plan_of_folder
 from paddle_pp.training.report import tensor_progress
 
 
@@ -16,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("folder", type=Path, help="a checkpoint-<step> folder")
     args = parser.parse_args(argv)
     with tensor_progress(sum(p.stat().st_size for p in args.folder.glob("*.safetensors")), "verify") as on_file:
-        problems = verify_checkpoint(args.folder, on_file)
+        problems = verify_checkpoint(args.folder, plan_of_folder, on_file)
     for problem in problems:
         print(f"PROBLEM {problem}")
     print(f"{args.folder}: {'OK' if not problems else f'{len(problems)} problem(s)'}")

@@ -1,0 +1,133 @@
+"""GPT-2 style: learned positions, pre-LayerNorm blocks with biases everywhere, tanh-GeLU MLP, output
+head tied to the word embedding. Names are PaddleNLP's GPTForCausalLM's (without fused qkv);
+transformers' GPT-2 (`gpt2`, Conv1D weights stored [in, out], q/k/v fused in `c_attn`) maps in and out."""
+
+from __future__ import annotations
+
+import paddle.nn.functional as F
+
+from modeling.blocks.attention import SelfAttention
+from modeling.blocks.norms import layer_norm_saved_bytes
+from modeling.blocks.parts import Block, ColumnLinear, Norm, Part, RowLinear
+from modeling.causal_lm import Skeleton
+from modeling.config import CausalLMConfig, ModelConfigError
+from modeling.config_fields import any_value, zero
+from modeling.family import ModelFamily
+from modeling.recompute import maybe_recompute
+from modeling.sequence_parallel import gather_tokens, sequence_shards
+from modeling.tp_plan import TensorPlan
+from modeling.transformers_adapter import Stored, TransformersAdapter
+
+
+class GPTConfig(CausalLMConfig):
+    """Dropout is not modelled: LLM pretraining runs without it and parity needs none."""
+
+    model_type = "gpt"
+    attention_output = "out_proj"
+    qkv_bias = o_bias = True
+    qk_norm = rotary = False
+
+    def __init__(self, vocab_size: int = 50304, hidden_size: int = 768, num_hidden_layers: int = 12,
+                 num_attention_heads: int = 12, intermediate_size: int | None = None,
+                 max_position_embeddings: int = 1024, initializer_range: float = 0.02, layer_norm_eps: float = 1e-5,
+                 tie_word_embeddings: bool = True, pad_token_id: int | None = 0, bos_token_id: int | None = 0,
+                 eos_token_id: int | None = 7, **kwargs):
+        if not tie_word_embeddings:
+            raise ModelConfigError("GPT here always ties the output head to the word embedding; set "
+                                   "tie_word_embeddings=true, or use LLaMA for an untied head")
+        self.layer_norm_eps = layer_norm_eps
+        super().__init__(
+            vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size or 4 * hidden_size,
+            num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+            max_position_embeddings=max_position_embeddings, initializer_range=initializer_range,
+            pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+            tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    @property
+    def num_key_value_heads(self) -> int:
+        return self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def hidden_norm(self) -> Norm:
+        return Norm(self.hidden_size, self.layer_norm_eps, layer_norm=True)
+
+    def validate(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ModelConfigError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                                   f"{self.num_attention_heads}; pick a head count that divides it")
+
+
+class GPTDecoderLayer(Block):
+    """x + attn(norm1(x)), then x + linear2(gelu(linear1(norm2(x))))."""
+
+    @classmethod
+    def declare(cls, c) -> dict[str, Part]:
+        h, f = c.hidden_size, c.intermediate_size
+        return {"self_attn": SelfAttention, "linear1": ColumnLinear(h, f, bias=True),
+                "linear2": RowLinear(f, h, bias=True), "norm1": c.hidden_norm(), "norm2": c.hidden_norm()}
+
+    @classmethod
+    def tp_fields(cls, config) -> tuple[str, ...]:
+        return ("intermediate_size",)
+
+    def _block(self, hidden):
+        hidden = hidden + self.self_attn(self.norm1(hidden))
+        mlp_input = gather_tokens(self.norm2(hidden), self.config)
+        return hidden + self.linear2(F.gelu(self.linear1(mlp_input), approximate=True))
+
+    def forward(self, hidden):
+        return maybe_recompute(self._block, hidden, self.config.recompute, self.training)
+
+    @staticmethod
+    def saved_bytes(c, batch: int, seq_len: int, tp: int, sequence_parallel: bool, dtype_bytes: int) -> dict[str, int]:
+        """As `DecoderLayer.saved_bytes`; the MLP's glue ("") keeps the GeLU's input."""
+        tokens = batch * seq_len
+        norm = layer_norm_saved_bytes(tokens // sequence_shards(tp, sequence_parallel), c.hidden_size, dtype_bytes)
+        attention = SelfAttention.saved_bytes(c, batch, seq_len, tp, dtype_bytes)
+        width = c.intermediate_size // tp * dtype_bytes
+        return {"norm1": norm, "norm2": norm, **{f"self_attn.{k}".rstrip("."): v for k, v in attention.items()},
+                "linear1": tokens * c.hidden_size * dtype_bytes, "": tokens * width, "linear2": tokens * width}
+
+
+_GPT2_LAYER = {"self_attn.out_proj": "attn.c_proj", "linear1": "mlp.c_fc", "linear2": "mlp.c_proj", "norm1": "ln_1",
+               "norm2": "ln_2"}
+_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+
+
+def _gpt2_stored(name: str, row: TensorPlan) -> Stored:
+    """transformers' GPT-2 names; its Conv1D weights are [in, out] like Paddle's, and q, k and v
+    are the thirds of one c_attn (weight columns, bias entries)."""
+    if name.startswith("gpt.embeddings."):
+        return Stored({"word_embeddings": "transformer.wte", "position_embeddings": "transformer.wpe"}[
+            name.split(".")[2]] + ".weight")
+    if name.startswith("gpt.decoder.norm."):
+        return Stored("transformer.ln_f." + name.rsplit(".", 1)[1])
+    layer, rest = name.removeprefix("gpt.decoder.layers.").split(".", 1)
+    module, param = rest.rsplit(".", 1)
+    if module in _QKV:
+        return Stored(f"transformer.h.{layer}.attn.c_attn.{param}", axis=len(row.shape) - 1,
+                      part=_QKV.index(module), parts=3)
+    return Stored(f"transformer.h.{layer}.{_GPT2_LAYER[module]}.{param}")
+
+
+GPT = ModelFamily(
+    GPTConfig, "GPTForCausalLM",
+    Skeleton(GPTDecoderLayer, tokens="gpt.embeddings.word_embeddings", positions="gpt.embeddings.position_embeddings",
+             layers="gpt.decoder.layers", norm="gpt.decoder.norm"),
+    TransformersAdapter(
+        model_type="gpt2", architecture="GPT2LMHeadModel", locate=_gpt2_stored,
+        renamed={"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+                 "n_positions": "max_position_embeddings", "n_inner": "intermediate_size",
+                 "layer_norm_epsilon": "layer_norm_eps"},
+        fixed={"activation_function": "gelu_new", "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+               "reorder_and_upcast_attn": False, "attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0},
+        accepted={"n_ctx": any_value, "summary_type": any_value, "summary_use_proj": any_value,
+                  "summary_activation": any_value, "summary_proj_to_labels": any_value,
+                  "summary_first_dropout": any_value, "hidden_dropout_prob": zero,
+                  "attention_probs_dropout_prob": zero},
+        buffers=("attn.bias", "attn.masked_bias")),
+    paddlenlp=True)
+GPTForCausalLM, GPTForCausalLMPipe = GPT.causal_lm, GPT.pipe

@@ -1,5 +1,8 @@
-"""Tokenizers: the SentencePiece model the repo trains and ships, and any tokenizer folder
-PaddleNLP's `AutoTokenizer` loads offline (a LLaMA or GPT-2 style folder), behind one interface.
+"""Tokenizers behind one interface: the SentencePiece model the repo trains and ships; hub folders
+with a `tokenizer.json` (Llama 3, Qwen2/3, SmolLM, Mistral, Gemma) and GPT-2 style `vocab.json` +
+`merges.txt` folders through Hugging Face's `tokenizers` library (the Rust library transformers'
+fast tokenizers are, already installed with PaddleNLP); any other folder PaddleNLP's `AutoTokenizer`
+loads offline.
 
 The shipped model follows LLaMA's conventions: byte fallback (no unknown characters), unk=0, bos=1,
 eos=2, no pad piece.
@@ -9,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,21 +94,64 @@ def tokenizer_digest(folder: Path) -> str:
 
 
 def load_text_tokenizer(tokenizer_dir: Path) -> TextTokenizer:
-    """The shipped SentencePiece model when the folder holds only `tokenizer.model`; otherwise the
+    """The shipped SentencePiece model when the folder holds only `tokenizer.model`; a folder with a
+    `tokenizer.json` (or GPT-2's vocab.json + merges.txt) through `tokenizers`; otherwise the
     folder through PaddleNLP's `AutoTokenizer`, offline."""
     folder = Path(tokenizer_dir)
-    if (folder / TOKENIZER_FILE).is_file() and not (folder / TOKENIZER_CONFIG).is_file():
+    if (folder / TOKENIZER_FILE).is_file() and not (folder / TOKENIZER_CONFIG).is_file() \
+            and not (folder / FAST_TOKENIZER).is_file():
         sp = load_tokenizer(folder)
         return TextTokenizer(folder, sp.encode, sp.decode, sp.eos_id(), sp.vocab_size())
     if not folder.is_dir() or not any(folder.iterdir()):
         raise TokenizerError(
-            f"no tokenizer in {folder}: pass --tokenizer_dir a folder holding {TOKENIZER_FILE} (SentencePiece) or a "
-            f"tokenizer PaddleNLP's AutoTokenizer loads ({TOKENIZER_CONFIG} with its vocabulary files), or train one "
-            f"with `python tools/train_tokenizer.py --corpus <text> --output_dir {folder}`")
+            f"no tokenizer in {folder}: pass --tokenizer_dir a folder holding {TOKENIZER_FILE} (SentencePiece), "
+            f"{FAST_TOKENIZER} (a hub tokenizer) or a tokenizer PaddleNLP's AutoTokenizer loads ({TOKENIZER_CONFIG} "
+            f"with its vocabulary files), or train one with `python tools/train_tokenizer.py --corpus <text> "
+            f"--output_dir {folder}`")
+    settings = _read_json(folder / TOKENIZER_CONFIG)
+    if (folder / FAST_TOKENIZER).is_file() or settings.get("tokenizer_class") in BYTE_LEVEL_BPE_CLASSES:
+        return _hub_tokenizer(folder, settings)
     tokenizer = _auto_tokenizer(folder)
     return TextTokenizer(folder, lambda text: tokenizer.convert_tokens_to_ids(tokenizer.tokenize(text)),
                          lambda ids: tokenizer.decode(ids, skip_special_tokens=True), tokenizer.eos_token_id,
                          len(tokenizer))
+
+
+FAST_TOKENIZER = "tokenizer.json"
+# transformers' slow classes that are GPT-2's byte-level BPE over vocab.json + merges.txt (PaddleNLP
+# 3.0.0b4's AutoTokenizer knows none of them by these names)
+BYTE_LEVEL_BPE_CLASSES = ("GPT2Tokenizer", "GPT2TokenizerFast")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except json.JSONDecodeError as err:
+        raise TokenizerError(f"{path} is not valid JSON ({err})") from err
+
+
+def _hub_tokenizer(folder: Path, settings: dict) -> TextTokenizer:
+    """A hub tokenizer through `tokenizers`: `tokenizer.json` as it is, or vocab.json + merges.txt
+    assembled as transformers' GPT-2 conversion does (byte-level pre-tokenizer and decoder). Ids
+    come without special tokens, as PaddleNLP's preprocessing makes them; EOS is the folder's
+    `eos_token` (tokenizer_config.json, else special_tokens_map.json)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    try:
+        if (folder / FAST_TOKENIZER).is_file():
+            tokenizer = Tokenizer.from_file(str(folder / FAST_TOKENIZER))
+        else:
+            tokenizer = Tokenizer(models.BPE.from_file(str(folder / "vocab.json"), str(folder / "merges.txt")))
+            tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=settings.get("add_prefix_space", False))
+            tokenizer.decoder = decoders.ByteLevel()
+    except Exception as err:  # the Rust library raises its own exception type for unreadable files
+        raise TokenizerError(f"the tokenizer in {folder} cannot be loaded ({type(err).__name__}: {err}); check its "
+                             f"{FAST_TOKENIZER} (or vocab.json and merges.txt)") from err
+    eos = settings.get("eos_token") or _read_json(folder / "special_tokens_map.json").get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    return TextTokenizer(folder, lambda text: tokenizer.encode(text, add_special_tokens=False).ids,
+                         lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                         tokenizer.token_to_id(eos) if eos else None, tokenizer.get_vocab_size(with_added_tokens=True))
 
 
 def _auto_tokenizer(folder: Path) -> Any:
@@ -117,4 +164,5 @@ def _auto_tokenizer(folder: Path) -> Any:
         return AutoTokenizer.from_pretrained(str(folder), **named)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise TokenizerError(f"PaddleNLP's AutoTokenizer cannot load {folder} ({type(err).__name__}: {err}); "
-                             f"check its {TOKENIZER_CONFIG} and vocabulary files") from err
+                             f"check its {TOKENIZER_CONFIG} and vocabulary files, or give the folder the "
+                             f"{FAST_TOKENIZER} transformers' fast tokenizer saves") from err

@@ -111,6 +111,7 @@ def launch(
     nnodes: int = 1,
     env: dict[str, str] | None = None,
     retries_on_silent_abort: int = 0,
+    collect_results: bool = True,
 ) -> list[dict[str, Any]]:
     """Run `script` on `nnodes` x `nproc` ranks on this machine and return each rank's result, by rank.
 
@@ -119,11 +120,13 @@ def launch(
 
     `retries_on_silent_abort` relaunches a job in which a rank died of SIGABRT without printing any
     error: a rare crash inside Paddle's gloo runtime on oversubscribed CPUs (README, "Known
-    problems"). Any other failure, and any wrong result, is never retried.
+    problems"). Any other failure, and any wrong result, is never retried. Scripts that report
+    through files of their own (run_pretrain.py) are launched with `collect_results=False`.
     """
     for attempt in range(retries_on_silent_abort + 1):
         try:
-            return _launch_once(script, nproc, args, Path(work_dir) / f"attempt{attempt}", timeout, nnodes, env)
+            return _launch_once(script, nproc, args, Path(work_dir) / f"attempt{attempt}", timeout, nnodes, env,
+                                collect_results)
         except LaunchError as err:
             if not err.silent_abort or attempt == retries_on_silent_abort:
                 raise
@@ -132,7 +135,7 @@ def launch(
 
 
 def _launch_once(script, nproc: int, args: Sequence[str], work_dir: Path, timeout: float, nnodes: int,
-                 env: dict[str, str] | None) -> list[dict[str, Any]]:
+                 env: dict[str, str] | None, collect_results: bool) -> list[dict[str, Any]]:
     result_dir = work_dir / "results"
     result_dir.mkdir(parents=True, exist_ok=True)
     # One math thread per rank unless told otherwise: N ranks each spawning a thread per core
@@ -160,7 +163,7 @@ def _launch_once(script, nproc: int, args: Sequence[str], work_dir: Path, timeou
         silent = bool(SIGNAL_EXIT.search(launcher_output)) and "Traceback" not in report and "timed out" not in failures[0]
         raise LaunchError(f"{'; '.join(failures)}\n{report}", silent_abort=silent, rank_logs=_rank_logs(log_dirs, nproc))
     results = []
-    for rank in range(nproc * nnodes):
+    for rank in range(nproc * nnodes if collect_results else 0):
         path = result_dir / f"rank{rank}.json"
         if not path.exists():
             raise LaunchError(f"rank {rank} wrote no result\n{_logs_report(log_dirs, ''.join(outputs))}")

@@ -108,9 +108,13 @@ def check_alignment(checkpoint: Path, layout_flags: list[str], nproc: int, steps
     for name, ranks, flags in (("single", 1, []), ("layout", nproc, layout_flags)):
         outputs[name] = work_dir / name
         launch(RUN_SCRIPT, ranks, [*common, *flags, "--output_dir", str(outputs[name])], work_dir=work_dir / f"{name}_job",
-               timeout=timeout)
+               timeout=timeout, collect_results=False)
     final = f"checkpoint-{start + steps}"
     single, layout = outputs["single"] / final, outputs["layout"] / final
+    for saved in (single, layout):
+        if not (saved / TRAINER_STATE_FILE).is_file():
+            raise CheckpointError(f"{saved}: the run ended without saving step {start + steps}; see its logs in "
+                                  f"{work_dir}")
     step_list, single_losses = _losses(outputs["single"])
     _, layout_losses = _losses(outputs["layout"])
     return AlignmentReport(step_list, single_losses, layout_losses, _differences(single, layout, MODEL),

@@ -15,15 +15,16 @@ import yaml
 from modeling.registry import FAMILIES
 from paddle_pp.runtime.flags import add_flags, flag, read_flags
 from paddle_pp.runtime.layout import LayoutArguments, add_layout_args, launched_rank
-from paddle_pp.training.schedule import DECAYS
 from paddle_pp.training.recipes import RecipeError, read_recipe
+from paddle_pp.training.schedule import DECAYS
 
 
 @dataclass
 class ModelArguments:
     model_name_or_path: str = flag("", "start from this folder's model: a paddle-pp checkpoint, a PaddleNLP "
-                                       "save_pretrained folder or a transformers LLaMA folder (its config.json sets "
-                                       "the shape flags below; its tokenizer is used unless --tokenizer_dir is given)")
+                                       "save_pretrained folder or a transformers folder of any family below (its "
+                                       "config.json sets the shape flags below; its tokenizer is used unless "
+                                       "--tokenizer_dir is given)")
     continue_training: bool = flag(True, "with --model_name_or_path: load its weights (--no-continue_training: its "
                                          "config only, random weights; PaddleNLP's default is the latter)")
     model_type: str = flag("llama", "model family", choices=sorted(FAMILIES))
@@ -31,7 +32,13 @@ class ModelArguments:
     intermediate_size: int = flag(688, "MLP width")
     num_hidden_layers: int = flag(4, "decoder layers")
     num_attention_heads: int = flag(8, "attention heads")
-    num_key_value_heads: int = flag(0, "LLaMA kv heads for GQA (0: as many as attention heads)")
+    num_key_value_heads: int = flag(0, "kv heads for GQA (0: as many as attention heads; not GPT)")
+    head_dim: int = flag(0, "width of a head (0: hidden_size / num_attention_heads; not GPT)")
+    tie_word_embeddings: bool = flag(False, "the head is the token embedding (default: the family's; GPT and "
+                                            "Gemma tie, the others do not)")
+    allow_unsafe_pickle: bool = flag(False, "with a pdparams --model_name_or_path: read it with paddle.load, which "
+                                            "runs any code the file carries (only for a folder you trust; default: "
+                                            "data only, see README, Security)")
     initializer_range: float = flag(0.02, "std of the initial matrices")
     recompute: bool = flag(False, "recompute each decoder layer in backward")
 
@@ -128,7 +135,8 @@ class PretrainArguments:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description="Pretrain a LLaMA or GPT model under any data x sharding x tensor x pipeline layout.",
+        description="Pretrain a LLaMA, Mistral, Qwen2, Qwen3, Gemma or GPT model under any data x sharding x "
+                    "tensor x pipeline layout.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--config", type=Path, default=None, help="YAML file of flag: value defaults")
     parser.add_argument("recipe", type=Path, nargs="?", default=None,

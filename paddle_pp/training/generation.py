@@ -16,10 +16,9 @@ import numpy as np
 import paddle
 
 from checkpoint.format import CheckpointError, tokenizer_files
-from checkpoint.pretrained import load_pretrained, open_pretrained
 from modeling.registry import config_from_dict, family_of, plan_of
-from modeling.tp_plan import split_axes
 from paddle_pp.data.tokenizer import TextTokenizer, load_text_tokenizer
+from paddle_pp.interop.pretrained import load_pretrained, open_pretrained
 
 
 @dataclass
@@ -64,14 +63,14 @@ def _nucleus(scores: np.ndarray, top_p: float, temperature: float, rng: np.rando
     return int(rng.choice(keep, p=probs[keep] / probs[keep].sum()))
 
 
-def load_generator(folder: Path, tokenizer_dir: Path | None = None) -> Generator:
+def load_generator(folder: Path, tokenizer_dir: Path | None = None, allow_unsafe_pickle: bool = False) -> Generator:
     """The single-card model of `folder` with its weights, and its tokenizer (or `tokenizer_dir`'s)."""
     folder = Path(folder)
-    pretrained = open_pretrained(folder)
+    pretrained = open_pretrained(folder, allow_unsafe_pickle=allow_unsafe_pickle)
     if tokenizer_dir is None and not tokenizer_files(folder):
         raise CheckpointError(f"{folder} carries no tokenizer; pass --tokenizer_dir the one the model was trained with")
     config = config_from_dict(pretrained.config)
     model = family_of(config).causal_lm(config)
-    load_pretrained(pretrained, model, split_axes(plan_of(config)), None)
+    load_pretrained(pretrained, model, plan_of(config).axes(), None)
     model.eval()
     return Generator(model, load_text_tokenizer(tokenizer_dir or folder), config.max_position_embeddings)

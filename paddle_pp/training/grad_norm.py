@@ -13,7 +13,7 @@ import paddle
 import paddle.distributed as dist
 from paddle import _C_ops
 
-from checkpoint.stage3 import SLICE_PREFIX
+from paddle_pp.runtime.stage3 import SLICE_PREFIX
 
 
 class ReportingGlobalNormClip(paddle.nn.ClipGradByGlobalNorm):

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from checkpoint.pretrained import PretrainedFolder
-from modeling.registry import config_from_dict
+from modeling.config import ModelConfigError
+from modeling.registry import config_from_dict, family
+from modeling.transformers_adapter import model_fields
 from paddle_pp.data.tokenizer import tokenizer_files
+from paddle_pp.interop.pretrained import PretrainedFolder
 from paddle_pp.runtime.errors import UserError
 from paddle_pp.training.arguments import DataArguments, ModelArguments
 
@@ -17,10 +19,20 @@ class ModelSourceError(UserError, ValueError):
     """Flags that contradict the model folder they start from."""
 
 
-# flag -> config.json field, for the flags that shape the network
-SHAPE_FLAGS = {"model_type": "model_type", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+# flag -> config.json field, for the flags that shape the network (a family takes those its config has)
+SHAPE_FLAGS = {"hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
                "num_hidden_layers": "num_hidden_layers", "num_attention_heads": "num_attention_heads",
-               "num_key_value_heads": "num_key_value_heads"}
+               "num_key_value_heads": "num_key_value_heads", "head_dim": "head_dim",
+               "tie_word_embeddings": "tie_word_embeddings"}
+
+
+def _flag_value(args: ModelArguments, flag: str, hidden_size: int, heads: int):
+    """A shape flag's value for a model of `hidden_size` and `heads` (0 means derived: as many kv
+    heads as heads, head_dim hidden_size / heads)."""
+    value = getattr(args, flag)
+    if not value and flag in ("num_key_value_heads", "head_dim"):
+        return heads if flag == "num_key_value_heads" else hidden_size // heads
+    return value
 
 
 def tokenizer_dir(data: DataArguments, pretrained: PretrainedFolder | None, given: frozenset[str]) -> Path:
@@ -35,24 +47,28 @@ def model_config(args: ModelArguments, max_seq_length: int, tokenizer_vocab: int
     """The config to build. From flags, the vocabulary is the tokenizer's; from a folder, everything
     is the folder's, the tokenizer must fit its vocabulary, and the sequence its positions."""
     if pretrained is None:
-        values = dict(model_type=args.model_type, vocab_size=tokenizer_vocab, hidden_size=args.hidden_size,
-                      intermediate_size=args.intermediate_size, num_hidden_layers=args.num_hidden_layers,
-                      num_attention_heads=args.num_attention_heads, max_position_embeddings=max_seq_length,
+        fields = model_fields(family(args.model_type).config_class)
+        values = dict(model_type=args.model_type, vocab_size=tokenizer_vocab, max_position_embeddings=max_seq_length,
                       initializer_range=args.initializer_range)
-        if args.model_type == "llama":
-            values["num_key_value_heads"] = args.num_key_value_heads or args.num_attention_heads
-        return config_from_dict(values | {"recompute": args.recompute})
+        values |= {field: _flag_value(args, flag, args.hidden_size, args.num_attention_heads)
+                   for flag, field in SHAPE_FLAGS.items()
+                   if field in fields and (flag != "tie_word_embeddings" or flag in given)}
+        return _checked(config_from_dict(values | {"recompute": args.recompute}), max_seq_length)
     values = dict(pretrained.config)
-    if values["model_type"] == "llama":
-        values.setdefault("num_key_value_heads", values["num_attention_heads"])
+    if "model_type" in given and family(args.model_type).model_type != values["model_type"]:
+        raise ModelSourceError(f"--model_type {args.model_type} contradicts {pretrained.folder}/config.json "
+                               f"(model_type {values['model_type']!r}); drop the flag")
+    fields = model_fields(family(values["model_type"]).config_class)
     for flag, field in SHAPE_FLAGS.items():
-        if flag not in given or (field not in values and flag != "model_type"):
+        if flag not in given or field not in fields:
             continue
-        wanted = getattr(args, flag) or (values["num_attention_heads"] if flag == "num_key_value_heads" else 0)
-        if args.continue_training and wanted != values.get(field):
+        current_config = config_from_dict(values)
+        wanted = _flag_value(args, flag, current_config.hidden_size, current_config.num_attention_heads)
+        current = getattr(current_config, field)
+        if args.continue_training and wanted != current:
             raise ModelSourceError(
                 f"--{flag} {getattr(args, flag)} contradicts {pretrained.folder}/config.json ({field}: "
-                f"{values.get(field)!r}); drop the flag (the folder's model is loaded), or pass "
+                f"{current!r}); drop the flag (the folder's model is loaded), or pass "
                 "--no-continue_training to train its config with other shapes from random weights")
         values[field] = wanted
     if tokenizer_vocab > values["vocab_size"]:
@@ -60,8 +76,16 @@ def model_config(args: ModelArguments, max_seq_length: int, tokenizer_vocab: int
             f"the tokenizer has {tokenizer_vocab} tokens but {pretrained.folder}'s embedding has "
             f"{values['vocab_size']} rows (vocab_size): its ids would index past the embedding; use the model's own tokenizer "
             f"(drop --tokenizer_dir) or one of at most {values['vocab_size']} tokens")
-    if max_seq_length > values.get("max_position_embeddings", max_seq_length):
-        raise ModelSourceError(
-            f"--max_seq_length {max_seq_length} exceeds the model's max_position_embeddings "
-            f"{values['max_position_embeddings']} ({pretrained.folder}/config.json); use at most that")
-    return config_from_dict(values | {"recompute": args.recompute, "initializer_range": args.initializer_range})
+    return _checked(config_from_dict(values | {"recompute": args.recompute,
+                                                "initializer_range": args.initializer_range}), max_seq_length,
+                    pretrained.folder)
+
+
+def _checked(config, max_seq_length: int, folder: Path | None = None):
+    """`config` once it is whole and trains on `max_seq_length` tokens as its family computes them."""
+    try:
+        config.validate()
+        config.check_sequence_length(max_seq_length)
+    except ModelConfigError as err:
+        raise ModelSourceError(f"{err}{f' ({folder}/config.json)' if folder else ''}") from err
+    return config

@@ -12,35 +12,34 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import paddle
 
 from checkpoint.commit import clear_interrupted_saves, latest_checkpoint
 from checkpoint.load import check_compatible, load_checkpoint
-from checkpoint.pretrained import load_pretrained, open_pretrained
 from checkpoint.save import PendingSave, save_checkpoint
 from checkpoint.single_card_state import init_single_card_weights
-from checkpoint.optimizer_state import states_by_parameter
-from checkpoint.stage3 import SLICE_PREFIX, is_sliced
-from modeling import sequence_parallel
+from modeling import tp_gradients
 from modeling.registry import build_causal_lm, plan_of, validate_layout
-from modeling.tp_plan import split_axes
 from paddle_pp.data.sampler import SequentialBatches
 from paddle_pp.data.source import build_data, dataset_sizes, plan_data
 from paddle_pp.data.tokenizer import load_text_tokenizer
+from paddle_pp.interop.pretrained import load_pretrained, open_pretrained
 from paddle_pp.runtime.errors import UserError
 from paddle_pp.runtime.fleet_wrappers import wrap_for_layout
 from paddle_pp.runtime.layout import Layout, launched_rank
+from paddle_pp.runtime.stage3 import SLICE_PREFIX
 from paddle_pp.runtime.topology import Topology, align_ranks, gather_objects, init_distributed, rank0_first
 from paddle_pp.training import precision
 from paddle_pp.training.arguments import DataArguments, OptimizerArguments, PretrainArguments
-from paddle_pp.training.gradient_record import record_gradients, recorded_gradients
 from paddle_pp.training.grad_norm import ReportingGlobalNormClip, report_clipped_norm
+from paddle_pp.training.gradient_record import record_gradients, recorded_gradients
 from paddle_pp.training.model_config import model_config, tokenizer_dir
+from paddle_pp.training.output_lock import acquire, release
 from paddle_pp.training.report import MetricsLog, VisualDLLog, plot_loss, training_bar
 from paddle_pp.training.schedule import WarmupCosine
-from paddle_pp.training.output_lock import acquire, release
 from paddle_pp.training.skips import merge, parse_intervals, skipped
 from paddle_pp.training.step import eval_loss, train_step
 
@@ -88,8 +87,11 @@ def _build_optimizer(model, args: OptimizerArguments, schedule: WarmupCosine, cl
 
 
 class Pretrainer:
-    def __init__(self, args: PretrainArguments):
+    def __init__(self, args: PretrainArguments, after_update: Callable[[Pretrainer], None] | None = None):
+        """`after_update` runs after each optimizer update, before gradients are cleared (the moment a
+        rank holds parameters, gradients and optimizer states at once)."""
         self.args = args
+        self.after_update = after_update
         data, optim = args.data, args.optim
         self.layout = Layout.from_args(args.layout)
         self.layout.check_sequence_length(data.max_seq_length)
@@ -99,7 +101,8 @@ class Pretrainer:
         self.resume_dir = self._resume_folder()
         source = args.model.model_name_or_path
         self.pretrained = open_pretrained(
-            Path(source), weights=self.resume_dir is None and args.model.continue_training) if source else None
+            Path(source), weights=self.resume_dir is None and args.model.continue_training,
+            allow_unsafe_pickle=args.model.allow_unsafe_pickle) if source else None
         self.tokenizer = load_text_tokenizer(tokenizer_dir(data, self.pretrained, args.given))
         self.config = model_config(args.model, data.max_seq_length, self.tokenizer.vocab_size, self.pretrained,
                                    args.given)
@@ -128,15 +131,16 @@ class Pretrainer:
         self.topo: Topology = init_distributed(self.layout, self.batches.micro_batch, self.batches.accumulate_steps)
         paddle.seed(data.seed)
         raw = build_causal_lm(self.config, self.topo)
-        self.axes = split_axes(plan_of(self.config))
+        self.plan = plan_of(self.config)
+        self.axes = self.plan.axes()
         if self.resume_dir is None and self.pretrained is not None and args.model.continue_training:
             load_pretrained(self.pretrained, raw, self.axes, self.topo)
         elif self.resume_dir is None:
-            init_single_card_weights(raw, self.axes, self.topo, data.seed, args.model.initializer_range)
+            init_single_card_weights(raw, self.plan, self.topo, data.seed, args.model.initializer_range)
         else:  # weights before the wrappers take the model (stage3 slices what it finds), states after
             resumed = load_checkpoint(self.resume_dir, raw, None, self.topo, self.axes)
         self.criterion = getattr(raw, "criterion", None)
-        sequence_parallel.register_gradient_allreduce(raw, self.config, self.batches.accumulate_steps)
+        tp_gradients.register_gradient_allreduce(raw, self.batches.accumulate_steps)
         self.clip = ReportingGlobalNormClip(optim.max_grad_norm)
         optimizer = _build_optimizer(raw, optim, self.schedule, self.clip)
         raw, optimizer = precision.decorate(raw, optimizer, self.compute_dtype, optim.amp_master_grad)
@@ -152,26 +156,10 @@ class Pretrainer:
                 load_checkpoint(self.resume_dir, raw, self.optimizer, self.topo, self.axes, weights=False)
             self._resume(state=resumed)
         self.pending_save: PendingSave | None = None
-        self.held_after_last_step: dict[str, int] = {}
         self.train_data, self.valid_data = (
             rank0_first(self.topo, "data", lambda: build_data(self.data_plan)) if self.needs_data else (None, None))
         align_ranks(self.topo)  # only first and last stages built data; the others wait in p2p
         self.sampler = SequentialBatches(self.data_plan.num_samples[0], self.batches.global_batch)
-
-    def held_elements(self) -> dict[str, int]:
-        """Elements of parameters, gradients and optimizer states this rank holds in memory: what
-        stage1-3 partition. A stage3-sliced parameter counts its flat slice, and its gradient the
-        slice the optimizer stepped with plus the buffer it was reduced into (both alive until the
-        gradients are cleared); stage2 has released the gradients of parameters other ranks update."""
-        params = self.raw_model.parameters()
-        grads = [p.grad for p in params] + [t for p in params if is_sliced(p)
-                                            for t in (p.fw_storage.grad, p.bw_storage)]
-        buffers = {g.data_ptr(): int(g.size) for g in grads if g is not None and g._is_initialized()}  # shared once
-        return {"parameters": sum(int(p.fw_storage.size) if is_sliced(p) else int(p.size) for p in params),
-                "whole_parameters": sum(int(p.size) for p in params if not is_sliced(p)),
-                "gradients": sum(buffers.values()),
-                "optimizer_states": sum(int(t.size) for states in states_by_parameter(self.optimizer).values()
-                                        for t in states.values())}
 
     def _resume_folder(self) -> Path | None:
         """The checkpoint to resume from (checked against the model once its config is known, still
@@ -206,7 +194,7 @@ class Pretrainer:
                          "train_samples": self.data_plan.num_samples[0],
                          "skip_data_intervals": [list(pair) for pair in self.skip_intervals]}
         self.pending_save = save_checkpoint(
-            Path(self.args.output.output_dir), self.step, self.raw_model, self.optimizer, self.topo, self.axes,
+            Path(self.args.output.output_dir), self.step, self.raw_model, self.optimizer, self.topo, self.plan,
             config=self.config, trainer_state=trainer_state,
             extra_files=tuple(self.tokenizer.files()), keep=ckpt.save_total_limit,
             asynchronous=ckpt.async_save, gradients=recorded_gradients(self.optimizer) if ckpt.save_gradients else None,
@@ -243,12 +231,8 @@ class Pretrainer:
         self.consumed_samples += self.batches.global_batch
         return record
 
-    def _record_held(self) -> None:
-        self.held_after_last_step = self.held_elements()
-
-    def train_one_step(self, measure_held: bool = False) -> dict:
-        """One update; with `measure_held`, what this rank holds is recorded right after it (before
-        gradients are cleared: the moment that holds parameters, gradients and states at once)."""
+    def train_one_step(self) -> dict:
+        """One update (and the `after_update` hook right after it, before gradients are cleared)."""
         started = time.perf_counter()
         consumed = self.consumed_samples
         indices = self.sampler.replica_batch(self.consumed_samples, self.topo.data_replica_index,
@@ -257,7 +241,7 @@ class Pretrainer:
         lr = self.schedule.last_lr  # the rate this update applies (after a resume: the saved one)
         loss = train_step(self.model, self.optimizer, self.criterion, inputs, labels, self.topo,
                           self.batches.accumulate_steps, self.compute_dtype, self.scaler,
-                          self._record_held if measure_held else None)
+                          (lambda: self.after_update(self)) if self.after_update else None)
         self.schedule.step()
         self.step += 1
         self.consumed_samples += self.batches.global_batch
@@ -294,7 +278,7 @@ class Pretrainer:
         stop = min(max_steps, self.step + out.exit_after_steps) if out.exit_after_steps else max_steps
         while self.step < stop:
             record = self.skip_one_step() if skipped(self.step + 1, self.skip_intervals) else \
-                self.train_one_step(measure_held=self.step + 1 == stop)
+                self.train_one_step()
             last = self.step == stop
             if (out.eval_steps and self.step % out.eval_steps == 0) or last:
                 record["eval_loss"] = self.evaluate()

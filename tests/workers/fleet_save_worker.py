@@ -15,10 +15,9 @@ from pathlib import Path
 import paddle
 
 from checkpoint.format import CONFIG_FILE, TRAINER_STATE_FILE
-
-from paddle_pp.training.arguments import parse_args
 from paddle_pp.runtime.launch import write_result
 from paddle_pp.runtime.topology import align_ranks, end_job
+from paddle_pp.training.arguments import parse_args
 from paddle_pp.training.trainer import Pretrainer
 
 

@@ -17,7 +17,6 @@ import paddle
 
 from checkpoint.single_card_state import gather_single_card_state, load_single_card_state
 from modeling.registry import build_causal_lm, config_from_dict, plan_of
-from modeling.tp_plan import split_axes
 from paddle_pp.runtime.fleet_wrappers import wrap_model, wrap_optimizer
 from paddle_pp.runtime.launch import write_result
 from paddle_pp.runtime.layout import Layout, add_layout_args
@@ -52,14 +51,18 @@ def main(argv: list[str]) -> None:
     topo = init_distributed(layout, micro_batch_size=micro, accumulate_steps=args.accumulate_steps)
     config = config_from_dict(json.loads(open(args.config).read()))
     raw = build_causal_lm(config, topo)
-    axes = split_axes(plan_of(config))
+    axes = plan_of(config).axes()
     load_single_card_state(raw, dict(np.load(args.init)), axes, topo)
     criterion = getattr(raw, "criterion", None)
     clip = paddle.nn.ClipGradByGlobalNorm(args.clip_norm)
     if args.optimizer == "sgd":
         optimizer = paddle.optimizer.SGD(learning_rate=0.5, parameters=raw.parameters(), grad_clip=clip)
     else:
-        optimizer = paddle.optimizer.AdamW(learning_rate=1e-3, parameters=raw.parameters(), grad_clip=clip)
+        # epsilon 1e-6, not 1e-8: a gradient that is pure rounding noise (an exactly zero true gradient,
+        # ~1e-10) would otherwise be normalised into a step of ~lr/100 whose value is that noise's,
+        # and no two layouts (summation orders) agree on it
+        optimizer = paddle.optimizer.AdamW(learning_rate=1e-3, epsilon=1e-6, parameters=raw.parameters(),
+                                           grad_clip=clip)
     model, optimizer = wrap_model(raw, topo), wrap_optimizer(optimizer)
     rows = replica_slice(args.global_batch, topo)
 

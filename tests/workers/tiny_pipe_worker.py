@@ -19,11 +19,11 @@ from paddle.distributed import fleet
 from paddle.distributed.fleet.layers.mpu import mp_layers
 from paddle.distributed.fleet.meta_parallel import LayerDesc, PipelineLayer
 
-from paddle_pp.runtime.launch import write_result
-from paddle_pp.runtime.layout import add_layout_args, Layout
 from paddle_pp.runtime.fleet_wrappers import wrap_model, wrap_optimizer
-from paddle_pp.training.step import replica_slice, train_step
+from paddle_pp.runtime.launch import write_result
+from paddle_pp.runtime.layout import Layout, add_layout_args
 from paddle_pp.runtime.topology import Topology, end_job, init_distributed
+from paddle_pp.training.step import replica_slice, train_step
 
 VOCAB, HIDDEN, FFN, LAYERS, SEQ = 32, 8, 16, 4, 6
 GLOBAL_BATCH = 8

@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 
+
 def _tensor(array, grad=True):
     import paddle
 

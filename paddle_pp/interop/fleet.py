@@ -23,19 +23,24 @@ import numpy as np
 
 from checkpoint.durable import write_json_durably
 from checkpoint.format import (
-    CONFIG_FILE, FORMAT_VERSION, MODEL, OPTIMIZER, STATE_SEPARATOR, TRAINER_STATE_FILE, CheckpointError,
+    CONFIG_FILE,
+    FORMAT_VERSION,
+    MODEL,
+    OPTIMIZER,
+    STATE_SEPARATOR,
+    TRAINER_STATE_FILE,
+    CheckpointError,
     copy_tokenizer_files,
 )
 from checkpoint.optimizer_state import MASTER_WEIGHT, state_tp_axis
 from checkpoint.save import model_metadata, single_card_config
 from checkpoint.shards import TensorSpec, bf16_to_float32
 from checkpoint.split import DEFAULT_SHARD_BYTES, SplitWriter, join_split, split_layout
-from checkpoint.unified_io import load_config
-from modeling.registry import plan_of
-from modeling.tp_plan import single_card_shape, split_axes
+from modeling.registry import load_config, plan_of
+from modeling.tp_plan import single_card_shape
+from paddle_pp.interop.pickled import NAME_TABLE, UnsafePickleError, load_pickled
 
 RANK_FILE = re.compile(r"^(model_state|optimizer)(?:\.([a-z0-9_]+))?\.(pdparams|pdopt)$")
-NAME_TABLE = "StructuredToParameterName@@"
 SCHEDULER_FILE = "scheduler.pdparams"
 UNIQUE_SUFFIX = re.compile(r"_\d+$")
 
@@ -95,11 +100,11 @@ def _unified_meta(array: np.ndarray, axis: int | None, tp: int) -> dict:
     return {"dtype": str(array.dtype), "shape": single_card_shape(array.shape, axis, tp), "tp_axis": axis}
 
 
-def _load(path: Path) -> dict:
-    import paddle
-
+def _load(path: Path, allow_unsafe_pickle: bool) -> dict:
     try:
-        return paddle.load(str(path), return_numpy=True, keep_name_table=True)
+        return load_pickled(path, allow_unsafe_pickle, keep_name_table=True)
+    except UnsafePickleError:
+        raise
     except Exception as err:  # pickle and Paddle raise many kinds for a torn file
         raise CheckpointError(f"{path} cannot be read ({err}); it is truncated or not a paddle.save file") from err
 
@@ -112,11 +117,11 @@ def _write_rank(writer: SplitWriter, kind: str, tp_rank: int, stage: int, arrays
     writer.write(kind, tp_rank, stage, specs, (arrays[n] for n in names), full)
 
 
-def _optimizer_arrays(files: list[Path], table: dict[str, str]) -> dict[str, np.ndarray]:
+def _optimizer_arrays(files: list[Path], table: dict[str, str], allow_unsafe_pickle: bool) -> dict[str, np.ndarray]:
     structured = {param: name for name, param in table.items()}
     arrays = {}
     for path in files:
-        state = _load(path)
+        state = _load(path, allow_unsafe_pickle)
         for param, master in state.pop("master_weights", {}).items():
             arrays[f"{structured[param]}{STATE_SEPARATOR}{MASTER_WEIGHT}"] = np.asarray(master)
         for var_name, value in state.items():
@@ -125,22 +130,20 @@ def _optimizer_arrays(files: list[Path], table: dict[str, str]) -> dict[str, np.
     return arrays
 
 
-def _scheduler_state(source: Path, optimizer_files: dict) -> dict:
-    import paddle
-
+def _scheduler_state(source: Path, optimizer_files: dict, allow_unsafe_pickle: bool) -> dict:
     if (source / SCHEDULER_FILE).is_file():
-        state = paddle.load(str(source / SCHEDULER_FILE))
+        state = _load(source / SCHEDULER_FILE, allow_unsafe_pickle)
     elif optimizer_files:
-        state = _load(next(iter(optimizer_files.values()))[0]).get("LR_Scheduler", {})
+        state = _load(next(iter(optimizer_files.values()))[0], allow_unsafe_pickle).get("LR_Scheduler", {})
     else:
         state = {}
     return json.loads(json.dumps(state, default=float))
 
 
 def _merge_rank(writer: SplitWriter, tp_rank: int, stage: int, model_file: Path, optimizer_files: list[Path],
-                param_axes: dict, tp: int) -> None:
+                param_axes: dict, tp: int, allow_unsafe_pickle: bool) -> None:
     """One (tp rank, stage): its weights and its optimizer states (all sharding ranks) as split files."""
-    state = _load(model_file)
+    state = _load(model_file, allow_unsafe_pickle)
     table = state.pop(NAME_TABLE, None)
     weights = {n: _as_float32(v) for n, v in state.items() if isinstance(v, np.ndarray)}
     _write_rank(writer, MODEL, tp_rank, stage, weights, lambda n, a: param_axes.get(n), tp)
@@ -154,30 +157,33 @@ def _merge_rank(writer: SplitWriter, tp_rank: int, stage: int, model_file: Path,
         param = key.split(STATE_SEPARATOR)[0]
         return state_tp_axis(array.shape, weights[param].shape, param_axes.get(param))
 
-    _write_rank(writer, OPTIMIZER, tp_rank, stage, _optimizer_arrays(optimizer_files, table), axis, tp)
+    _write_rank(writer, OPTIMIZER, tp_rank, stage, _optimizer_arrays(optimizer_files, table, allow_unsafe_pickle), axis, tp)
 
 
 def merge_fleet(source: Path, target: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                on_tensor: Callable[[str, int], None] | None = None) -> Path:
+                on_tensor: Callable[[str, int], None] | None = None, allow_unsafe_pickle: bool = False) -> Path:
     """Turn fleet's per-rank files in `source` (with its `config.json` and PaddleNLP's
-    `trainer_state.json`) into a unified checkpoint at `target`."""
+    `trainer_state.json`) into a unified checkpoint at `target`. The pickled files are read as data
+    only (`pickled.load_pickled`) unless `allow_unsafe_pickle`."""
     source, target = Path(source), Path(target)
     if not (source / CONFIG_FILE).is_file():
         raise CheckpointError(f"{source / CONFIG_FILE} is missing: the merge needs the model config to know "
                               "how tensors split; copy the run's config.json there")
     config = load_config(source)
+    plan = plan_of(config)
     tp, pp, models, optimizers = find_rank_files(source)
-    param_axes = split_axes(plan_of(config))
-    trainer_state = _trainer_state(source, optimizers)
+    param_axes = plan.axes()
+    trainer_state = _trainer_state(source, optimizers, allow_unsafe_pickle)
     staging = target.with_name(target.name + ".split.partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
         writer = SplitWriter(staging, split_layout(tp, pp, 1))
         for (tp_rank, stage), path in sorted(models.items()):
-            _merge_rank(writer, tp_rank, stage, path, optimizers.get((tp_rank, stage), []), param_axes, tp)
-        writer.finish(model_metadata(config))
-        write_json_durably(staging / CONFIG_FILE, single_card_config(config))
+            _merge_rank(writer, tp_rank, stage, path, optimizers.get((tp_rank, stage), []), param_axes, tp,
+                        allow_unsafe_pickle)
+        writer.finish(model_metadata(plan))
+        write_json_durably(staging / CONFIG_FILE, single_card_config(config, plan))
         write_json_durably(staging / TRAINER_STATE_FILE, trainer_state)
         copy_tokenizer_files(source, staging)
         return join_split(staging, target, max_shard_bytes, on_tensor)
@@ -185,12 +191,12 @@ def merge_fleet(source: Path, target: Path, max_shard_bytes: int = DEFAULT_SHARD
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _trainer_state(source: Path, optimizers: dict) -> dict:
+def _trainer_state(source: Path, optimizers: dict, allow_unsafe_pickle: bool) -> dict:
     """Our trainer state from PaddleNLP's `trainer_state.json` (global_step, consumed_samples)."""
     path = source / TRAINER_STATE_FILE
     if not path.is_file():
         raise CheckpointError(f"{path} is missing: the merge needs the step and consumed samples to resume")
     theirs = json.loads(path.read_text())
     return {"format_version": FORMAT_VERSION, "step": theirs["global_step"],
-            "consumed_samples": theirs.get("consumed_samples", 0), "lr_scheduler": _scheduler_state(source, optimizers),
+            "consumed_samples": theirs.get("consumed_samples", 0), "lr_scheduler": _scheduler_state(source, optimizers, allow_unsafe_pickle),
             "merged_from": str(source)}

@@ -1,4 +1,6 @@
-"""Will a layout run, and what does each rank hold? Answered from the model config alone, offline."""
+"""Will a layout run, and what does each rank hold in memory? Answered from the model config alone,
+offline: weights, gradients and AdamW states as ZeRO partitions them, and the decoder layers'
+activations from each family's per-layer model (`ModelFamily.layer_activation_bytes`)."""
 
 from __future__ import annotations
 
@@ -6,12 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from checkpoint.format import MODEL, OPTIMIZER, STATE_SEPARATOR
-from checkpoint.optimizer_state import MASTER_WEIGHT
-from checkpoint.writers import Slot, WriteItem, WritePlan, gathered_bytes, sharding_owners, stage2_owners
 from modeling.registry import family_of, plan_of, validate_layout
 from modeling.sequence_parallel import sequence_shards
-from modeling.tp_plan import TensorPlan, local_shape, stages_holding
 from paddle_pp.runtime.flags import flag
 from paddle_pp.runtime.layout import Layout
 
@@ -50,11 +48,6 @@ class RankShare:
         return self.parameters * 4 + self.optimizer_bytes
 
 
-def tensor_stages(plan: dict[str, TensorPlan], name: str, config, layout: Layout) -> list[int]:
-    """The pipeline stages holding tensor `name` of a checkpoint (an optimizer state goes with its parameter)."""
-    return stages_holding(plan[name.split(STATE_SEPARATOR)[0]], config.num_hidden_layers, layout.pp, layout.vpp)
-
-
 def decoder_activation_bytes(config, layout: Layout, workload: Workload, stage: int, compute_bytes: int = 4) -> int:
     """What the decoder layers of pipeline stage `stage` keep for backward at the peak of a step,
     from the family's per-layer model (`modeling/<family>/activations.py`, exact in fp32).
@@ -91,7 +84,7 @@ def plan_layout(config, layout: Layout, compute_bytes: int = 4, workload: Worklo
     counts = np.zeros([layout.pp, layout.tp], dtype=np.int64)
     for name, row in plan.items():
         numel = int(np.prod(row.shape))
-        for stage in tensor_stages(plan, name, config, layout):
+        for stage in plan.stages(name, layout.pp, layout.vpp):
             counts[stage] += numel // layout.tp if row.tp_axis is not None else numel
     state_bytes = ADAM_STATE_BYTES + (4 if compute_bytes < 4 else 0)
     shard = layout.sharding_degree
@@ -101,64 +94,3 @@ def plan_layout(config, layout: Layout, compute_bytes: int = 4, workload: Worklo
                       -(-int(n) * compute_bytes // grad_shards), -(-int(n) * state_bytes // shard),
                       decoder_activation_bytes(config, layout, workload, stage, compute_bytes) if workload else 0)
             for (stage, tp), n in np.ndenumerate(counts)]
-
-
-OPTIMIZER_STATES = ("moment1", "moment2")  # AdamW's fp32 moments, one of each per parameter
-OPTIMIZER_SCALARS = ("beta1_pow_acc", "beta2_pow_acc")  # one fp32 number each per parameter
-
-
-def save_items(config, layout: Layout, compute_bytes: int = 4) -> list[WriteItem]:
-    """What a save of this model under `layout` writes, and who holds each tensor: the model in
-    fp32, AdamW's states (and fp32 master weights under bf16/fp16), each parameter's states held by
-    the sharding rank Paddle's stage1 or stage2 optimizer gives it, in every dp replica (under
-    stage3 every sharding rank holds a slice, so every replica can write it)."""
-    plan = plan_of(config)
-    replicas = range(layout.dp * layout.sharding_degree)
-    items: list[WriteItem] = []
-    states = OPTIMIZER_STATES + ((MASTER_WEIGHT,) if compute_bytes < 4 else ())
-    for stage in range(layout.pp):
-        names = [name for name, row in plan.items() if stage in tensor_stages(plan, name, config, layout)]
-        numels = [int(np.prod(local_shape(plan[n].shape, plan[n].tp_axis, layout.tp))) for n in names]
-        owners = (stage2_owners if layout.sharding_stage == "stage2" else sharding_owners)(
-            numels, layout.sharding_degree)
-        everyone = tuple((stage, r) for r in replicas)
-        for name, owner in zip(names, owners):
-            row, numel = plan[name], int(np.prod(plan[name].shape))
-            split = row.tp_axis is not None and layout.tp > 1
-            # stage3 slices every parameter over the segment size, which the planner does not know: all are counted
-            gathered = gathered_bytes(numel * 4, split, layout.tp,
-                                      layout.sharding_degree if layout.sharding_stage == "stage3" else 1)
-            items.append(WriteItem(MODEL, name, numel * 4, split, gathered, everyone))
-            holders = everyone if layout.sharding_stage == "stage3" else \
-                tuple((stage, dp * layout.sharding_degree + owner) for dp in range(layout.dp))
-            items += [WriteItem(OPTIMIZER, f"{name}{STATE_SEPARATOR}{state}", numel * 4, split, gathered, holders)
-                      for state in states]
-            items += [WriteItem(OPTIMIZER, f"{name}{STATE_SEPARATOR}{state}", 4, False, 0, holders)
-                      for state in OPTIMIZER_SCALARS]
-    return items
-
-
-@dataclass(frozen=True)
-class SaveEstimate:
-    """A save's cost from per-rank write and receive bandwidths (GB/s), and the shared file
-    system's aggregate write bandwidth when it is the tighter bound."""
-
-    max_write_bytes: int
-    mean_write_bytes: float
-    max_received_bytes: int
-    seconds: float
-
-    @property
-    def balance(self) -> float:
-        return self.max_write_bytes / self.mean_write_bytes if self.mean_write_bytes else 1.0
-
-
-def estimate_save(plan: WritePlan, slots: list[Slot], disk_gbps: float, link_gbps: float,
-                  fs_gbps: float | None = None) -> SaveEstimate:
-    """Ranks write in parallel, each gathering then writing its share; the save takes as long as the
-    slowest rank, or as the file system takes to absorb every byte, whichever is longer."""
-    written = [plan.written.get(slot, 0) for slot in slots]
-    received = [plan.received.get(slot, 0) for slot in slots]
-    per_rank = max(w / (disk_gbps * 1e9) + r / (link_gbps * 1e9) for w, r in zip(written, received))
-    shared = sum(written) / (fs_gbps * 1e9) if fs_gbps else 0.0
-    return SaveEstimate(max(written), sum(written) / len(written), max(received), max(per_rank, shared))

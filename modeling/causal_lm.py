@@ -1,0 +1,124 @@
+"""The single-card (and tensor-parallel) causal LM every family builds from its declaration.
+
+A family's `Skeleton` names where its pieces sit (PaddleNLP's names: "llama.embed_tokens",
+"llama.layers", "llama.norm", "lm_head"; GPT's "gpt.embeddings.word_embeddings", ...). The model
+creates those paths, so its `state_dict()` speaks the family's single-card names, and runs them in
+order: embeddings, decoder layers, final norm, head (the token embedding itself when tied). With
+`config.tensor_parallel_degree > 1` the parts are fleet's parallel layers; the code is the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import paddle
+from paddle import nn
+from paddlenlp.transformers.model_utils import PretrainedModel
+
+from modeling.blocks.embedding import LMHead, embed, logits
+from modeling.blocks.parts import Block, Embedding, Leaf, VocabEmbedding
+from modeling.loss import CausalLMCriterion
+from modeling.tp_layers import tp_degree
+from modeling.tp_plan import FIRST, FIRST_AND_LAST, LAST, TensorPlan, split_axes, tensor_parallel_mappings
+
+
+@dataclass(frozen=True)
+class Skeleton:
+    """Where a causal LM's pieces sit, as single-card names, and its decoder layer."""
+
+    decoder_layer: type[Block]
+    tokens: str  # the token embedding (also the head when the config ties them)
+    layers: str  # decoder layer i is f"{layers}.{i}"
+    norm: str  # the final norm
+    head: str = "lm_head"  # the untied head
+    positions: str | None = None  # learned position embeddings
+
+    def parts(self, config) -> list[tuple[str, Leaf | type[Block], int | str]]:
+        """(path, part, pipeline place) of every piece, in model order."""
+        tied = config.tie_word_embeddings
+        parts = [(self.tokens, VocabEmbedding(config.vocab_size, config.hidden_size), FIRST_AND_LAST if tied else FIRST)]
+        if self.positions:
+            parts.append((self.positions, Embedding(config.max_position_embeddings, config.hidden_size), FIRST))
+        parts += [(f"{self.layers}.{i}", self.decoder_layer, i) for i in range(config.num_hidden_layers)]
+        parts.append((self.norm, config.hidden_norm(), LAST))
+        if not tied:
+            parts.append((self.head, LMHead(config.hidden_size, config.vocab_size), LAST))
+        return parts
+
+    def tensors(self, config) -> dict[str, TensorPlan]:
+        """Every parameter's placement, by single-card name, in model order."""
+        return {f"{path}.{key}": TensorPlan(row.shape, row.tp_axis, place, row.linear, row.init, row.tp_partial_grad)
+                for path, part, place in self.parts(config)
+                for key, row in (part.tensors(config) if isinstance(part, type) else part.tensors()).items()}
+
+    def tied_names(self, config) -> tuple[tuple[str, ...], ...]:
+        """Names that denote one tensor, the stored one first: a tied head is the token embedding
+        (PaddleNLP's and transformers' tied models also name it lm_head.weight)."""
+        return ((f"{self.tokens}.weight", f"{self.head}.weight"),) if config.tie_word_embeddings else ()
+
+    @property
+    def base_prefix(self) -> str:
+        return self.tokens.split(".")[0]
+
+
+def find(root: nn.Layer, path: str) -> nn.Layer:
+    for name in path.split("."):
+        root = getattr(root, name)
+    return root
+
+
+def attach(root: nn.Layer, path: str, layer: nn.Layer) -> None:
+    """Put `layer` at `path` under `root`, creating plain containers for the names on the way."""
+    names = path.split(".")
+    for parent, child in zip(names, names[1:]):
+        if parent not in root._sub_layers:  # decoder layers sit in a list, as in PaddleNLP's models
+            root.add_sublayer(parent, nn.LayerList() if child.isdigit() else nn.Layer())
+        root = root._sub_layers[parent]
+    root.add_sublayer(names[-1], layer)
+
+
+class CausalLMPretrainedModel(PretrainedModel):
+    """PaddleNLP's hooks, answered from the family's declaration."""
+
+    family: ClassVar  # the `ModelFamily` this class was generated for
+
+    @classmethod
+    def _get_tensor_parallel_mappings(cls, config, is_split: bool = True) -> dict:
+        return tensor_parallel_mappings(split_axes(cls.family.skeleton.tensors(config)), is_split,
+                                        config.tensor_parallel_degree, config.tensor_parallel_rank)
+
+    def _init_weights(self, layer):
+        """Matrices (linears, embeddings, heads) from N(0, initializer_range); vectors keep the
+        values their layers start with (norm scales one, or zero for `1 + weight` norms; biases zero)."""
+        weight = getattr(layer, "weight", None)
+        if isinstance(weight, paddle.Tensor) and len(weight.shape) >= 2:
+            weight.set_value(paddle.normal(0.0, self.config.initializer_range, weight.shape).astype(weight.dtype))
+
+
+class CausalLM(CausalLMPretrainedModel):
+    """Single card, or TP with fleet's parallel layers when config.tensor_parallel_degree > 1."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.family.check_tensor_parallel(config, tp_degree(config))
+        for path, part, _ in self.family.skeleton.parts(config):
+            attach(self, path, part(config) if isinstance(part, type) else part.build(config))
+        self.criterion = CausalLMCriterion(config)
+        self.apply(self._init_weights)
+
+    def forward(self, input_ids, labels=None):
+        skeleton, config = self.family.skeleton, self.config
+        tokens = find(self, skeleton.tokens)
+        hidden = embed(config, tokens, find(self, skeleton.positions) if skeleton.positions else None, input_ids)
+        for layer in find(self, skeleton.layers):
+            hidden = layer(hidden)
+        hidden = find(self, skeleton.norm)(hidden)
+        if config.tie_word_embeddings:
+            out = logits(config, hidden, tokens.weight, tied=True)
+        else:
+            out = find(self, skeleton.head)(hidden)
+        if labels is None:
+            return out
+        return self.criterion(out, labels), out
+

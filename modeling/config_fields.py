@@ -1,0 +1,75 @@
+"""Which config.json fields leave the model's computation alone, and the one translation of other
+spellings into transformers 4.x's (the form our configs keep).
+
+`HARMLESS` is the documented list (README, "Start from a model"): bookkeeping, inference and
+generation settings, other tasks' heads, and PaddleNLP's run and kernel settings. A few of them are
+harmless only at one value (a fused-weights flag, an encoder-decoder flag): the predicate says
+which. A field on no list and not modelled by the family is refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+Check = Callable[[Any, dict], bool]
+
+
+def any_value(_value, _values) -> bool:
+    return True
+
+
+def falsy(value, _values) -> bool:
+    return not value
+
+
+def zero(value, _values) -> bool:
+    return value in (0, 0.0, None)
+
+
+_BOOKKEEPING = ("architectures", "model_type", "transformers_version", "paddlenlp_version", "_name_or_path",
+                "name_or_path", "torch_dtype", "dtype", "tokenizer_class", "initializer_factor")
+_INFERENCE = ("use_cache", "output_attentions", "output_hidden_states", "return_dict", "torchscript",
+              "chunk_size_feed_forward", "max_length", "min_length", "do_sample", "early_stopping", "num_beams",
+              "temperature", "top_k", "top_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+              "bad_words_ids", "num_return_sequences", "forced_bos_token_id", "forced_eos_token_id",
+              "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+              "typical_p", "diversity_penalty", "num_beam_groups", "output_scores", "return_dict_in_generate",
+              "encoder_no_repeat_ngram_size", "_attn_implementation", "attn_implementation",
+              "_attn_implementation_autoset", "tf_legacy_loss", "use_bfloat16")
+_OTHER_TASKS = ("id2label", "label2id", "num_labels", "problem_type", "finetuning_task", "task_specific_params",
+                "prefix", "classifier_dropout", "sep_token_id", "decoder_start_token_id", "cross_attention_hidden_size",
+                "is_decoder", "keys_to_ignore_at_inference")
+_PADDLENLP_RUN = ("tensor_parallel_degree", "tensor_parallel_rank", "tensor_parallel_output", "sequence_parallel",
+                  "fuse_sequence_parallel_allreduce", "sep_parallel_degree", "context_parallel_degree",
+                  "use_flash_attention", "use_fused_rms_norm", "use_fused_rope", "use_fused_linear",
+                  "use_fused_dropout_add", "use_fast_layer_norm", "use_recompute", "recompute_granularity",
+                  "pp_recompute_interval", "no_recompute_layers", "recompute_use_reentrant", "dpo_config",
+                  "immediate_clear_past_key_value", "use_flash_attention_for_generation",
+                  "use_last_token_for_generation", "seq_length", "use_sparse_head_and_loss_fn",
+                  "use_fused_head_and_loss_fn", "kto_config", "quantization_config_dict")
+_ONLY_WHEN_OFF = ("is_encoder_decoder", "add_cross_attention", "tie_encoder_decoder", "pruned_heads",
+                  "fuse_attention_qkv", "fuse_attention_ffn", "alibi", "use_long_sequence_strategies",
+                  "long_sequence_strategy_type", "long_sequence_strategy_name", "long_sequence_init_args",
+                  "quantization_config")
+
+HARMLESS: dict[str, Check] = {
+    **{name: any_value for name in _BOOKKEEPING + _INFERENCE + _OTHER_TASKS + _PADDLENLP_RUN},
+    **{name: falsy for name in _ONLY_WHEN_OFF},
+}
+
+
+def as_transformers4(raw: dict) -> dict:
+    """`raw` in transformers 4.x spelling: transformers 5's `rope_parameters` ({rope_theta,
+    rope_type, ...}) as `rope_theta` and `rope_scaling` (None for the default type), and PaddleNLP's
+    `rope_scaling_type` / `rope_scaling_factor` as `rope_scaling`."""
+    values = dict(raw)
+    parameters = values.pop("rope_parameters", None)
+    if parameters is not None:
+        parameters = dict(parameters)
+        if "rope_theta" in parameters:
+            values["rope_theta"] = parameters.pop("rope_theta")
+        values["rope_scaling"] = None if parameters in ({}, {"rope_type": "default"}) else parameters
+    kind, factor = values.pop("rope_scaling_type", None), values.pop("rope_scaling_factor", None)
+    if kind is not None:
+        values["rope_scaling"] = {"rope_type": kind, "factor": factor}
+    return values

@@ -1,0 +1,33 @@
+"""A LLaMA-like family in one call: PaddleNLP's names under the family's prefix, transformers'
+under "model.", the shared decoder layer, and what its transformers config.json may say."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable
+
+from modeling.blocks.decoder import DecoderLayer
+from modeling.causal_lm import Skeleton
+from modeling.config_fields import any_value
+from modeling.family import ModelFamily
+from modeling.tp_plan import TensorPlan
+from modeling.transformers_adapter import Stored, TransformersAdapter
+
+HEAD = "lm_head.weight"
+
+
+def _stored(prefix: str, name: str, row: TensorPlan) -> Stored:
+    """transformers names the body "model." where PaddleNLP names it after the family, and stores
+    linear weights [out, in]."""
+    return Stored(name if name == HEAD else "model." + name.removeprefix(prefix + "."), transposed=row.linear)
+
+
+def decoder_family(config_class: type, architecture: str, prefix: str, paddlenlp: bool,
+                   accepted: dict[str, Callable[[Any, dict], bool]] | None = None) -> ModelFamily:
+    """`config_class`'s family, named `architecture` in both transformers and PaddleNLP."""
+    skeleton = Skeleton(DecoderLayer, tokens=f"{prefix}.embed_tokens", layers=f"{prefix}.layers", norm=f"{prefix}.norm")
+    adapter = TransformersAdapter(
+        model_type=config_class.model_type, architecture=architecture, locate=partial(_stored, prefix),
+        fixed={"attention_dropout": 0.0}, accepted={"pretraining_tp": any_value, **(accepted or {})},
+        buffers=("rotary_emb.inv_freq",))
+    return ModelFamily(config_class, architecture, skeleton, adapter, paddlenlp)

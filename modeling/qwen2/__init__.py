@@ -1,0 +1,47 @@
+"""Qwen2 / Qwen2.5: biases on q, k and v (not o), tied embeddings in the small sizes; sliding
+windows modelled only where they cover the whole training sequence."""
+
+from __future__ import annotations
+
+from modeling.config import DecoderConfig, ModelConfigError
+from modeling.decoder_family import decoder_family
+
+
+class QwenWindows(DecoderConfig):
+    """Qwen's per-layer attention types: sliding from `max_window_layers` on when `use_sliding_window`."""
+
+    def __init__(self, use_sliding_window: bool = False, sliding_window: int | None = 4096,
+                 max_window_layers: int = 28, layer_types: list[str] | None = None, **kwargs):
+        self.use_sliding_window, self.sliding_window = use_sliding_window, sliding_window
+        self.max_window_layers, self.layer_types = max_window_layers, layer_types
+        super().__init__(**kwargs)
+
+    def sliding_windows(self) -> dict[str, int]:
+        """transformers' rule: a layer slides over `sliding_window` tokens when its layer type says
+        so, the types defaulting to sliding from `max_window_layers` on under `use_sliding_window`."""
+        window = self.sliding_window if self.use_sliding_window else None
+        types = self.layer_types or ["sliding_attention" if window is not None and i >= self.max_window_layers
+                                     else "full_attention" for i in range(self.num_hidden_layers)]
+        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ModelConfigError(f"layer_types {unknown} are not modelled (only full and sliding attention)")
+        return {"sliding_window": window} if window and "sliding_attention" in types else {}
+
+
+class Qwen2Config(QwenWindows):
+    model_type = "qwen2"
+    o_bias = False
+
+    def __init__(self, vocab_size: int = 151936, intermediate_size: int = 22016, num_key_value_heads: int | None = 32, max_position_embeddings: int = 32768,
+                 **kwargs):
+        super().__init__(vocab_size=vocab_size, intermediate_size=intermediate_size,
+                         num_key_value_heads=num_key_value_heads,
+                         max_position_embeddings=max_position_embeddings, **kwargs)
+
+    @property
+    def qkv_bias(self) -> bool:
+        return True
+
+
+QWEN2 = decoder_family(Qwen2Config, "Qwen2ForCausalLM", "qwen2", paddlenlp=True)
+Qwen2ForCausalLM, Qwen2ForCausalLMPipe = QWEN2.causal_lm, QWEN2.pipe

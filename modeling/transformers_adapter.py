@@ -1,0 +1,93 @@
+"""How a family maps to Hugging Face transformers: where each of our tensors is stored in a
+transformers folder (name, transpose, a slice of a fused tensor), and its config.json both ways.
+
+Reading a config cannot be silently wrong: every field is modelled (taken into our config, under
+our name), accepted only with the values we compute the same way (`fixed`, `accepted`), harmless
+(`config_fields.HARMLESS`: it does not change the forward), or refused by name. Transformers 5's
+spelling (`rope_parameters`, `dtype`) is read as transformers 4.x's.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from modeling.config_fields import HARMLESS, as_transformers4
+from modeling.tp_plan import TensorPlan
+
+RUN_FIELDS = ("self", "kwargs", "recompute", "virtual_pp_degree")  # set by the run, not by a model folder
+
+
+class ConfigFieldError(ValueError):
+    """A config.json field that would change the model in a way paddle-pp does not compute."""
+
+
+@dataclass(frozen=True)
+class Stored:
+    """Where one of our tensors is in a transformers folder: under `name`, transposed or not, and
+    when their tensor fuses several of ours, our slice `part` of `parts` equal ones along `axis`."""
+
+    name: str
+    transposed: bool = False
+    axis: int | None = None
+    part: int = 0
+    parts: int = 1
+
+
+@dataclass(frozen=True)
+class TransformersAdapter:
+    model_type: str  # transformers' model_type
+    architecture: str  # transformers' class
+    locate: Callable[[str, TensorPlan], Stored]  # (our name, its placement) -> where transformers stores it
+    renamed: dict[str, str] = field(default_factory=dict)  # their config field -> ours
+    fixed: dict[str, Any] = field(default_factory=dict)  # fields we do not model: the only value read, and written
+    accepted: dict[str, Callable[[Any, dict], bool]] = field(default_factory=dict)  # read, checked, dropped
+    buffers: tuple[str, ...] = ()  # name suffixes of non-parameter tensors some folders store (recomputed here)
+
+    def our_config(self, raw: dict, config_class: type) -> dict:
+        """Our config fields from a transformers (or PaddleNLP) config.json, or ConfigFieldError
+        naming every field that would change the model and is not modelled."""
+        values = as_transformers4(raw)
+        modelled = model_fields(config_class)
+        ours, problems = {}, []
+        for key, value in values.items():
+            name = self.renamed.get(key, key)
+            if name in modelled:
+                ours[name] = value
+            elif key in self.fixed:
+                if value != self.fixed[key]:
+                    problems.append(f"{key}={value!r} (only {self.fixed[key]!r} is modelled)")
+            elif key in self.accepted:
+                if not self.accepted[key](value, values):
+                    problems.append(f"{key}={value!r} (changes the model; not modelled)")
+            elif key in HARMLESS:
+                if not HARMLESS[key](value, values):
+                    problems.append(f"{key}={value!r} (changes the model; not modelled)")
+            else:
+                problems.append(f"{key}={value!r} (a field paddle-pp does not know: it may change the model)")
+        if problems:
+            raise ConfigFieldError("; ".join(problems))
+        return ours
+
+    def their_config(self, config, dtype: str) -> dict:
+        """transformers' config.json for `config` (transformers 4.x spelling, which 5 reads too)."""
+        theirs = {ours: name for name, ours in self.renamed.items()}
+        values = {theirs.get(name, name): getattr(config, name) for name in model_fields(type(config))}
+        return {"architectures": [self.architecture], "model_type": self.model_type, "torch_dtype": dtype,
+                **self.fixed, **values}
+
+
+def model_fields(config_class: type) -> tuple[str, ...]:
+    """The config fields that describe the model: the arguments of the config class's `__init__`
+    and its bases' (a family's config passes the common ones on as keyword arguments), less run
+    settings; PaddleNLP's PretrainedConfig is where model configs end."""
+    from paddlenlp.transformers.configuration_utils import PretrainedConfig
+
+    names: dict[str, None] = {}
+    for cls in config_class.__mro__:
+        if cls is PretrainedConfig:
+            break
+        if "__init__" in cls.__dict__:
+            names |= dict.fromkeys(inspect.signature(cls.__init__).parameters)
+    return tuple(name for name in names if name not in RUN_FIELDS)

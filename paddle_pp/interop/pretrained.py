@@ -1,0 +1,218 @@
+"""Initial weights from a model folder (`--model_name_or_path`): our unified checkpoint, a PaddleNLP
+`save_pretrained` folder (safetensors or pdparams, sharded or not), or a transformers folder of any
+registered family, read in place under any layout.
+
+`open_pretrained` runs before any process group: it recognises the folder, turns its config.json
+into ours (every field modelled, harmless, or refused by name: `TransformersAdapter.our_config`),
+and checks every tensor's name and shape against the family's plan from the file headers, so a
+wrong folder fails on every rank with the same message. `load_pretrained` then has each rank read
+only its TP slices (positioned reads; transformers' [out, in] linears are sliced along the other
+axis and transposed, a fused tensor's slice is cut out first), as a resume does.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from checkpoint.format import CONFIG_FILE, MODEL, CheckpointError, index_name
+from checkpoint.load import LOAD_ERRORS, agree_on_outcome, checkpoint_error, load_checkpoint, set_parameter
+from checkpoint.shards import ShardReader
+from checkpoint.unified_io import UnifiedReader
+from modeling.config import ModelConfigError
+from modeling.family import ModelFamily
+from modeling.registry import UnknownModelError, config_from_dict, family, plan_of
+from modeling.tp_plan import ModelPlan, split_tensor
+from modeling.transformers_adapter import RUN_FIELDS, ConfigFieldError, Stored
+from paddle_pp.interop.pickled import load_pickled
+from paddle_pp.runtime.topology import Topology
+
+UNIFIED, PADDLENLP, TRANSFORMERS = "paddle-pp unified checkpoint", "PaddleNLP", "transformers"
+CONFIG_ONLY = "config-only"  # opened for its config.json, weights neither read nor checked
+PDPARAMS, PDPARAMS_INDEX = "model_state.pdparams", "model_state.pdparams.index.json"
+HF_INDEX = index_name(MODEL)  # transformers and PaddleNLP name their sharded safetensors index like ours
+
+Read = Callable[[str, int | None, int, int], np.ndarray]  # (name, TP axis, parts, part) -> this rank's piece
+
+
+@dataclass
+class PretrainedFolder:
+    """A recognised model folder: its kind, our config for it, and a reader of single-card tensors."""
+
+    folder: Path
+    kind: str
+    config: dict
+    read: Read = field(repr=False)
+
+
+def open_pretrained(folder: Path, weights: bool = True, allow_unsafe_pickle: bool = False) -> PretrainedFolder:
+    """The folder recognised and checked (config, every tensor name and shape from file headers)
+    without reading weights. `weights` False (a run that resumes its own checkpoint, or takes only
+    the config): the weights are neither read nor checked, so a folder may hold config.json alone.
+    Pickled pdparams are read as data only (`pickled.load_pickled`) unless `allow_unsafe_pickle`."""
+    folder = Path(folder)
+    if not (folder / CONFIG_FILE).is_file():
+        raise CheckpointError(f"--model_name_or_path {folder}: no {CONFIG_FILE} there; pass a folder saved by "
+                              "paddle-pp, PaddleNLP's save_pretrained or transformers' save_pretrained")
+    raw = json.loads((folder / CONFIG_FILE).read_text())
+    if _is_unified(folder):
+        unified = UnifiedReader(folder, MODEL)
+        config = {"model_type": raw.get("model_type"), **_config_fields(raw)}
+        shapes = {name: meta["shape"] for name, meta in unified.tensors.items()}
+        return _checked(folder, UNIFIED, config, shapes, unified.read, Stored)
+    model_family, config = _our_config(folder, raw)
+    if not weights:  # a config.json alone is enough (PaddleNLP's continue_training false on a config folder)
+        return PretrainedFolder(folder, CONFIG_ONLY, config, read=_not_loaded)
+    if (folder / PDPARAMS).is_file() or (folder / PDPARAMS_INDEX).is_file():
+        arrays = _pdparams(folder, allow_unsafe_pickle)
+        return _checked(folder, PADDLENLP, config, {name: list(a.shape) for name, a in arrays.items()},
+                        lambda key, axis, parts, part: split_tensor(arrays[key], axis, parts, part), Stored)
+    readers = {name: reader for reader in map(ShardReader, _safetensors_files(folder)) for name in reader.names}
+    shapes = {name: reader.shape(name) for name, reader in readers.items()}
+    read = lambda key, axis, parts, part: readers[key].read(key, axis, parts, part)  # noqa: E731
+    plan = plan_of(config_from_dict(config))
+    if model_family.transformers is not None and _theirs(plan, model_family, shapes):
+        locate = lambda name: model_family.transformers.locate(name, plan[name])  # noqa: E731
+        return _checked(folder, TRANSFORMERS, config, shapes, read, locate, model_family.transformers.buffers)
+    return _checked(folder, PADDLENLP, config, shapes, read, Stored)
+
+
+def _theirs(plan: ModelPlan, model_family: ModelFamily, shapes: dict) -> bool:
+    """Whether the folder's names are transformers' rather than PaddleNLP's (= ours)."""
+    theirs = {model_family.transformers.locate(name, row).name for name, row in plan.items()}
+    return len(theirs & set(shapes)) > len(set(plan) & set(shapes))
+
+
+def _not_loaded(name: str, *_piece) -> np.ndarray:
+    raise CheckpointError(f"{name}: the folder was opened for its config only (open_pretrained(weights=False))")
+
+
+def _is_unified(folder: Path) -> bool:
+    index = folder / HF_INDEX
+    return index.is_file() and "format_version" in json.loads(index.read_text()).get("metadata", {})
+
+
+def _config_fields(raw: dict) -> dict:
+    """The fields of our own config.json the family's config class takes (it also holds PaddleNLP's
+    defaults for generation and kernels); None means unset."""
+    accepted = set()
+    for cls in family(raw.get("model_type")).config_class.__mro__:
+        if "__init__" in cls.__dict__:
+            accepted |= set(inspect.signature(cls.__init__).parameters)
+    return {k: v for k, v in raw.items() if k in accepted and k not in RUN_FIELDS and v is not None}
+
+
+def _our_config(folder: Path, raw: dict) -> tuple[ModelFamily, dict]:
+    """config.json of a PaddleNLP or transformers folder as our config, after every field is found
+    modelled or harmless (`TransformersAdapter.our_config`); anything else is refused by name."""
+    try:
+        model_family = family(raw.get("model_type"))
+    except UnknownModelError as err:
+        raise CheckpointError(f"--model_name_or_path {folder}: {err} ({raw.get('architectures')})") from err
+    if model_family.transformers is None:
+        raise CheckpointError(f"--model_name_or_path {folder}: {model_family.architecture} loads only from paddle-pp "
+                              "checkpoints (its family has no transformers mapping)")
+    try:
+        config = {"model_type": model_family.model_type,
+                  **model_family.transformers.our_config(raw, model_family.config_class)}
+        config_from_dict(config).validate()
+    except (ConfigFieldError, ModelConfigError, TypeError) as err:
+        raise CheckpointError(f"--model_name_or_path {folder}: config.json {err}. paddle-pp's "
+                              f"{model_family.architecture} computes only what it models; a field that would "
+                              "train another model is refused rather than ignored") from err
+    return model_family, config
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    if (folder / HF_INDEX).is_file():
+        weight_map = json.loads((folder / HF_INDEX).read_text()).get("weight_map", {})
+        files = sorted({folder / name for name in weight_map.values()})
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"--model_name_or_path {folder}: no weights found (model.safetensors[.index.json], "
+                              f"{PDPARAMS} or {PDPARAMS_INDEX})")
+    return files
+
+
+def _pdparams(folder: Path, allow_unsafe_pickle: bool) -> dict[str, np.ndarray]:
+    """PaddleNLP's pickled weights, loaded whole (the format has no positioned reads, so each rank
+    holds the whole state while it loads: prefer safetensors for large models)."""
+    if (folder / PDPARAMS_INDEX).is_file():
+        files = sorted(set(json.loads((folder / PDPARAMS_INDEX).read_text())["weight_map"].values()))
+    else:
+        files = [PDPARAMS]
+    state: dict[str, np.ndarray] = {}
+    for fname in files:
+        if not (folder / fname).is_file():
+            raise CheckpointError(f"{folder / fname} is missing (listed in {PDPARAMS_INDEX})")
+        state |= {k: np.asarray(v) for k, v in load_pickled(folder / fname, allow_unsafe_pickle).items()}
+    return state
+
+
+def stored_shape(shape, stored: Stored) -> list[int]:
+    """The shape of the tensor a folder stores for one of ours of `shape`."""
+    shape = list(shape)[::-1] if stored.transposed else list(shape)
+    if stored.parts > 1:
+        shape[stored.axis] *= stored.parts
+    return shape
+
+
+def _checked(folder: Path, kind: str, config: dict, shapes: dict[str, list[int]], read_stored: Read,
+             locate: Callable[[str], Stored], buffers: tuple[str, ...] = ()) -> PretrainedFolder:
+    """The folder's reader under our names, after every planned tensor is found in its stored shape
+    and no stored tensor is left over (a tied head's second name and recomputed buffers aside)."""
+    plan = plan_of(config_from_dict(config))
+    problems = []
+    for name in plan:
+        stored = locate(name)
+        if stored.name not in shapes:
+            hint = f" (config.json has tie_word_embeddings={config.get('tie_word_embeddings')})" \
+                if any(name in names for names in plan.tied) or "head" in name else ""
+            problems.append(f"{stored.name}: missing{hint}")
+        elif list(shapes[stored.name]) != stored_shape(plan[name].shape, stored):
+            problems.append(f"{stored.name}: shape {list(shapes[stored.name])} in the folder, the model needs "
+                            f"{stored_shape(plan[name].shape, stored)}")
+    expected = {locate(name).name for name in plan} | {alias for names in plan.tied for alias in names[1:]}
+    problems += [f"{key}: not a tensor of {plan.architecture}" for key in sorted(shapes)
+                 if key not in expected and not key.endswith(buffers)]
+    if problems:
+        raise CheckpointError(f"--model_name_or_path {folder} ({kind}) does not match the model its config.json "
+                              "describes: " + "; ".join(problems[:6])
+                              + (f"; and {len(problems) - 6} more" if len(problems) > 6 else ""))
+
+    def read(name: str, axis: int | None, parts: int, part: int) -> np.ndarray:
+        stored = locate(name)
+        if stored.parts > 1:  # our tensor is a slice of a fused one: cut it out, then this rank's piece
+            whole = read_stored(stored.name, stored.axis, stored.parts, stored.part)
+            return split_tensor(whole.T if stored.transposed else whole, axis, parts, part)
+        flip = stored.transposed
+        piece = read_stored(stored.name, None if axis is None else (1 - axis if flip else axis), parts, part)
+        return piece.T if flip else piece
+
+    return PretrainedFolder(folder, kind, config, read)
+
+
+def load_pretrained(pretrained: PretrainedFolder, model, axes: dict, topo: Topology | None) -> None:
+    """Fill `model`'s parameters (this rank's TP slices) from the folder; a failure on any rank
+    fails every rank. `topo` None: one process, single card (tools)."""
+    if pretrained.kind == UNIFIED and topo is not None:
+        load_checkpoint(pretrained.folder, model, None, topo, axes)  # with its checksums, spread over the ranks
+        return
+    tp, tp_rank = (topo.layout.tp, topo.tp_rank) if topo is not None else (1, 0)
+    try:
+        for name, param in model.state_dict().items():
+            axis = axes.get(name) if tp > 1 else None
+            set_parameter(param, pretrained.read(name, axis, tp, tp_rank))
+        outcome = None
+    except LOAD_ERRORS as err:
+        outcome = checkpoint_error(err)
+    if topo is not None:
+        agree_on_outcome(outcome, pretrained.folder, topo)
+    elif outcome is not None:
+        raise outcome

@@ -1,0 +1,119 @@
+"""Hugging Face transformers layout: export a unified checkpoint, import a transformers folder.
+
+Names, transposes, fused tensors and config fields come from the family's `TransformersAdapter`
+(transformers stores linear weights [out, in] where Paddle stores [in, out]; GPT-2 fuses q, k and v
+into one `c_attn`). The rotary layout (half rotation) is the same in both, so no permutation is
+needed. Tensors stream one at a time, into a folder that appears only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from checkpoint.durable import new_folder
+from checkpoint.format import CONFIG_FILE, MODEL, CheckpointError, copy_tokenizer_files
+from checkpoint.shards import TensorSpec, pack, write_shard
+from checkpoint.unified_io import UnifiedReader
+from modeling.family import ModelFamily
+from modeling.registry import config_from_dict, family, plan_of
+from paddle_pp.interop.pretrained import open_pretrained, stored_shape
+
+HF_INDEX = "model.safetensors.index.json"
+
+Group = list[tuple[str, int]]  # our names making up one stored tensor, with their part index
+
+
+def _transformers_family(config: dict, folder: Path) -> ModelFamily:
+    model_family = family(config.get("model_type"))
+    if model_family.transformers is None:
+        raise CheckpointError(f"{folder} holds a {model_family.model_type!r} model, which has no transformers "
+                              "mapping")
+    return model_family
+
+
+def _write_shards(groups: dict[str, Group], shape_of: Callable[[str], list[int]], read: Callable[[str], np.ndarray],
+                  target: Path, max_shard_bytes: int, fmt: str, dtype: str) -> dict:
+    """Write each stored tensor (`groups`: stored name -> our parts, concatenated along their axis
+    when several) as `dtype` into shards; returns the weight map."""
+    itemsize = np.dtype(dtype).itemsize
+    files = pack(sorted(groups), lambda name: int(np.prod(shape_of(name))) * itemsize, max_shard_bytes)
+    weight_map = {}
+    for number, names in enumerate(files, start=1):
+        fname = "model.safetensors" if len(files) == 1 else f"model-{number:05d}-of-{len(files):05d}.safetensors"
+        specs = [TensorSpec(name, np.dtype(dtype), tuple(shape_of(name))) for name in names]
+        write_shard(target / fname, specs, (np.ascontiguousarray(read(name)).astype(dtype) for name in names),
+                    {"format": fmt})
+        weight_map |= dict.fromkeys(names, fname)
+    return weight_map
+
+
+def export_hf(folder: Path, target: Path, max_shard_bytes: int = 5 << 30,
+              on_tensor: Callable[[str, int], None] | None = None, dtype: str = "float32") -> Path:
+    """A transformers-loadable folder (config.json, model.safetensors[ + index], tokenizer) from a
+    unified checkpoint, its weights in `dtype` (shards.EXPORT_DTYPES)."""
+    folder = Path(folder)
+    saved = json.loads((folder / CONFIG_FILE).read_text())
+    adapter = _transformers_family(saved, folder).transformers
+    config = config_from_dict(saved)
+    plan = plan_of(config)
+    unified = UnifiedReader(folder, MODEL)
+    groups: dict[str, Group] = {}
+    for name, row in plan.items():
+        stored = adapter.locate(name, row)
+        groups.setdefault(stored.name, []).append((name, stored.part))
+
+    def read(stored_name: str) -> np.ndarray:
+        parts = []
+        for name, _ in sorted(groups[stored_name], key=lambda member: member[1]):
+            stored = adapter.locate(name, plan[name])
+            parts.append(unified.read(name).T if stored.transposed else unified.read(name))
+            if on_tensor:
+                on_tensor(name, parts[-1].nbytes)
+        first = adapter.locate(groups[stored_name][0][0], plan[groups[stored_name][0][0]])
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=first.axis)
+
+    def shape_of(stored_name: str) -> list[int]:
+        name = groups[stored_name][0][0]
+        return stored_shape(plan[name].shape, adapter.locate(name, plan[name]))
+
+    with new_folder(target) as partial:
+        weight_map = _write_shards(groups, shape_of, read, partial, max_shard_bytes, "pt", dtype)
+        _finish(partial, weight_map, adapter.their_config(config, dtype), folder)
+    return Path(target)
+
+
+def import_hf(source: Path, target: Path, max_shard_bytes: int = 5 << 30,
+              on_tensor: Callable[[str, int], None] | None = None, allow_unsafe_pickle: bool = False) -> Path:
+    """A single-card safetensors folder (our names, [in, out] linears, float32) from a transformers or
+    PaddleNLP one (pdparams included: the way to leave pickles behind), read as `--model_name_or_path`
+    reads it (its config.json checked field by field)."""
+    pretrained = open_pretrained(Path(source), allow_unsafe_pickle=allow_unsafe_pickle)
+    config = config_from_dict(pretrained.config)
+    plan = plan_of(config)
+
+    def read(name: str) -> np.ndarray:
+        array = pretrained.read(name, None, 1, 0).astype(np.float32)
+        if on_tensor:
+            on_tensor(name, array.nbytes)
+        return array
+
+    with new_folder(target) as partial:
+        groups = {name: [(name, 0)] for name in plan}
+        weight_map = _write_shards(groups, lambda name: list(plan[name].shape), read, partial, max_shard_bytes, "np",
+                                   "float32")
+        _finish(partial, weight_map, pretrained.config, Path(source))
+    return Path(target)
+
+
+def _finish(target: Path, weight_map: dict, config: dict, source: Path) -> None:
+    files = sorted(set(weight_map.values()))
+    if len(files) > 1:
+        total = sum((target / f).stat().st_size for f in files)
+        (target / HF_INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                  indent=2, sort_keys=True))
+    (target / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
+    copy_tokenizer_files(source, target)

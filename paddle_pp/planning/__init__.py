@@ -1,0 +1,1 @@
+"""Offline planning: what a layout holds per rank, before any process starts."""

@@ -1,0 +1,145 @@
+"""Model folders as users bring them, made by transformers itself, and transformers' own answers on
+them (loss on a batch, logits), under whichever transformers this process imports.
+
+Imported by the tests (transformers 4.x from the venv) and run as a script under transformers 5
+(`transformers5`: the same venv's torch, transformers 5 from `.venv/transformers5` on PYTHONPATH),
+so both generations save the folders and compute the references. Nothing here reads our code.
+
+    python hf_models.py make ROOT ROWS.npy IDS.npy KIND...   save each KIND model as ROOT/KIND, with its
+                                                             loss on ROWS (ROOT/KIND.json) and logits on IDS
+                                                             (ROOT/KIND.npy)
+    python hf_models.py logits IDS.npy FOLDER...             each saved folder's logits on IDS (FOLDER.npy)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+TRANSFORMERS5 = REPO / ".venv" / "transformers5"  # installed by the README's setup command
+SHAPE = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             max_position_embeddings=64)  # the runs' MODEL flags
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}  # shorter than the runs' 32 tokens: the scaling shows
+# kind -> (transformers class, config class, config fields): one per case a user brings
+KINDS = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig", dict(SHAPE, num_key_value_heads=2, rope_theta=50000.0)),
+    "llama_tied": ("LlamaForCausalLM", "LlamaConfig", dict(SHAPE, num_key_value_heads=2, tie_word_embeddings=True)),
+    "llama3": ("LlamaForCausalLM", "LlamaConfig", dict(SHAPE, num_key_value_heads=2, rope_theta=500000.0,
+                                                       rope_scaling=LLAMA3_ROPE, tie_word_embeddings=True)),
+    "llama_linear": ("LlamaForCausalLM", "LlamaConfig", dict(SHAPE, num_key_value_heads=2, attention_bias=True,
+                                                             rope_scaling={"rope_type": "linear", "factor": 2.0},
+                                                             mlp_bias=True)),
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(SHAPE, num_key_value_heads=2, sliding_window=64)),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(SHAPE, num_key_value_heads=2, tie_word_embeddings=True,
+                                                      rope_theta=1000000.0)),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(SHAPE, num_key_value_heads=2, head_dim=32)),
+    "gemma": ("GemmaForCausalLM", "GemmaConfig", dict(SHAPE, num_key_value_heads=2, head_dim=32)),
+    "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(vocab_size=4096, n_embd=64, n_layer=4, n_head=4, n_positions=64,
+                                                   n_inner=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+}
+
+
+# the hub tokenizer a kind's folder ships (the others ship the repo's SentencePiece tokenizer.model)
+KIND_TOKENIZERS = {"llama3": "llama3", "qwen2": "qwen2", "llama_tied": "smollm"}
+# hub tokenizer folders: transformers' fast class -> what transformers saves for it
+TOKENIZER_STYLES = {"llama3": "PreTrainedTokenizerFast",  # tokenizer.json alone (Llama 3)
+                    "qwen2": "Qwen2TokenizerFast",  # vocab.json, merges.txt and tokenizer.json (Qwen2/3)
+                    "smollm": "GPT2TokenizerFast"}  # the same under tokenizer_class GPT2Tokenizer (SmolLM)
+
+
+def hub_tokenizer(style: str, folder: Path, corpus: Path, vocab_size: int = 4096) -> Path:
+    """A byte-level BPE trained on `corpus` with `tokenizers`, saved by transformers' fast tokenizer
+    class of `style` as a hub folder holds it."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train([str(corpus)], trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                        show_progress=False))
+    getattr(transformers, TOKENIZER_STYLES[style])(tokenizer_object=tokenizer, eos_token="<|endoftext|>") \
+        .save_pretrained(folder)
+    return Path(folder)
+
+
+def make(kind: str, folder: Path, seed: int = 0) -> Path:
+    """A KIND model with random weights, saved by transformers; vectors (norm scales, biases) moved
+    off their initial ones and zeros, so a wrongly mapped one shows in the logits."""
+    import torch
+    import transformers
+
+    model_class, config_class, fields = KINDS[kind]
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**fields))
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(0.1 * torch.randn_like(param))
+    model.save_pretrained(folder, safe_serialization=True)
+    return Path(folder)
+
+
+def loss(folder: Path, rows: np.ndarray) -> float:
+    """transformers' mean next-token cross entropy of `rows` (inputs rows[:, :-1], labels rows[:, 1:])."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor(rows[:, :-1])).logits
+        return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                       torch.tensor(rows[:, 1:]).reshape(-1)))
+
+
+def logits(folder: Path, ids: np.ndarray) -> np.ndarray:
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    with torch.no_grad():
+        return model(torch.tensor(ids)).logits.numpy()
+
+
+def make_with_answers(root: Path, rows: np.ndarray, ids: np.ndarray, kinds: list[str]) -> dict[str, dict]:
+    """Each KIND saved as `root`/KIND, with transformers' loss on `rows` and logits on `ids` (files
+    beside it, so a transformers 5 subprocess can hand them over)."""
+    import transformers
+
+    answers = {}
+    for kind in kinds:
+        folder = make(kind, root / kind)
+        answers[kind] = {"loss": loss(folder, rows), "version": transformers.__version__}
+        (root / f"{kind}.json").write_text(json.dumps(answers[kind]))
+        np.save(root / f"{kind}.npy", logits(folder, ids))
+    return answers
+
+
+def transformers5(*args) -> None:
+    """Run this file under transformers 5 (see the module doc)."""
+    if not (TRANSFORMERS5 / "transformers").is_dir():
+        raise FileNotFoundError(f"transformers 5 is not installed in {TRANSFORMERS5}: run the README's setup command")
+    env = {**os.environ, "PYTHONPATH": str(TRANSFORMERS5)}
+    done = subprocess.run([sys.executable, __file__, *map(str, args)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    if done.returncode:
+        raise RuntimeError(f"transformers 5 failed on {args}:\n{done.stderr[-3000:]}")
+
+
+if __name__ == "__main__":
+    command, *rest = sys.argv[1:]
+    if command == "make":
+        root, rows, ids, *kinds = rest
+        make_with_answers(Path(root), np.load(rows), np.load(ids), kinds)
+    else:
+        ids, *folders = rest
+        for folder in folders:
+            np.save(f"{folder}.npy", logits(Path(folder), np.load(ids)))

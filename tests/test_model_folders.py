@@ -1,0 +1,161 @@
+"""Model folders as users bring them, read in one process: what transformers 4.x and 5 saved gives
+transformers' logits in our model, every config field that would change the model and is not
+modelled is refused by name, hub tokenizers give transformers' ids, PaddleNLP's folders give
+PaddleNLP's logits, and every family builds from flags.
+
+References are transformers' and PaddleNLP's own models, made inside the test (`hf_models`)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import paddle
+import pytest
+from conftest import IDS
+
+from checkpoint.format import CheckpointError
+from modeling.registry import FAMILIES, family_of
+from paddle_pp.data.preprocess import preprocess
+from paddle_pp.data.tokenizer import load_text_tokenizer
+from paddle_pp.interop.pretrained import PADDLENLP, TRANSFORMERS, open_pretrained
+from paddle_pp.training.arguments import parse_args
+from paddle_pp.training.model_config import ModelSourceError, model_config
+
+import hf_models
+from parity import our_logits
+from runs import CORPUS
+
+LOGITS_TOL = 1e-5  # fp32, the same weights; summation orders differ (measured: at most 1e-6)
+
+
+@pytest.mark.parametrize("kind", list(hf_models.KINDS))
+def test_a_folder_saved_by_transformers_4_or_5_gives_transformers_logits(kind, transformers4_folders,
+                                                                          transformers5_folders):
+    """LLaMA (plain, tied, rope llama3 and linear with biases), Mistral, Qwen2 (biases, tied), Qwen3
+    (q/k norms, head_dim), Gemma and GPT-2, each saved by transformers 4.55 and by 5 (config.json
+    `rope_parameters` and `dtype`); our model gives the logits of the transformers that saved it."""
+    for root in (transformers4_folders, transformers5_folders):
+        assert open_pretrained(root / kind).kind == TRANSFORMERS
+        np.testing.assert_allclose(our_logits(root / kind, IDS), np.load(root / f"{kind}.npy"), atol=LOGITS_TOL,
+                                   rtol=LOGITS_TOL, err_msg=json.loads((root / f"{kind}.json").read_text())["version"])
+
+
+def _edited(source: Path, target: Path, **fields) -> Path:
+    shutil.copytree(source, target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, **fields}))
+    return target
+
+
+REFUSED = {  # kind, config.json fields, what the refusal names
+    "unknown_field": ("llama", {"fancy_attention": True}, r"fancy_attention=True \(a field paddle-pp does not know"),
+    "yarn_rope": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn' is not modelled"),
+    "transformers5_yarn": ("qwen3", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
+                           "rope_type 'dynamic' is not modelled"),
+    "llama3_key_missing": ("llama3", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+                           "rope_type 'llama3' needs low_freq_factor"),
+    "attention_dropout": ("mistral", {"attention_dropout": 0.1}, r"attention_dropout=0.1 \(only 0.0 is modelled\)"),
+    "activation": ("qwen2", {"hidden_act": "relu"}, "hidden_act='relu' is not modelled"),
+    "quantized": ("llama", {"quantization_config": {"quant_method": "gptq"}}, "quantization_config="),
+    "gpt2_dropout": ("gpt2", {"resid_pdrop": 0.1}, r"resid_pdrop=0.1 \(only 0.0 is modelled\)"),
+    "gpt2_activation": ("gpt2", {"activation_function": "relu"}, "activation_function='relu'"),
+    "gemma_activations_disagree": ("gemma", {"hidden_act": "gelu", "hidden_activation": "gelu_pytorch_tanh"},
+                                   "hidden_activation='gelu_pytorch_tanh'"),
+    "fused_paddlenlp_weights": ("llama", {"fuse_attention_qkv": True}, "fuse_attention_qkv=True"),
+    "other_architecture": ("llama", {"model_type": "mixtral"}, "model_type 'mixtral' is not one of"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_a_config_field_that_changes_the_model_and_is_not_modelled_is_refused_by_name(
+        case, transformers4_folders, tmp_path):
+    kind, fields, message = REFUSED[case]
+    with pytest.raises(CheckpointError, match=message):
+        open_pretrained(_edited(transformers4_folders / kind, tmp_path / case, **fields))
+
+
+@pytest.mark.parametrize("kind, fields", [("mistral", {"sliding_window": 16}),
+                                          ("qwen2", {"use_sliding_window": True, "sliding_window": 16,
+                                                     "max_window_layers": 2, "layer_types": None})],
+                         ids=["mistral", "qwen2"])
+def test_a_sliding_window_shorter_than_the_sequence_is_refused_and_one_as_long_is_not(
+        kind, fields, transformers4_folders, tmp_path):
+    folder = _edited(transformers4_folders / kind, tmp_path / kind, **fields)
+    args = parse_args(["--model_name_or_path", str(folder), "--max_seq_length", "32"])
+    with pytest.raises(ModelSourceError, match="sliding_window=16 is shorter than --max_seq_length 32"):
+        model_config(args.model, 32, 4096, open_pretrained(folder), args.given)
+    assert model_config(args.model, 16, 4096, open_pretrained(folder), args.given).sliding_windows() == \
+        {"sliding_window": 16}
+
+
+TEXTS = ["The hacker ethic, in 1984.", "  two  spaces\nand a newline", "naïve café — ünïcödé ✓ 日本", ""]
+
+
+@pytest.mark.parametrize("style", [*hf_models.TOKENIZER_STYLES, "vocab_and_merges_only"])
+def test_a_hub_tokenizer_folder_gives_transformers_ids_and_preprocesses(style, tmp_path):
+    """tokenizer.json alone (Llama 3), Qwen2's and SmolLM's (GPT2Tokenizer) folders as transformers
+    saves them, and a GPT-2 folder of vocab.json + merges.txt without tokenizer.json."""
+    import transformers
+
+    folder = hf_models.hub_tokenizer("smollm" if style == "vocab_and_merges_only" else style, tmp_path / style, CORPUS)
+    if style == "vocab_and_merges_only":
+        (folder / "tokenizer.json").unlink()
+    theirs = transformers.AutoTokenizer.from_pretrained(str(folder))
+    ours = load_text_tokenizer(folder)
+    for text in TEXTS:
+        ids = theirs(text, add_special_tokens=False).input_ids
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+    assert (ours.eos_id, ours.vocab_size) == (theirs.eos_token_id, len(theirs))
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in TEXTS[:3]))
+    preprocess([str(tmp_path / "docs.jsonl")], folder, tmp_path / "prepared", append_eos=True, show_progress=False)
+    from paddlenlp.data.indexed_dataset import MMapIndexedDataset
+
+    prepared = MMapIndexedDataset(str(tmp_path / "prepared"))  # the tool strips each document's text
+    assert [list(prepared[i]) for i in range(len(prepared))] == \
+        [theirs(text.strip(), add_special_tokens=False).input_ids + [theirs.eos_token_id] for text in TEXTS[:3]]
+
+
+NLP_SHAPE = {k: v for k, v in hf_models.SHAPE.items()} | {"num_key_value_heads": 2}
+PADDLENLP_FAMILIES = {"llama": {}, "llama_tied": {"tie_word_embeddings": True}, "mistral": {"sliding_window": None},
+                      "qwen2": {"tie_word_embeddings": True}, "gemma": {"head_dim": 32}}
+
+
+@pytest.mark.parametrize("name", list(PADDLENLP_FAMILIES))
+def test_a_paddlenlp_folder_gives_paddlenlps_logits(name, tmp_path):
+    """PaddleNLP 3.0.0b4's own models (each family it has), saved by its save_pretrained."""
+    import paddlenlp.transformers as nlp
+
+    family = FAMILIES[name.split("_")[0]]
+    paddle.seed(3)
+    theirs = getattr(nlp, family.architecture)(
+        getattr(nlp, family.architecture.replace("ForCausalLM", "Config"))(**NLP_SHAPE, **PADDLENLP_FAMILIES[name]))
+    with paddle.no_grad():
+        for param in theirs.parameters():
+            if len(param.shape) == 1:
+                param.set_value(param + 0.1 * paddle.randn(param.shape))
+    theirs.save_pretrained(tmp_path / name, safe_serialization=True)
+    theirs.eval()
+    with paddle.no_grad():
+        expected = theirs(paddle.to_tensor(IDS))[0].numpy()
+    assert open_pretrained(tmp_path / name).kind == PADDLENLP
+    np.testing.assert_allclose(our_logits(tmp_path / name, IDS), expected, atol=LOGITS_TOL, rtol=LOGITS_TOL)
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_every_family_builds_from_flags(model_type):
+    args = parse_args(["--model_type", model_type, "--hidden_size", "64", "--num_attention_heads", "4",
+                       "--intermediate_size", "96", "--num_hidden_layers", "2"]
+                      + ([] if model_type == "gpt" else ["--num_key_value_heads", "2", "--head_dim", "24"]))
+    config = model_config(args.model, 32, 4096, None, args.given)
+    assert (config.model_type, config.vocab_size, config.hidden_size, config.num_hidden_layers) == \
+        (model_type, 4096, 64, 2)
+    if model_type != "gpt":
+        assert (config.num_key_value_heads, config.head_dim) == (2, 24)
+    model = family_of(config).causal_lm(config)
+    family_of(config).check_built(model, config, pp=1, stage=0)
+    assert model(paddle.to_tensor(IDS[:, :8])).shape == [2, 8, 4096]
+    assert {"lm_head.weight" in model.state_dict()} == {not config.tie_word_embeddings}
