@@ -185,9 +185,13 @@ def test_check_alignment_passes_tp2_and_fails_a_tampered_layout(checkpoint, tmp_
     assert tampered.worst_gradient_rel > 1e-3, "step 5's gradients follow step 4's larger update"
 
 
+# (flags, rtol of the weights after 2 steps). Under tp2 + SP one embedding element's gradient is a
+# near-total cancellation (4.6e-8, 2.3e-7 of the tensor's largest); the tp reduction order changes
+# it by 4e-3 relative, and Adam's normalisation (eps 1e-8) turns that into 1.05e-6 of the weight,
+# 1.16e-5 of its scale. Gradients and losses are still held to 1e-5; the weights get 2e-5.
 NEW_LAYOUTS = {
-    "stage3": ["--sharding", "stage3", "--sharding_parallel_degree", "2", "--stage3_segment_size", "1024"],
-    "tp2_sequence_parallel": ["--tensor_parallel_degree", "2", "--sequence_parallel"],
+    "stage3": (["--sharding", "stage3", "--sharding_parallel_degree", "2", "--stage3_segment_size", "1024"], 1e-5),
+    "tp2_sequence_parallel": (["--tensor_parallel_degree", "2", "--sequence_parallel"], 2e-5),
 }
 
 
@@ -199,10 +203,12 @@ def test_check_alignment_passes_stage3_and_sequence_parallel(checkpoint, tmp_pat
     parallelism the norm weights' gradients are each rank's positions, summed over tp before the update."""
     from paddle_pp.training.alignment import check_alignment
 
-    report = check_alignment(checkpoint, NEW_LAYOUTS[layout], 2, steps=2, work_dir=tmp_path / layout)
+    flags, weight_rtol = NEW_LAYOUTS[layout]
+    report = check_alignment(checkpoint, flags, 2, steps=2, work_dir=tmp_path / layout, rtol=weight_rtol)
     assert report.aligned, report.table()
     assert len(report.tensor_diffs) == len(report.gradient_diffs) == len(plan_of(load_config(checkpoint)))
     assert report.worst_gradient_rel <= 1e-5
+    np.testing.assert_allclose(report.layout_losses, report.single_losses, rtol=1e-5)
 
 
 def _header_dtypes(folder: Path) -> set[str]:
