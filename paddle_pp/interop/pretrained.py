@@ -66,20 +66,35 @@ def open_pretrained(folder: Path, weights: bool = True, allow_unsafe_pickle: boo
         shapes = {name: meta["shape"] for name, meta in unified.tensors.items()}
         return _checked(folder, UNIFIED, config, shapes, unified.read, Stored)
     model_family, config = _our_config(folder, raw)
+    pickled = (folder / PDPARAMS).is_file() or (folder / PDPARAMS_INDEX).is_file()
     if not weights:  # a config.json alone is enough (PaddleNLP's continue_training false on a config folder)
-        return PretrainedFolder(folder, CONFIG_ONLY, config, read=_not_loaded)
-    if (folder / PDPARAMS).is_file() or (folder / PDPARAMS_INDEX).is_file():
+        stored = pickled or (folder / HF_INDEX).is_file() or any(folder.glob("*.safetensors"))
+        return PretrainedFolder(folder, PADDLENLP if pickled else _kind(folder, model_family, config) if stored
+                                else CONFIG_ONLY, config, read=_not_loaded)
+    if pickled:
         arrays = _pdparams(folder, allow_unsafe_pickle)
         return _checked(folder, PADDLENLP, config, {name: list(a.shape) for name, a in arrays.items()},
                         lambda key, axis, parts, part: split_tensor(arrays[key], axis, parts, part), Stored)
-    readers = {name: reader for reader in map(ShardReader, _safetensors_files(folder)) for name in reader.names}
+    readers = _safetensors_readers(folder)
     shapes = {name: reader.shape(name) for name, reader in readers.items()}
     read = lambda key, axis, parts, part: readers[key].read(key, axis, parts, part)  # noqa: E731
-    plan = plan_of(config_from_dict(config))
-    if model_family.transformers is not None and _theirs(plan, model_family, shapes):
+    if _kind(folder, model_family, config, readers) == TRANSFORMERS:
+        plan = plan_of(config_from_dict(config))
         locate = lambda name: model_family.transformers.locate(name, plan[name])  # noqa: E731
         return _checked(folder, TRANSFORMERS, config, shapes, read, locate, model_family.transformers.buffers)
     return _checked(folder, PADDLENLP, config, shapes, read, Stored)
+
+
+def _safetensors_readers(folder: Path) -> dict[str, ShardReader]:
+    return {name: reader for reader in map(ShardReader, _safetensors_files(folder)) for name in reader.names}
+
+
+def _kind(folder: Path, model_family: ModelFamily, config: dict, readers: dict | None = None) -> str:
+    """TRANSFORMERS or PADDLENLP for a safetensors folder, from the tensor names in its headers."""
+    shapes = {name: reader.shape(name) for name, reader in (readers or _safetensors_readers(folder)).items()}
+    plan = plan_of(config_from_dict(config))
+    theirs = model_family.transformers is not None and _theirs(plan, model_family, shapes)
+    return TRANSFORMERS if theirs else PADDLENLP
 
 
 def _theirs(plan: ModelPlan, model_family: ModelFamily, shapes: dict) -> bool:
