@@ -69,16 +69,16 @@ def open_pretrained(folder: Path, weights: bool = True, allow_unsafe_pickle: boo
     pickled = (folder / PDPARAMS).is_file() or (folder / PDPARAMS_INDEX).is_file()
     if not weights:  # a config.json alone is enough (PaddleNLP's continue_training false on a config folder)
         stored = pickled or (folder / HF_INDEX).is_file() or any(folder.glob("*.safetensors"))
-        return PretrainedFolder(folder, PADDLENLP if pickled else _kind(folder, model_family, config) if stored
+        return PretrainedFolder(folder, PADDLENLP if pickled else _kind(model_family, config, _header_shapes(_safetensors_readers(folder))) if stored
                                 else CONFIG_ONLY, config, read=_not_loaded)
     if pickled:
         arrays = _pdparams(folder, allow_unsafe_pickle)
         return _checked(folder, PADDLENLP, config, {name: list(a.shape) for name, a in arrays.items()},
                         lambda key, axis, parts, part: split_tensor(arrays[key], axis, parts, part), Stored)
     readers = _safetensors_readers(folder)
-    shapes = {name: reader.shape(name) for name, reader in readers.items()}
+    shapes = _header_shapes(readers)
     read = lambda key, axis, parts, part: readers[key].read(key, axis, parts, part)  # noqa: E731
-    if _kind(folder, model_family, config, readers) == TRANSFORMERS:
+    if _kind(model_family, config, shapes) == TRANSFORMERS:
         plan = plan_of(config_from_dict(config))
         locate = lambda name: model_family.transformers.locate(name, plan[name])  # noqa: E731
         return _checked(folder, TRANSFORMERS, config, shapes, read, locate, model_family.transformers.buffers)
@@ -89,9 +89,12 @@ def _safetensors_readers(folder: Path) -> dict[str, ShardReader]:
     return {name: reader for reader in map(ShardReader, _safetensors_files(folder)) for name in reader.names}
 
 
-def _kind(folder: Path, model_family: ModelFamily, config: dict, readers: dict | None = None) -> str:
+def _header_shapes(readers: dict[str, ShardReader]) -> dict[str, list[int]]:
+    return {name: reader.shape(name) for name, reader in readers.items()}
+
+
+def _kind(model_family: ModelFamily, config: dict, shapes: dict) -> str:
     """TRANSFORMERS or PADDLENLP for a safetensors folder, from the tensor names in its headers."""
-    shapes = {name: reader.shape(name) for name, reader in (readers or _safetensors_readers(folder)).items()}
     plan = plan_of(config_from_dict(config))
     theirs = model_family.transformers is not None and _theirs(plan, model_family, shapes)
     return TRANSFORMERS if theirs else PADDLENLP
