@@ -16,6 +16,7 @@ import ctypes
 import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import paddle
@@ -30,7 +31,7 @@ from checkpoint.format import (
     index_name,
     read_index,
 )
-from checkpoint.optimizer_state import ensure_states, state_tp_axis, states_by_parameter
+from checkpoint.optimizer_state import MASTER_WEIGHT, ensure_states, state_tp_axis, states_by_parameter
 from checkpoint.shards import ShardReader, recorded_checksum
 from checkpoint.split import check_split_layout, is_split, rank_key, read_split_index
 from checkpoint.stage3 import FlatSlice, as_saved
@@ -75,7 +76,7 @@ class _VerifiedFiles:
     def __init__(self, folder: Path, meta: dict):
         self.folder, self.meta = folder, meta
         self.readers: dict[str, ShardReader] = {}
-        self.wanted: dict[str, dict[str, tuple[Piece, paddle.Tensor]]] = {}
+        self.wanted: dict[str, dict[str, tuple[Piece, list[paddle.Tensor]]]] = {}
 
     def open(self, fname: str) -> ShardReader:
         if fname not in self.readers:
@@ -90,8 +91,10 @@ class _VerifiedFiles:
         return self.readers[fname]
 
     def want(self, fname: str, name: str, piece: Piece, target: paddle.Tensor) -> None:
+        """Read tensor `name`'s `piece` into `target` (one tensor can fill several targets: a
+        parameter and its master weight)."""
         self.open(fname)
-        self.wanted.setdefault(fname, {})[name] = (piece, target)
+        self.wanted.setdefault(fname, {}).setdefault(name, (piece, []))[1].append(target)
 
     def sizes(self) -> dict[str, int]:
         """Bytes of each file this rank reads from."""
@@ -101,9 +104,10 @@ class _VerifiedFiles:
         for fname, wanted in self.wanted.items():
             reader, check = self.readers[fname], fname in checked
             algorithm, expected = recorded_checksum(self.meta["files"][fname])
-            into = {name: view for name, (_, target) in wanted.items() if (view := _writable_view(target)) is not None}
+            into = {name: view for name, (_, targets) in wanted.items()
+                    if len(targets) == 1 and (view := _writable_view(targets[0])) is not None}
             digest = reader.scan({name: piece for name, (piece, _) in wanted.items()},
-                                 lambda name, array: set_parameter(wanted[name][1], array),
+                                 lambda name, array: [set_parameter(target, array) for target in wanted[name][1]],
                                  hasher if check else None, algorithm, into)
             if check and digest != expected:
                 raise CheckpointError(f"{reader.path} fails its {algorithm} checksum: the file is corrupted; restore it "
@@ -152,6 +156,9 @@ class _UnifiedFiles(_VerifiedFiles):
         split = axis is not None and topo.layout.tp > 1
         self.want(self.index["weight_map"][name], name, (axis if split else None, topo.layout.tp, topo.tp_rank), target)
 
+    def holds(self, name: str) -> bool:
+        return name in self.index["weight_map"]
+
 
 class _SplitFiles(_VerifiedFiles):
     """A pre-split checkpoint: this rank's one file holds its tensors whole."""
@@ -173,6 +180,9 @@ class _SplitFiles(_VerifiedFiles):
             raise CheckpointError(f"{name}: {reader.path} holds shape {reader.shape(name)}, this rank needs "
                                   f"{list(local_shape)}")
         self.want(self.fname, name, (None, 1, 0), target)
+
+    def holds(self, name: str) -> bool:
+        return name in self.open(self.fname).names
 
 
 def _files(folder: Path, kind: str, topo: Topology) -> _VerifiedFiles:
@@ -210,19 +220,34 @@ def _writable_view(target: paddle.Tensor) -> np.ndarray | None:
     return np.frombuffer(memory, view.dtype).reshape(view.shape)
 
 
-def _want_model(files: _VerifiedFiles, model, axes: dict, topo: Topology) -> None:
+def _master_of(name: str) -> str:
+    return f"{name}{STATE_SEPARATOR}{MASTER_WEIGHT}"
+
+
+def _want_model(weights: _VerifiedFiles, states: _VerifiedFiles | None, model, axes: dict, topo: Topology) -> None:
+    """Each parameter from its fp32 master weight where a mixed-precision run saved one (the bf16
+    weights are that master rounded), else from the weights themselves; so a bf16 checkpoint
+    resumed in fp32 goes on from the masters, as PaddleNLP's `master_weight_compatible` does."""
     for name, param in model.state_dict().items():
-        files.want_local(name, list(param.shape), axes.get(name), topo, param)
+        if states is not None and states.holds(_master_of(name)):
+            states.want_local(_master_of(name), list(param.shape), axes.get(name), topo, param)
+        else:
+            weights.want_local(name, list(param.shape), axes.get(name), topo, param)
 
 
-def _want_optimizer(files: _VerifiedFiles, model, optimizer, axes: dict, topo: Topology) -> None:
+def _want_optimizer(states: _VerifiedFiles, weights: Callable[[], _VerifiedFiles], model, optimizer, axes: dict,
+                    topo: Topology) -> None:
+    """Every state this rank's optimizer holds; a master weight the checkpoint lacks (it was saved
+    in fp32) comes from the saved fp32 weights, not from the bf16 parameter it was made from."""
     ensure_states(optimizer)
     by_param = states_by_parameter(optimizer)
     for name, param in model.state_dict().items():
         for state_name, tensor in by_param.get(slice_param_name(param), {}).items():
             target = as_saved(param, tensor, topo)
-            files.want_local(f"{name}{STATE_SEPARATOR}{state_name}", list(target.shape),
-                             state_tp_axis(target.shape, param.shape, axes.get(name)), topo, target)
+            saved = f"{name}{STATE_SEPARATOR}{state_name}"
+            source = weights() if state_name == MASTER_WEIGHT and not states.holds(saved) else states
+            source.want_local(name if source is not states else saved, list(target.shape),
+                              state_tp_axis(target.shape, param.shape, axes.get(name)), topo, target)
 
 
 def load_checkpoint(folder: Path, model, optimizer, topo: Topology, axes: dict, verify: bool = True,
@@ -230,29 +255,35 @@ def load_checkpoint(folder: Path, model, optimizer, topo: Topology, axes: dict, 
     """Fill `model` (unless not `weights`) and `optimizer` (when given and saved) from `folder`;
     returns the trainer state ({} for a weights-only folder). The trainer loads weights into the
     model before the layout's wrappers take it (stage3 slices what it finds there) and the
-    optimizer's states after (the wrapped optimizer knows which states this rank holds).
+    optimizer's states after (the wrapped optimizer knows which states this rank holds). Either
+    precision resumes the other's checkpoint (`_want_model`, `_want_optimizer`).
 
     A failure on any rank is raised on every rank (after an all-gather of the outcome), so no rank
     walks on into a collective that the failed one will never join: once after the names and
     shapes are checked, before any byte is read, and once after the reads and checksums."""
     folder = Path(folder)
-    files: list[_VerifiedFiles] = []
+    files: dict[str, _VerifiedFiles] = {}
+
+    def kind_files(kind: str) -> _VerifiedFiles:
+        if kind not in files:
+            files[kind] = _files(folder, kind, topo)
+        return files[kind]
+
     outcome: CheckpointError | dict[str, int] | None
     try:
+        states = kind_files(OPTIMIZER) if _has_kind(folder, OPTIMIZER) else None
         if weights:
-            files.append(_files(folder, MODEL, topo))
-            _want_model(files[-1], model, axes, topo)
-        if optimizer is not None and _has_kind(folder, OPTIMIZER):
-            files.append(_files(folder, OPTIMIZER, topo))
-            _want_optimizer(files[-1], model, optimizer, axes, topo)
-        outcome = {fname: size for kind in files for fname, size in kind.sizes().items()}
+            _want_model(kind_files(MODEL), states, model, axes, topo)
+        if optimizer is not None and states is not None:
+            _want_optimizer(states, lambda: kind_files(MODEL), model, optimizer, axes, topo)
+        outcome = {fname: size for kind in files.values() for fname, size in kind.sizes().items()}
     except LOAD_ERRORS as err:
         outcome = checkpoint_error(err)
     sizes_by_rank = agree_on_outcome(outcome, folder, topo)
     mine = {f for f, rank in checking_ranks(sizes_by_rank).items() if rank == topo.global_rank} if verify else set()
     try:
         with ThreadPoolExecutor(max_workers=1) as hasher:
-            for kind in files:
+            for kind in files.values():
                 kind.load(mine, hasher)
         outcome = None
     except LOAD_ERRORS as err:

@@ -47,12 +47,20 @@ def ensure_states(optimizer) -> None:
 
 
 def states_by_parameter(optimizer) -> dict[str, dict[str, paddle.Tensor]]:
-    """{parameter's internal name: {state name: tensor}} for the parameters this rank updates."""
+    """{parameter's internal name: {state name: tensor}} for the parameters this rank updates.
+
+    Under mixed precision Paddle files a parameter's accumulators under its fp32 master weight's
+    name, not the parameter's: `<param>_fp32_master_0`, or under stage3 (which makes the masters
+    of its slices itself) the unsliced `<param>` for the slice `slice@<param>`. Keyed as filed,
+    every moment of a bf16 run would be dropped from its checkpoints; so each key goes back to the
+    parameter whose master it names."""
     inner = inner_optimizer(optimizer)
+    masters = getattr(inner, "_master_weights", {})
+    parameter_of = {master.name: param_name for param_name, master in masters.items()}
     states: dict[str, dict[str, paddle.Tensor]] = {}
     for state_name, per_param in inner._accumulators.items():
-        for param_name, tensor in per_param.items():
-            states.setdefault(param_name, {})[state_name] = tensor
-    for param_name, tensor in getattr(inner, "_master_weights", {}).items():
+        for filed_under, tensor in per_param.items():
+            states.setdefault(parameter_of.get(filed_under, filed_under), {})[state_name] = tensor
+    for param_name, tensor in masters.items():
         states.setdefault(param_name, {})[MASTER_WEIGHT] = tensor
     return states

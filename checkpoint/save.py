@@ -98,8 +98,15 @@ def _held(state: dict, tensors: dict, axes: dict, optimizer, gradients: dict | N
     return held
 
 
+LOW_PRECISION = (paddle.bfloat16, paddle.float16)
+
+
 def _written_dtype(kind: str, tensor: paddle.Tensor) -> np.dtype:
-    return np.dtype("float32") if kind == MODEL else np.dtype(str(tensor.dtype).removeprefix("paddle."))
+    """Weights in fp32, and any bf16/fp16 tensor widened (exactly) to fp32: a mixed-precision run's
+    recorded gradients then read like an fp32 run's; other states keep their dtype (fp32 under AdamW)."""
+    if kind == MODEL or tensor.dtype in LOW_PRECISION:
+        return np.dtype("float32")
+    return np.dtype(str(tensor.dtype).removeprefix("paddle."))
 
 
 def _holdings(held: Held, topo: Topology) -> dict:
@@ -179,7 +186,7 @@ def _shard(kind: str, tensors: dict, plan: WritePlan, files: dict[Slot, str], to
     return shard
 
 
-def _assembled(shard: _Shard, cast: str | None, borrow: bool) -> Iterator[tuple[_Entry, np.ndarray]]:
+def _assembled(shard: _Shard, borrow: bool) -> Iterator[tuple[_Entry, np.ndarray]]:
     """Drive every stage3 gather of the shard's entries in order; yield each tensor this rank writes
     whole and each TP piece it writes in place (views of live tensors where `borrow` allows, see
     `replicas.host_array`)."""
@@ -190,7 +197,7 @@ def _assembled(shard: _Shard, cast: str | None, borrow: bool) -> Iterator[tuple[
             if local is None:  # a sharding peer outside the writer's replica: it only sent its slice
                 continue
         if entry.mine or entry.place is not None:
-            yield entry, host_array(local.detach(), cast, borrow)
+            yield entry, host_array(local.detach(), _written_dtype(shard.kind, local).name, borrow)
 
 
 @dataclass
@@ -356,7 +363,7 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, topo: Topolog
         results["written"][kind] = streamed + pieces.nbytes
 
     if asynchronous:
-        copies = {kind: (fname, shard, list(_assembled(shard, "float32" if kind == MODEL else None, False)))
+        copies = {kind: (fname, shard, list(_assembled(shard, False)))
                   for kind, (fname, shard) in plans.items()}
 
         def background():
@@ -370,7 +377,7 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, topo: Topolog
         pending.thread.start()
         return pending
     for kind, (fname, shard) in plans.items():
-        write(kind, fname, shard, _assembled(shard, "float32" if kind == MODEL else None, True))
+        write(kind, fname, shard, _assembled(shard, True))
     pending.finish()
     return pending
 

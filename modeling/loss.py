@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import paddle
 import paddle.nn.functional as F
 from paddle import nn
 from paddle.distributed.fleet.layers.mpu import mp_layers
 
+from modeling.autocast import full_precision
 from modeling.tp_layers import tp_degree
 
 IGNORE_INDEX = -100
@@ -22,10 +24,12 @@ class CausalLMCriterion(nn.Layer):
         self.parallel = mp_layers.ParallelCrossEntropy(ignore_index=IGNORE_INDEX) if tp_degree(config) > 1 else None
 
     def forward(self, logits, labels):
-        logits = logits.astype("float32")
-        if self.parallel is not None:
-            token_loss = self.parallel(logits, labels.unsqueeze(-1))
-        else:
-            token_loss = F.cross_entropy(logits, labels.unsqueeze(-1), reduction="none", ignore_index=IGNORE_INDEX)
-        counted = (labels != IGNORE_INDEX).astype("float32").unsqueeze(-1)
-        return (token_loss * counted).sum() / counted.sum().clip(min=1.0)
+        with full_precision():  # in fp32 whatever the compute dtype, as PaddleNLP's criterion
+            logits = logits.astype("float32")
+            if self.parallel is not None:
+                token_loss = self.parallel(logits, labels.unsqueeze(-1))
+            else:
+                token_loss = F.cross_entropy(logits, labels.unsqueeze(-1), reduction="none",
+                                             ignore_index=IGNORE_INDEX)
+            counted = (labels != IGNORE_INDEX).astype("float32").unsqueeze(-1)
+            return (token_loss * counted).sum() / counted.sum().clip(min=1.0)

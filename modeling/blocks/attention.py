@@ -10,6 +10,7 @@ import math
 import paddle
 import paddle.nn.functional as F
 
+from modeling.autocast import full_precision
 from modeling.blocks.norms import FP32_BYTES, rms_norm_saved_bytes
 from modeling.blocks.parts import Block, ColumnLinear, Norm, Part, RowLinear
 from modeling.blocks.rotary import apply_rotary, rotary_tables
@@ -36,7 +37,8 @@ def causal_attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, seq_f
     scores = paddle.matmul(q * (1 / math.sqrt(head_dim)), k.transpose([0, 1, 3, 2]))
     # masked scores become the dtype's minimum, as adding an additive mask gives, at half the cost
     scores = paddle.where(causal_mask(seq), scores, paddle.full([], paddle.finfo(scores.dtype).min, scores.dtype))
-    probs = F.softmax(scores.astype("float32"), axis=-1).astype(q.dtype)
+    with full_precision():  # O2 would run the softmax in bf16 (as PaddleNLP's LLaMA avoids)
+        probs = F.softmax(scores.astype("float32"), axis=-1).astype(v.dtype)
     out = paddle.matmul(probs, v)  # [batch, heads, seq, head_dim]
     if seq_first:
         return out.transpose([2, 0, 1, 3]).reshape([seq, batch, heads * head_dim])

@@ -5,6 +5,8 @@ from __future__ import annotations
 import paddle
 from paddle import nn
 
+from modeling.autocast import full_precision
+
 FP32_BYTES = 4  # the norms' statistics (and the softmax) stay fp32 whatever the compute dtype
 
 
@@ -20,13 +22,15 @@ class RMSNorm(nn.Layer):
         self.eps, self.offset = eps, offset
 
     def forward(self, hidden):
-        # square, not pow(2), and the big operand first in the broadcast product: 7x faster with
-        # backward on CPU, and square is the exactly rounded one.
-        variance = paddle.square(hidden.astype("float32")).mean(-1, keepdim=True)
-        normed = hidden.astype("float32") * paddle.rsqrt(variance + self.eps) if self.offset else \
-            hidden * paddle.rsqrt(variance + self.eps)
-        if self.offset:
-            return (normed * (1.0 + self.weight.astype("float32"))).astype(hidden.dtype)
+        # autocast off, as in PaddleNLP's LLaMA: O2 would run these fp32 statistics in bf16. A bf16
+        # `hidden` times the fp32 1/rms promotes to fp32. Square, not pow(2), and the big operand
+        # first in the broadcast product: 7x faster with backward on CPU, and square is exactly rounded.
+        with full_precision():
+            variance = paddle.square(hidden.astype("float32")).mean(-1, keepdim=True)
+            normed = hidden.astype("float32") * paddle.rsqrt(variance + self.eps) if self.offset else \
+                hidden * paddle.rsqrt(variance + self.eps)
+            if self.offset:
+                return (normed * (1.0 + self.weight.astype("float32"))).astype(hidden.dtype)
         return normed.astype(self.weight.dtype) * self.weight
 
 

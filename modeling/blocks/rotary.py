@@ -15,6 +15,8 @@ import numpy as np
 import paddle
 from paddle.autograd import PyLayer
 
+from modeling.autocast import full_precision
+
 ROPE_TYPES = ("default", "linear", "llama3")
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -61,10 +63,11 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> np
 def _tables(head_dim: int, theta: float, scaling: tuple | None, seq_len: int,
             seq_first: bool) -> tuple[paddle.Tensor, paddle.Tensor]:
     inv_freq = paddle.to_tensor(inverse_frequencies(head_dim, theta, dict(scaling) if scaling else None))
-    freqs = paddle.einsum("i,j->ij", paddle.arange(seq_len, dtype="float32"), inv_freq)
-    emb = paddle.concat([freqs, freqs], axis=-1)
-    shape = [seq_len, 1, 1, head_dim] if seq_first else [1, seq_len, 1, head_dim]
-    return emb.cos().reshape(shape), emb.sin().reshape(shape)
+    with full_precision():  # O2 white-lists einsum: positions past 256 would round in bf16
+        freqs = paddle.einsum("i,j->ij", paddle.arange(seq_len, dtype="float32"), inv_freq)
+        emb = paddle.concat([freqs, freqs], axis=-1)
+        shape = [seq_len, 1, 1, head_dim] if seq_first else [1, seq_len, 1, head_dim]
+        return emb.cos().reshape(shape), emb.sin().reshape(shape)
 
 
 def rotary_tables(config, seq_len: int, seq_first: bool = False) -> tuple[paddle.Tensor, paddle.Tensor]:
@@ -102,5 +105,9 @@ class _Rotary(PyLayer):
 
 def apply_rotary(x, cos, sin):
     """Rotate [batch, seq, heads, head_dim] (or sequence first) by position; cos and sin are the
-    broadcastable tables of `rotary_tables`."""
+    broadcastable tables of `rotary_tables`, computed in fp32 and rounded to x's dtype (as
+    transformers does): an fp32 table would promote bf16 q and k to fp32, and the attention would
+    then multiply fp32 probabilities by bf16 values, which Paddle refuses."""
+    if cos.dtype != x.dtype:
+        cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
     return _Rotary.apply(x, cos, sin)

@@ -43,6 +43,7 @@ from paddle_pp.interop.pickled import NAME_TABLE, UnsafePickleError, load_pickle
 RANK_FILE = re.compile(r"^(model_state|optimizer)(?:\.([a-z0-9_]+))?\.(pdparams|pdopt)$")
 SCHEDULER_FILE = "scheduler.pdparams"
 UNIQUE_SUFFIX = re.compile(r"_\d+$")
+MASTER_SUFFIX = "fp32_master_0_"  # Paddle's `_gen_master_weight_var_name`: "<param>_fp32_master_0"
 
 
 def _rank_of(suffix: str | None) -> tuple[int, int, int]:
@@ -87,13 +88,14 @@ def _as_float32(array: np.ndarray) -> np.ndarray:
 
 
 def _state_key(var_name: str, structured: dict[str, str]) -> str:
-    """'<param name>_<state>_<n>' (or a master weight's param name) -> '<structured name>/<state>'."""
+    """'<param name>_<state>_<n>' -> '<structured name>/<state>'. Under mixed precision Paddle names
+    the states after the parameter's master weight, '<param name>_fp32_master_0_<state>_<n>'."""
     base = UNIQUE_SUFFIX.sub("", var_name)
     owners = [p for p in structured if base.startswith(p + "_")]
     if not owners:
         raise CheckpointError(f"optimizer variable {var_name!r} belongs to no parameter of the weights file")
     owner = max(owners, key=len)
-    return f"{structured[owner]}{STATE_SEPARATOR}{base[len(owner) + 1:]}"
+    return f"{structured[owner]}{STATE_SEPARATOR}{base[len(owner) + 1:].removeprefix(MASTER_SUFFIX)}"
 
 
 def _unified_meta(array: np.ndarray, axis: int | None, tp: int) -> dict:

@@ -70,8 +70,15 @@ class Topology:
 TP_SYNCED_PARAMETERS = ["embedding", "norm", ".b_"]
 
 
+def partial_send_recv(layout: Layout) -> bool:
+    return layout.device != "cpu" and not layout.sequence_parallel
+
+
 def build_strategy(layout: Layout, micro_batch_size: int = 1, accumulate_steps: int = 1) -> fleet.DistributedStrategy:
-    """Fleet strategy for `layout`; on CPU the pipeline avoids partial send/recv (an all-gather gloo lacks).
+    """Fleet strategy for `layout`. Partial send/recv (each tp rank sends 1/tp of the activation, the
+    receiver all-gathers) is on only on GPU without sequence parallelism: it assumes every tp rank
+    holds the same activation, while under SP each holds its own slice of the sequence (PaddleNLP
+    turns it off there too); on CPU gloo lacks the all-gather it needs.
 
     On GPU with TP, replicated parameters and their gradients are broadcast from TP rank 0 every
     step (PaddleNLP's `--tensor_parallel_config "sync_param sync_grad"`), as non-deterministic GPU
@@ -84,7 +91,7 @@ def build_strategy(layout: Layout, micro_batch_size: int = 1, accumulate_steps: 
     strategy.pipeline_configs = {
         "micro_batch_size": micro_batch_size,
         "accumulate_steps": accumulate_steps,
-        "enable_partial_send_recv": layout.device != "cpu",
+        "enable_partial_send_recv": partial_send_recv(layout),
     }
     return strategy
 

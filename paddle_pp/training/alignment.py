@@ -20,6 +20,12 @@ from paddle_pp.runtime.launch import launch
 from paddle_pp.training.report import read_metrics
 
 RUN_SCRIPT = Path(__file__).resolve().parents[2] / "run_pretrain.py"
+# Both runs compute in full fp32, deterministically: on GPU, TF32 matmuls (cuBLAS's via the driver's
+# override and Paddle's flags, cuDNN's) would alone exceed the fp32 tolerance, and atomic-add
+# kernels (embedding gradients, some cuDNN algorithms) differ run to run; PaddleNLP's align mode
+# sets the two deterministic flags too. On CPU these change nothing.
+ALIGNMENT_ENV = {"NVIDIA_TF32_OVERRIDE": "0", "FLAGS_allow_tf32_cublas": "0", "FLAGS_allow_tf32_cudnn": "0",
+                 "FLAGS_cudnn_deterministic": "1", "FLAGS_embedding_deterministic": "1"}
 NOT_REPLAYED = {"config", "output_dir", "resume_from_checkpoint", "save_steps", "save_total_limit", "async_save",
                 "save_gradients", "exit_after_steps", "disable_progress_bar", "tensor_parallel_degree",
                 "pipeline_parallel_degree", "sharding_parallel_degree", "sharding", "virtual_pp_degree",
@@ -108,7 +114,7 @@ def check_alignment(checkpoint: Path, layout_flags: list[str], nproc: int, steps
     for name, ranks, flags in (("single", 1, []), ("layout", nproc, layout_flags)):
         outputs[name] = work_dir / name
         launch(RUN_SCRIPT, ranks, [*common, *flags, "--output_dir", str(outputs[name])], work_dir=work_dir / f"{name}_job",
-               timeout=timeout, collect_results=False)
+               timeout=timeout, env=ALIGNMENT_ENV, collect_results=False)
     final = f"checkpoint-{start + steps}"
     single, layout = outputs["single"] / final, outputs["layout"] / final
     for saved in (single, layout):

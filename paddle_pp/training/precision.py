@@ -1,56 +1,114 @@
-"""Mixed precision: bf16/fp16 compute with fp32 master weights, refused where it cannot be real.
+"""Mixed precision: bf16/fp16 compute with fp32 master weights, driven as PaddleNLP's Trainer drives
+Paddle's AMP (O2: low-precision parameters, fp32 masters in the optimizer, its autocast lists,
+`GroupShardedScaler` under stage2/3, the schedule stepping only when the optimizer ran).
 
-Paddle 3.3.1 on CPU has no bf16 matmul kernel and its AMP O2 silently keeps fp32 there, so on
-CPU the flags fail before anything starts instead of training in fp32 under a bf16 label.
+Paddle 3.3.1 on CPU has no bf16 matmul kernel and its AMP switches itself off there, so on CPU the
+flags fail before anything starts instead of training in fp32 under a bf16 label. The bookkeeping
+(`decorate`, the checkpoint's states) does not depend on the device and is tested on CPU.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import paddle
 
 from paddle_pp.runtime.errors import UserError
+from paddle_pp.runtime.layout import Layout
 
 
 class PrecisionError(UserError, ValueError):
     """Mixed precision requested where it is not available."""
 
 
-def compute_dtype(bf16: bool, fp16: bool, amp_master_grad: bool, device: str) -> str | None:
-    """'bfloat16', 'float16' or None (fp32), after checking the request makes sense on `device`."""
+# PaddleNLP's O2 lists: the embedding returns the compute dtype (Paddle's default O2 black list holds
+# it, which keeps the residual stream and the pipeline's traffic in fp32), sums and the parallel
+# cross entropy stay fp32.
+WHITE_LIST = frozenset({"lookup_table", "lookup_table_v2"})
+BLACK_LIST = frozenset({"reduce_sum", "c_softmax_with_cross_entropy"})
+INITIAL_LOSS_SCALE = 2.0**15
+
+
+def compute_dtype(bf16: bool, fp16: bool, amp_master_grad: bool, layout: Layout) -> str | None:
+    """'bfloat16', 'float16' or None (fp32), after checking the request makes sense for `layout`
+    on its device."""
     if bf16 and fp16:
         raise PrecisionError("--bf16 and --fp16 are exclusive; pick one")
     if amp_master_grad and not (bf16 or fp16):
         raise PrecisionError("--amp_master_grad needs --bf16 or --fp16")
+    if amp_master_grad and layout.group_sharded_level is not None:
+        raise PrecisionError(
+            f"--amp_master_grad with --sharding {layout.sharding_stage} is not supported: Paddle's master grad "
+            "replaces each gradient with an fp32 copy after backward, which stage2's gradient buffers and stage3's "
+            "slices never see (PaddleNLP needs a Paddle with stage2 main_grad and no dp for it). Use --sharding "
+            "stage1, or drop --amp_master_grad.")
     if not (bf16 or fp16):
         return None
-    if device == "cpu":
+    if layout.device == "cpu":
         raise PrecisionError(
             f"--{'bf16' if bf16 else 'fp16'} needs a GPU: Paddle {paddle.__version__} on CPU has no bf16 matmul "
             "kernel and its AMP O2 silently computes in fp32. Drop the flag to train in fp32 on CPU.")
     return "bfloat16" if bf16 else "float16"
 
 
-def decorate(model, optimizer, dtype: str | None, master_grad: bool):
-    """O2 mixed precision: low-precision parameters for compute, fp32 master copies in the optimizer."""
+def decorate(model: paddle.nn.Layer, optimizer: paddle.optimizer.Optimizer, dtype: str | None,
+             master_grad: bool) -> None:
+    """O2 in place: the model's parameters in `dtype`, the optimizer keeping fp32 master weights.
+    These are the calls `paddle.amp.decorate(level="O2")` makes after its device check (which makes
+    it a no-op on CPU), so the same bookkeeping runs in the CPU tests."""
     if dtype is None:
-        return model, optimizer
-    return paddle.amp.decorate(models=model, optimizers=optimizer, level="O2", dtype=dtype,
-                               master_weight=True, master_grad=master_grad)
+        return
+    from paddle.amp.auto_cast import _set_multi_precision, amp_global_state, amp_initialize
+
+    amp_initialize(models=[model], dtype=dtype, excluded_layers=None)
+    _set_multi_precision(optimizer, True)
+    if master_grad:
+        amp_global_state().use_master_grad = True
+        amp_global_state().model_parameters.extend(model.parameters())
 
 
 def autocast(dtype: str | None):
-    """The forward's autocast context (a no-op in fp32)."""
+    """The forward's autocast context, for training and evaluation alike (a no-op in fp32)."""
     if dtype is None:
         return contextlib.nullcontext()
-    return paddle.amp.auto_cast(level="O2", dtype=dtype)
+    return paddle.amp.auto_cast(level="O2", dtype=dtype, custom_white_list=set(WHITE_LIST),
+                                custom_black_list=set(BLACK_LIST))
 
 
-def loss_scaler(dtype: str | None):
-    """Dynamic loss scaling for fp16 (bf16 has fp32's range and needs none)."""
+def loss_scaler(dtype: str | None, layout: Layout) -> Any:
+    """Dynamic loss scaling for fp16 (bf16 has fp32's range and needs none). Under stage2/3 the
+    scaler must first gather each rank's reduced gradient slice (`update_slice`) and check those
+    for inf, which only `GroupShardedScaler` does; fleet's scaler serves every other layout."""
     if dtype != "float16":
         return None
     from paddle.distributed import fleet
 
-    return fleet.distributed_scaler(paddle.amp.GradScaler(init_loss_scaling=2.0**15))
+    scaler = paddle.amp.GradScaler(init_loss_scaling=INITIAL_LOSS_SCALE)
+    if layout.group_sharded_level is not None:
+        from paddle.distributed.fleet.meta_parallel.sharding.group_sharded_utils import GroupShardedScaler
+
+        return GroupShardedScaler(scaler)
+    return fleet.distributed_scaler(scaler)
+
+
+def optimizer_ran(scaler: Any) -> bool:
+    """Whether the last step updated the weights: fp16 skips the update when a gradient overflowed."""
+    return scaler is None or not bool(scaler._cache_found_inf)
+
+
+def scaler_state(scaler: Any) -> dict:
+    """The loss scaler's state as JSON values (the trainer state carries it, so a resume keeps the
+    scale it had reached instead of starting again at 2^15)."""
+    if scaler is None:
+        return {}
+    return {name: float(value.reshape(-1)[0]) if name == "scale" else value
+            for name, value in scaler.state_dict().items()}
+
+
+def restore_scaler(scaler: Any, state: dict) -> None:
+    """Set `scaler` from `scaler_state` (nothing to do without one on either side)."""
+    if scaler is not None and state:
+        import numpy as np
+
+        scaler.load_state_dict({**state, "scale": np.array([state["scale"]], np.float32)})

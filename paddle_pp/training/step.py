@@ -67,13 +67,17 @@ def train_step(model, optimizer, criterion, inputs, labels, topo: Topology, accu
     return mean_over_replicas(total, topo)
 
 
-def eval_loss(model, criterion, inputs, labels, topo: Topology) -> float:
-    """Mean loss without an update. The pipeline path must not run under `no_grad`: fleet caches the
-    first p2p meta (`p2p_cache_shape`), and a stop_gradient=True activation cached there makes every
-    later `train_batch` skip sending gradients back, hanging the first stage."""
-    if topo.layout.pp > 1:
+def eval_loss(model, criterion, inputs, labels, topo: Topology, compute_dtype: str | None = None) -> float:
+    """Mean loss without an update, under the training's autocast (the model's parameters are in
+    the compute dtype, so evaluating without it mixes dtypes). The pipeline's p2p meta cache
+    (`p2p_cache_shape`) is cleared before and after, as PaddleNLP does: train and eval share it, and
+    evaluation sends activations of another dtype and without gradients, whose cached meta would
+    make the next `train_batch` skip sending gradients back, hanging the first stage."""
+    with paddle.no_grad(), autocast(compute_dtype):
+        if topo.layout.pp == 1:
+            return mean_over_replicas(criterion(model(inputs), labels), topo)
+        model._p2p_helper.clear_meta_cache()
         loss = model.eval_batch([inputs, labels], compute_loss=True)
-        model.train()
-        return mean_over_replicas(loss, topo)
-    with paddle.no_grad():
-        return mean_over_replicas(criterion(model(inputs), labels), topo)
+        model._p2p_helper.clear_meta_cache()
+    model.train()
+    return mean_over_replicas(loss, topo)

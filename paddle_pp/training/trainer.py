@@ -38,6 +38,7 @@ from paddle_pp.training.grad_norm import ReportingGlobalNormClip, report_clipped
 from paddle_pp.training.gradient_record import record_gradients, recorded_gradients
 from paddle_pp.training.model_config import model_config, tokenizer_dir
 from paddle_pp.training.output_lock import acquire, release
+from paddle_pp.training.replicated_sync import needs_replicated_sync, sync_replicated
 from paddle_pp.training.report import MetricsLog, VisualDLLog, plot_loss, training_bar
 from paddle_pp.training.schedule import WarmupCosine
 from paddle_pp.training.skips import merge, parse_intervals, skipped
@@ -96,7 +97,7 @@ class Pretrainer:
         self.layout = Layout.from_args(args.layout)
         self.layout.check_sequence_length(data.max_seq_length)
         self.batches = plan_batches(data, self.layout)
-        self.compute_dtype = precision.compute_dtype(optim.bf16, optim.fp16, optim.amp_master_grad, self.layout.device)
+        self.compute_dtype = precision.compute_dtype(optim.bf16, optim.fp16, optim.amp_master_grad, self.layout)
         # found before the output_dir lock: `latest` only ever moves forward, and a live writer fails the lock
         self.resume_dir = self._resume_folder()
         source = args.model.model_name_or_path
@@ -143,12 +144,12 @@ class Pretrainer:
         tp_gradients.register_gradient_allreduce(raw, self.batches.accumulate_steps)
         self.clip = ReportingGlobalNormClip(optim.max_grad_norm)
         optimizer = _build_optimizer(raw, optim, self.schedule, self.clip)
-        raw, optimizer = precision.decorate(raw, optimizer, self.compute_dtype, optim.amp_master_grad)
+        precision.decorate(raw, optimizer, self.compute_dtype, optim.amp_master_grad)
         self.model, self.optimizer = wrap_for_layout(raw, optimizer, self.topo, args.layout.stage3_segment_size)
         report_clipped_norm(self.optimizer, self.clip, raw, self.topo)
         if args.checkpoint.save_gradients:
             record_gradients(self.optimizer)
-        self.scaler = precision.loss_scaler(self.compute_dtype)
+        self.scaler = precision.loss_scaler(self.compute_dtype, self.layout)
         self.raw_model = raw
         self.consumed_samples, self.step = 0, 0
         if self.resume_dir is not None:
@@ -177,6 +178,7 @@ class Pretrainer:
         self.consumed_samples = 0 if ckpt.ignore_data_skip else state["consumed_samples"]
         if not ckpt.ignore_load_lr_and_optim:
             self.schedule.set_state_dict(state["lr_scheduler"])
+            precision.restore_scaler(self.scaler, state.get("loss_scaler", {}))
         self.skip_intervals = merge(self.skip_intervals, state.get("skip_data_intervals", []))
         saved_samples = state.get("train_samples", self.data_plan.num_samples[0])
         if saved_samples != self.data_plan.num_samples[0] and self.topo.global_rank == 0:
@@ -192,7 +194,8 @@ class Pretrainer:
                          "lr_scheduler": self.schedule.state_dict(), "max_steps": self.args.optim.max_steps,
                          "global_batch_size": self.batches.global_batch, "args": self.args.flat(),
                          "train_samples": self.data_plan.num_samples[0],
-                         "skip_data_intervals": [list(pair) for pair in self.skip_intervals]}
+                         "skip_data_intervals": [list(pair) for pair in self.skip_intervals],
+                         "loss_scaler": precision.scaler_state(self.scaler)}
         self.pending_save = save_checkpoint(
             Path(self.args.output.output_dir), self.step, self.raw_model, self.optimizer, self.topo, self.plan,
             config=self.config, trainer_state=trainer_state,
@@ -231,6 +234,13 @@ class Pretrainer:
         self.consumed_samples += self.batches.global_batch
         return record
 
+    def _updated(self) -> None:
+        """Right after each optimizer update: the TP replicas' sync under stage2/3, then the hook."""
+        if needs_replicated_sync(self.topo):
+            sync_replicated(self.raw_model, self.optimizer, self.axes, self.topo)
+        if self.after_update:
+            self.after_update(self)
+
     def train_one_step(self) -> dict:
         """One update (and the `after_update` hook right after it, before gradients are cleared)."""
         started = time.perf_counter()
@@ -240,15 +250,17 @@ class Pretrainer:
         inputs, labels = self.batch_tensors(self.train_data, indices)
         lr = self.schedule.last_lr  # the rate this update applies (after a resume: the saved one)
         loss = train_step(self.model, self.optimizer, self.criterion, inputs, labels, self.topo,
-                          self.batches.accumulate_steps, self.compute_dtype, self.scaler,
-                          (lambda: self.after_update(self)) if self.after_update else None)
-        self.schedule.step()
+                          self.batches.accumulate_steps, self.compute_dtype, self.scaler, self._updated)
+        updated = precision.optimizer_ran(self.scaler)
+        if updated:  # as PaddleNLP: an fp16 step skipped for overflow does not advance the schedule
+            self.schedule.step()
         self.step += 1
         self.consumed_samples += self.batches.global_batch
         seconds = time.perf_counter() - started
-        return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": self.clip.pop_norm(),
-                "tokens_per_sec": self.batches.global_batch * self.args.data.max_seq_length / seconds,
-                "consumed_samples": consumed}
+        record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": self.clip.pop_norm(),
+                  "tokens_per_sec": self.batches.global_batch * self.args.data.max_seq_length / seconds,
+                  "consumed_samples": consumed}
+        return record if updated else {**record, "update_skipped": True}
 
     def evaluate(self) -> float:
         """Mean loss over the first `eval_iters` global batches of the valid split (the same
@@ -259,7 +271,7 @@ class Pretrainer:
             indices = valid.replica_batch(it * self.batches.global_batch, self.topo.data_replica_index,
                                           self.topo.data_replica_count)
             inputs, labels = self.batch_tensors(self.valid_data, indices)
-            losses.append(eval_loss(self.model, self.criterion, inputs, labels, self.topo))
+            losses.append(eval_loss(self.model, self.criterion, inputs, labels, self.topo, self.compute_dtype))
         return float(np.mean(losses))
 
     def train(self) -> list[dict]:
