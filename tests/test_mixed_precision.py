@@ -27,8 +27,9 @@ from checkpoint.optimizer_state import MASTER_WEIGHT, ensure_states, states_by_p
 from checkpoint.unified_io import UnifiedReader
 from paddle_pp.interop.fleet import _state_key
 from paddle_pp.runtime.layout import Layout
-from paddle_pp.runtime.topology import build_strategy
+from paddle_pp.runtime.topology import Topology, build_strategy
 from paddle_pp.training import precision
+from paddle_pp.training.step import eval_loss
 
 from runs import FINAL_STEP, MODEL as MODEL_FLAGS, REPO, SINGLE, TP2
 
@@ -169,6 +170,29 @@ def test_autocast_keeps_paddlenlp_lists():
     assert {"lookup_table", "lookup_table_v2"} <= set(white)
     assert not {"lookup_table", "lookup_table_v2"} & set(black)
     assert {"reduce_sum", "c_softmax_with_cross_entropy"} <= set(black)
+
+
+class _AutocastWitness(paddle.nn.Layer):
+    """A model that records the autocast white list in force whenever it runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.white_lists: list[set] = []
+
+    def forward(self, ids):
+        self.white_lists.append(set(paddle.base.framework._dygraph_tracer()._get_amp_op_list()[0]))
+        return paddle.zeros([*ids.shape, 8])
+
+
+def test_evaluation_runs_under_the_training_autocast():
+    """Before the fix evaluation ran outside autocast, with bf16 parameters: Paddle refused the
+    mixed-dtype matmuls (on GPU), and the trainer's last-step evaluation came before its final save."""
+    model, ids = _AutocastWitness(), paddle.zeros([2, 4], "int64")
+    single = Topology(Layout(world_size=1), None, 0, 0, 0, 0, 0)
+    eval_loss(model, lambda logits, labels: logits.mean(), ids, ids, single, "bfloat16")
+    assert "lookup_table_v2" in model.white_lists[-1]
+    eval_loss(model, lambda logits, labels: logits.mean(), ids, ids, single, None)
+    assert "lookup_table_v2" not in model.white_lists[-1]
 
 
 def _gpu_layout(**degrees) -> Layout:

@@ -27,10 +27,10 @@ def replica_slice(batch_size: int, topo: Topology) -> slice:
 def mean_over_replicas(value: paddle.Tensor, topo: Topology) -> float:
     """Average a replica-local scalar over dp and sharding ranks, so every rank reports the global value."""
     value = value.detach().astype("float32").reshape([])
-    for group, size in ((topo.dp_group, topo.layout.dp), (topo.sharding_group, topo.layout.sharding_degree)):
-        if size > 1:
+    for group, size in (("dp_group", topo.layout.dp), ("sharding_group", topo.layout.sharding_degree)):
+        if size > 1:  # a group of one is never looked up: a single card may run without fleet
             value = value.clone()
-            dist.all_reduce(value, group=group)
+            dist.all_reduce(value, group=getattr(topo, group))
             value = value / size
     return float(value)
 
