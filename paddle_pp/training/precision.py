@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import numpy as np
 import paddle
 
 from paddle_pp.runtime.errors import UserError
@@ -109,6 +110,4 @@ def scaler_state(scaler: Any) -> dict:
 def restore_scaler(scaler: Any, state: dict) -> None:
     """Set `scaler` from `scaler_state` (nothing to do without one on either side)."""
     if scaler is not None and state:
-        import numpy as np
-
         scaler.load_state_dict({**state, "scale": np.array([state["scale"]], np.float32)})
