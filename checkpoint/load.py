@@ -244,10 +244,11 @@ def _want_optimizer(states: _VerifiedFiles, weights: Callable[[], _VerifiedFiles
     for name, param in model.state_dict().items():
         for state_name, tensor in by_param.get(slice_param_name(param), {}).items():
             target = as_saved(param, tensor, topo)
-            saved = f"{name}{STATE_SEPARATOR}{state_name}"
-            source = weights() if state_name == MASTER_WEIGHT and not states.holds(saved) else states
-            source.want_local(name if source is not states else saved, list(target.shape),
-                              state_tp_axis(target.shape, param.shape, axes.get(name)), topo, target)
+            source, saved = states, f"{name}{STATE_SEPARATOR}{state_name}"
+            if state_name == MASTER_WEIGHT and not states.holds(saved):
+                source, saved = weights(), name
+            source.want_local(saved, list(target.shape), state_tp_axis(target.shape, param.shape, axes.get(name)),
+                              topo, target)
 
 
 def load_checkpoint(folder: Path, model, optimizer, topo: Topology, axes: dict, verify: bool = True,

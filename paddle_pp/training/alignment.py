@@ -98,6 +98,15 @@ def _differences(single: Path, layout: Path, kind: str) -> dict[str, tuple[float
     return diffs
 
 
+def run_deterministic(work_dir: Path, name: str, ranks: int, flags: list[str], timeout: float) -> Path:
+    """run_pretrain.py with `flags` on `ranks` processes under `ALIGNMENT_ENV`, writing into
+    `work_dir / name` (returned); the launcher's logs go beside it."""
+    out = work_dir / name
+    launch(RUN_SCRIPT, ranks, [*flags, "--output_dir", str(out)], work_dir=work_dir / f"{name}_job", timeout=timeout,
+           env=ALIGNMENT_ENV, collect_results=False)
+    return out
+
+
 def _losses(out: Path) -> tuple[list[int], list[float]]:
     records = read_metrics(out / "metrics.jsonl")
     return [r["step"] for r in records], [r["loss"] for r in records]
@@ -110,11 +119,8 @@ def check_alignment(checkpoint: Path, layout_flags: list[str], nproc: int, steps
     start = json.loads((checkpoint / TRAINER_STATE_FILE).read_text())["step"]
     common = [*_replay_flags(checkpoint), "--resume_from_checkpoint", str(checkpoint), "--exit_after_steps",
               str(steps), "--save_steps", str(steps), "--logging_steps", "1", "--disable_progress_bar", "--save_gradients"]
-    outputs = {}
-    for name, ranks, flags in (("single", 1, []), ("layout", nproc, layout_flags)):
-        outputs[name] = work_dir / name
-        launch(RUN_SCRIPT, ranks, [*common, *flags, "--output_dir", str(outputs[name])], work_dir=work_dir / f"{name}_job",
-               timeout=timeout, env=ALIGNMENT_ENV, collect_results=False)
+    outputs = {name: run_deterministic(work_dir, name, ranks, [*common, *flags], timeout)
+               for name, ranks, flags in (("single", 1, []), ("layout", nproc, layout_flags))}
     final = f"checkpoint-{start + steps}"
     single, layout = outputs["single"] / final, outputs["layout"] / final
     for saved in (single, layout):

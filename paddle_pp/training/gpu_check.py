@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paddle_pp.runtime.errors import UserError
-from paddle_pp.runtime.launch import launch
-from paddle_pp.training.alignment import ALIGNMENT_ENV, RUN_SCRIPT
+from paddle_pp.training.alignment import run_deterministic
 from paddle_pp.training.report import read_metrics
 
 TINY = ("--hidden_size", "64", "--intermediate_size", "128", "--num_hidden_layers", "4", "--num_attention_heads", "4",
@@ -82,10 +81,7 @@ def visible_gpus() -> int:
 
 
 def _run(work: Path, name: str, gpus: int, flags: tuple[str, ...]) -> list[dict]:
-    out = work / name
-    launch(RUN_SCRIPT, gpus, [*TINY, *flags, "--output_dir", str(out)], work_dir=work / f"{name}_job",
-           timeout=1800, env=ALIGNMENT_ENV, collect_results=False)
-    return read_metrics(out / "metrics.jsonl")
+    return read_metrics(run_deterministic(work, name, gpus, [*TINY, *flags], timeout=1800) / "metrics.jsonl")
 
 
 def _losses(records: list[dict]) -> dict[int, float]:
