@@ -13,6 +13,7 @@ for bit."""
 from __future__ import annotations
 
 import inspect
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -195,6 +196,30 @@ def test_evaluation_runs_under_the_training_autocast():
     assert "lookup_table_v2" not in model.white_lists[-1]
 
 
+BF16_RTOL = 2.0**-8  # one bf16 rounding of the loss
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", [(1, ()), (2, (*TP2, "--sequence_parallel")), (2, ("--pipeline_parallel_degree", "2"))],
+                         ids=["single", "tp2_sp", "pp2"])
+def test_bf16_training_and_evaluation_never_mix_dtypes(pretrain_run, run_workers, data_cache, tmp_path, layout):
+    """A bf16 training step and evaluation under `dtype_audit` (tests/workers/dtype_audit.py): no op
+    of the forward, the loss, the backward or the collectives meets bf16 and fp32 inputs together,
+    the one exception being the optimizer's update, which takes each bf16 parameter with its fp32
+    master and moments. Before the fix the rotary tables promoted q and k to fp32 and the attention
+    multiplied fp32 probabilities by bf16 values (Paddle refuses that matmul on GPU). The step's loss
+    is the fp32 run's within one bf16 rounding."""
+    (reference, *_), _ = pretrain_run(SINGLE)
+    nproc, flags = layout
+    results = run_workers("dtype_audit_worker.py", nproc, [*MODEL_FLAGS, *flags, "--data_cache", data_cache,
+                                                           "--output_dir", tmp_path / "out"])
+    for result in results:
+        assert result["parameter_dtypes"] == ["paddle.bfloat16"]
+        assert {op for op, _ in result["mixed"]} == {"adamw_"}, result["mixed"]
+        np.testing.assert_allclose(result["loss"], reference["losses"][0], rtol=BF16_RTOL)
+        assert np.isfinite(result["eval_loss"])
+
+
 def _gpu_layout(**degrees) -> Layout:
     return Layout(world_size=4, device="gpu", **degrees)
 
@@ -211,9 +236,9 @@ def test_partial_send_recv_only_where_every_tp_rank_holds_the_same_activation(de
 @pytest.mark.parametrize("stage", ["stage2", "stage3"])
 def test_fp16_under_stage2_and_stage3_scales_with_group_sharded_scaler(stage):
     """Its unscale first gathers the reduced gradient slices (`update_slice`) and checks them for inf."""
-    scaler = precision.loss_scaler("float16", _gpu_layout(sharding_parallel_degree=4, sharding=stage))
+    scaler = precision.loss_scaler("float16", _gpu_layout(sharding_parallel_degree=4, sharding=stage), 2.0**15)
     assert inspect.getsourcefile(scaler._unscale).endswith("group_sharded_utils.py")
-    assert precision.loss_scaler("bfloat16", _gpu_layout(sharding_parallel_degree=4, sharding=stage)) is None
+    assert precision.loss_scaler("bfloat16", _gpu_layout(sharding_parallel_degree=4, sharding=stage), 2.0**15) is None
 
 
 @pytest.mark.parametrize("stage", ["stage2", "stage3"])
@@ -223,6 +248,48 @@ def test_master_grad_with_stage2_or_stage3_is_refused_by_name(stage):
         precision.compute_dtype(True, False, True, layout)
     assert precision.compute_dtype(True, False, True, _gpu_layout(sharding_parallel_degree=4,
                                                                  sharding="stage1")) == "bfloat16"
+
+
+SCALER_LAYOUTS = {"single": (1, ()), "tp2": (2, TP2), "stage3": (2, STAGE3)}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("saved_as, resumed_as", [("single", "tp2"), ("stage3", "single")])
+def test_fp16_loop_skips_overflowed_updates_without_the_schedule_and_resumes_the_loss_scale(
+        run_workers, data_cache, tmp_path, saved_as, resumed_as):
+    """Paddle's own scalers as the trainer picks them (plain on one card, fleet's under TP,
+    `GroupShardedScaler` under stage3), built past their CPU switch-off, over fp32 compute, with an
+    overflowed gradient at steps 1 and 3: those steps leave the weights and the learning rate where
+    they were and halve the scale; the scale reached is saved and a resume under another layout starts
+    from it. Before the fixes the schedule stepped on every step, each resume restarted at
+    --scale_loss, on one card fleet's scaler failed at its first step for want of a process group, and
+    under stage3 fleet's scaler looked at the gradients before the reduced slices arrived, missed the
+    first overflow and applied it (every later step then overflowed)."""
+    out = tmp_path / "out"
+    flags = [*MODEL_FLAGS, "--max_steps", "8", "--warmup_steps", "8", "--scale_loss", "1024", "--save_steps", "6",
+             "--data_cache", data_cache, "--output_dir", out]
+    nproc, layout = SCALER_LAYOUTS[saved_as]
+    first, *others = run_workers("loss_scale_worker.py", nproc, ["1,3", *flags, *layout, "--exit_after_steps", "6"],
+                                 tag="first")
+    skipped = [bool(record.get("update_skipped")) for record in first["history"]]
+    assert all([bool(record.get("update_skipped")) for record in other["history"]] == skipped for other in others)
+    assert skipped == [True, False, True, False, False, False]
+    weights = [first["weights_before"], *first["weights_after_update"]]
+    lrs = [record["lr"] for record in first["history"]]  # rising every step of the warmup that an update ran
+    for step, was_skipped in enumerate(skipped):
+        assert (weights[step + 1] == weights[step]) is was_skipped, step
+        if step + 1 < len(lrs):
+            assert (lrs[step + 1] == lrs[step]) is was_skipped, (step, lrs)
+    assert first["scaler_built"]["scale"] == 1024 and first["scaler_final"]["scale"] == 256
+    state = json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())
+    assert state["lr_scheduler"]["last_epoch"] == 4
+    assert state["loss_scaler"] == first["scaler_final"]
+    nproc, layout = SCALER_LAYOUTS[resumed_as]
+    resumed, *_ = run_workers("loss_scale_worker.py", nproc, ["8", *flags, *layout, "--resume_from_checkpoint",
+                                                             "latest"], tag="resumed")
+    assert resumed["scaler_built"] == first["scaler_final"]
+    assert [record.get("update_skipped", False) for record in resumed["history"]] == [False, True]
+    assert resumed["scaler_final"]["scale"] == 128
 
 
 def test_gpu_check_refuses_clearly_without_a_gpu(tmp_path):

@@ -77,6 +77,8 @@ class OptimizerArguments:
     bf16: bool = flag(False, "bfloat16 compute with fp32 master weights (GPU only)")
     fp16: bool = flag(False, "float16 compute with loss scaling and fp32 master weights (GPU only)")
     amp_master_grad: bool = flag(False, "keep fp32 gradients under --bf16/--fp16")
+    scale_loss: float = flag(2.0**15, "initial loss scale of --fp16's dynamic loss scaling (halved after each "
+                                      "overflowed step, doubled after 1000 clean ones)")
 
 
 @dataclass

@@ -28,7 +28,6 @@ class PrecisionError(UserError, ValueError):
 # cross entropy stay fp32.
 WHITE_LIST = frozenset({"lookup_table", "lookup_table_v2"})
 BLACK_LIST = frozenset({"reduce_sum", "c_softmax_with_cross_entropy"})
-INITIAL_LOSS_SCALE = 2.0**15
 
 
 def compute_dtype(bf16: bool, fp16: bool, amp_master_grad: bool, layout: Layout) -> str | None:
@@ -77,20 +76,26 @@ def autocast(dtype: str | None):
                                 custom_black_list=set(BLACK_LIST))
 
 
-def loss_scaler(dtype: str | None, layout: Layout) -> Any:
-    """Dynamic loss scaling for fp16 (bf16 has fp32's range and needs none). Under stage2/3 the
-    scaler must first gather each rank's reduced gradient slice (`update_slice`) and check those
-    for inf, which only `GroupShardedScaler` does; fleet's scaler serves every other layout."""
+def loss_scaler(dtype: str | None, layout: Layout, initial_scale: float) -> Any:
+    """Dynamic loss scaling for fp16 (bf16 has fp32's range and needs none), wrapped as PaddleNLP's
+    Trainer wraps it. Under stage2/3 the scaler must first gather each rank's reduced gradient slice
+    (`update_slice`) and check those for inf, which only `GroupShardedScaler` does; with TP, PP or
+    stage1 fleet's scaler all-reduces the overflow flag over the job. On one card or pure data
+    parallelism the plain scaler serves (the gradients are already equal on every replica), and
+    fleet's would fail: it treats a single card as hybrid and all-reduces over a global group a
+    one-process job never creates."""
     if dtype != "float16":
         return None
-    from paddle.distributed import fleet
-
-    scaler = paddle.amp.GradScaler(init_loss_scaling=INITIAL_LOSS_SCALE)
+    scaler = paddle.amp.GradScaler(init_loss_scaling=initial_scale)
     if layout.group_sharded_level is not None:
         from paddle.distributed.fleet.meta_parallel.sharding.group_sharded_utils import GroupShardedScaler
 
         return GroupShardedScaler(scaler)
-    return fleet.distributed_scaler(scaler)
+    if layout.tp > 1 or layout.pp > 1 or layout.sharding_degree > 1:
+        from paddle.distributed import fleet
+
+        return fleet.distributed_scaler(scaler)
+    return scaler
 
 
 def optimizer_ran(scaler: Any) -> bool:

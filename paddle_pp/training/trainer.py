@@ -149,7 +149,7 @@ class Pretrainer:
         report_clipped_norm(self.optimizer, self.clip, raw, self.topo)
         if args.checkpoint.save_gradients:
             record_gradients(self.optimizer)
-        self.scaler = precision.loss_scaler(self.compute_dtype, self.layout)
+        self.scaler = precision.loss_scaler(self.compute_dtype, self.layout, optim.scale_loss)
         self.raw_model = raw
         self.consumed_samples, self.step = 0, 0
         if self.resume_dir is not None:
