@@ -27,6 +27,7 @@ from checkpoint.format import GRADIENTS, MODEL, OPTIMIZER, STATE_SEPARATOR
 from checkpoint.optimizer_state import MASTER_WEIGHT, ensure_states, states_by_parameter
 from checkpoint.unified_io import UnifiedReader
 from paddle_pp.interop.fleet import _state_key
+from paddle_pp.runtime.launch import LaunchError
 from paddle_pp.runtime.layout import Layout
 from paddle_pp.runtime.topology import Topology, build_strategy
 from paddle_pp.training import precision
@@ -245,9 +246,28 @@ def test_fp16_under_stage2_and_stage3_scales_with_group_sharded_scaler(stage):
 def test_master_grad_with_stage2_or_stage3_is_refused_by_name(stage):
     layout = _gpu_layout(sharding_parallel_degree=4, sharding=stage)
     with pytest.raises(precision.PrecisionError, match=f"--amp_master_grad with --sharding {stage}"):
-        precision.compute_dtype(True, False, True, layout)
-    assert precision.compute_dtype(True, False, True, _gpu_layout(sharding_parallel_degree=4,
-                                                                 sharding="stage1")) == "bfloat16"
+        precision.compute_dtype(True, False, True, layout, 1)
+    assert precision.compute_dtype(True, False, True, _gpu_layout(sharding_parallel_degree=4, sharding="stage1"),
+                                   1) == "bfloat16"
+
+
+@pytest.mark.multiproc
+def test_master_grad_trains_with_one_micro_batch_and_is_refused_with_more(run_workers, data_cache, tmp_path):
+    """Paddle's master grad turns each gradient into fp32 after a backward; with one micro-batch a
+    bf16 step runs (under the dtype audit, gradients reaching AdamW in fp32), with eight Paddle fails
+    at the second backward (the worker passes the trainer's own check by), so the trainer refuses
+    that request before anything starts, naming the fix."""
+    flags = [*MODEL_FLAGS, "--amp_master_grad", "--data_cache", data_cache]
+    (one,) = run_workers("dtype_audit_worker.py", 1, [*flags, "--per_device_train_batch_size", "8",
+                                                      "--gradient_accumulation_steps", "1", "--output_dir",
+                                                      tmp_path / "one"], tag="one")
+    assert {op for op, _ in one["mixed"]} == {"adamw_"}
+    with pytest.raises(LaunchError, match="does not match the type of data"):
+        run_workers("dtype_audit_worker.py", 1, [*flags, "--output_dir", tmp_path / "eight"], tag="eight")
+    layout = Layout(world_size=1, device="gpu")
+    with pytest.raises(precision.PrecisionError, match="8 micro-batches per step .*--gradient_accumulation_steps 1"):
+        precision.compute_dtype(True, False, True, layout, 8)
+    assert precision.compute_dtype(True, False, True, layout, 1) == "bfloat16"
 
 
 SCALER_LAYOUTS = {"single": (1, ()), "tp2": (2, TP2), "stage3": (2, STAGE3)}

@@ -30,9 +30,9 @@ WHITE_LIST = frozenset({"lookup_table", "lookup_table_v2"})
 BLACK_LIST = frozenset({"reduce_sum", "c_softmax_with_cross_entropy"})
 
 
-def compute_dtype(bf16: bool, fp16: bool, amp_master_grad: bool, layout: Layout) -> str | None:
+def compute_dtype(bf16: bool, fp16: bool, amp_master_grad: bool, layout: Layout, accumulate_steps: int) -> str | None:
     """'bfloat16', 'float16' or None (fp32), after checking the request makes sense for `layout`
-    on its device."""
+    on its device with `accumulate_steps` micro-batches per step."""
     if bf16 and fp16:
         raise PrecisionError("--bf16 and --fp16 are exclusive; pick one")
     if amp_master_grad and not (bf16 or fp16):
@@ -43,6 +43,12 @@ def compute_dtype(bf16: bool, fp16: bool, amp_master_grad: bool, layout: Layout)
             "replaces each gradient with an fp32 copy after backward, which stage2's gradient buffers and stage3's "
             "slices never see (PaddleNLP needs a Paddle with stage2 main_grad and no dp for it). Use --sharding "
             "stage1, or drop --amp_master_grad.")
+    if amp_master_grad and accumulate_steps > 1:
+        raise PrecisionError(
+            f"--amp_master_grad with {accumulate_steps} micro-batches per step is not supported: Paddle's master grad "
+            "turns each gradient into fp32 after a backward, and the next micro-batch's low-precision gradient cannot "
+            "accumulate into it (Paddle fails at the second backward). Use one micro-batch per step "
+            "(--gradient_accumulation_steps 1 with a larger --per_device_train_batch_size), or drop --amp_master_grad.")
     if not (bf16 or fp16):
         return None
     if layout.device == "cpu":

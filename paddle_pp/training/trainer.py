@@ -97,7 +97,8 @@ class Pretrainer:
         self.layout = Layout.from_args(args.layout)
         self.layout.check_sequence_length(data.max_seq_length)
         self.batches = plan_batches(data, self.layout)
-        self.compute_dtype = precision.compute_dtype(optim.bf16, optim.fp16, optim.amp_master_grad, self.layout)
+        self.compute_dtype = precision.compute_dtype(optim.bf16, optim.fp16, optim.amp_master_grad, self.layout,
+                                                     self.batches.accumulate_steps)
         # found before the output_dir lock: `latest` only ever moves forward, and a live writer fails the lock
         self.resume_dir = self._resume_folder()
         source = args.model.model_name_or_path
