@@ -7,13 +7,10 @@ from __future__ import annotations
 import contextlib
 
 import paddle
-from paddle.base import core
-from paddle.base.framework import _dygraph_tracer
 
 
 def full_precision():
     """Autocast off for the block inside; nothing to do (and no cost) when autocast is not on."""
-    tracer = _dygraph_tracer()
-    if tracer is None or tracer._amp_level == core.AmpLevel.O0:
+    if not paddle.amp.is_autocast_enabled():
         return contextlib.nullcontext()
     return paddle.amp.auto_cast(False)

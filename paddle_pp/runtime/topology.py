@@ -70,10 +70,6 @@ class Topology:
 TP_SYNCED_PARAMETERS = ["embedding", "norm", ".b_"]
 
 
-def partial_send_recv(layout: Layout) -> bool:
-    return layout.device != "cpu" and not layout.sequence_parallel
-
-
 def build_strategy(layout: Layout, micro_batch_size: int = 1, accumulate_steps: int = 1) -> fleet.DistributedStrategy:
     """Fleet strategy for `layout`. Partial send/recv (each tp rank sends 1/tp of the activation, the
     receiver all-gathers) is on only on GPU without sequence parallelism: it assumes every tp rank
@@ -91,7 +87,7 @@ def build_strategy(layout: Layout, micro_batch_size: int = 1, accumulate_steps: 
     strategy.pipeline_configs = {
         "micro_batch_size": micro_batch_size,
         "accumulate_steps": accumulate_steps,
-        "enable_partial_send_recv": partial_send_recv(layout),
+        "enable_partial_send_recv": layout.device != "cpu" and not layout.sequence_parallel,
     }
     return strategy
 

@@ -111,7 +111,7 @@ def optimizer_ran(scaler: Any) -> bool:
 
 def scaler_state(scaler: Any) -> dict:
     """The loss scaler's state as JSON values (the trainer state carries it, so a resume keeps the
-    scale it had reached instead of starting again at 2^15)."""
+    scale it had reached instead of starting again at --scale_loss)."""
     if scaler is None:
         return {}
     return {name: float(value.reshape(-1)[0]) if name == "scale" else value
