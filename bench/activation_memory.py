@@ -1,7 +1,7 @@
 """Activation memory with and without sequence parallelism at tp2, measured, and what SP costs in time.
 
-Memory: one LLaMA decoder layer's saved-for-backward bytes on each rank, by sublayer, measured in
-real tp processes (`paddle_pp.training.activations`: every tensor an op or PyLayer saves, counted
+Memory: one LLaMA decoder layer's saved-for-backward bytes on each rank (the dense attention core,
+as when this was first measured), by sublayer, measured in real tp processes (`paddle_pp.training.activations`: every tensor an op or PyLayer saves, counted
 once, parameters left out) for tp1, tp2 and tp2 + SP, next to the planner's model of the same
 bytes. Target (issue 16): the norm activations at 1/tp with SP. Time: run_pretrain.py at tp2 with
 and without --sequence_parallel on the same model and data, median tokens/s of the steps after
@@ -25,8 +25,9 @@ sys.path.insert(0, str(REPO))
 
 from machine import machine  # noqa: E402
 
-from modeling.registry import config_from_dict, family  # noqa: E402
+from modeling.registry import config_from_dict, execution_for, family  # noqa: E402
 from paddle_pp.runtime.launch import launch  # noqa: E402
+from paddle_pp.runtime.layout import Layout  # noqa: E402
 from paddle_pp.training.report import read_metrics  # noqa: E402
 
 WORKER = REPO / "tests" / "workers" / "activation_worker.py"
@@ -59,14 +60,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, (tp, sp) in CASES.items():
             (rank0, *_) = launch(WORKER, tp, ["llama", tp, int(sp), *shape], work_dir=Path(tmp) / name, timeout=900)
+            measured = rank0["bytes"]["dense"]
             by_kind: dict[str, int] = {}
-            for sublayer, size in rank0["bytes"].items():
+            for sublayer, size in measured.items():
                 by_kind[kind(sublayer)] = by_kind.get(kind(sublayer), 0) + size
-            planned = family("llama").layer_activation_bytes(config, args.batch, args.max_seq_length, tp, sp)
+            run = execution_for(Layout(world_size=tp, tensor_parallel_degree=tp, sequence_parallel=sp), 0)
+            planned = family("llama").layer_saved_bytes(config, run, args.batch, args.max_seq_length)
             memory[name] = {"by_kind_mb": {k: v / 2**20 for k, v in by_kind.items()},
-                            "total_mb": sum(by_kind.values()) / 2**20, "planner_exact": planned == rank0["bytes"]}
+                            "total_mb": sum(by_kind.values()) / 2**20, "planner_exact": planned == measured}
             print(f"{name:>9}: " + ", ".join(f"{k} {v / 2**20:.2f} MB" for k, v in by_kind.items())
-                  + f"; layer {sum(by_kind.values()) / 2**20:.2f} MB; planner exact: {planned == rank0['bytes']}",
+                  + f"; layer {sum(by_kind.values()) / 2**20:.2f} MB; planner exact: {planned == measured}",
                   flush=True)
         plain, split = memory["tp2"], memory["tp2 + SP"]
         norm_ratio = split["by_kind_mb"]["norms"] / plain["by_kind_mb"]["norms"]

@@ -1,5 +1,9 @@
 """Model families in single-card, tensor-parallel and pipeline forms, speaking single-card names.
 
-`registry.py` lists the families; each folder holds one (config, model, pipeline model, TP plan,
-family entry). Models import the parallel runtime only for type hints.
+Every family is built from the shared blocks (`blocks/`): `causal_lm.py` and `pipeline.py` are the
+generic single-card/TP model and pipeline model, `family.py` derives a family's classes, TP plan
+and checks from one declaration, and `<family>/__init__.py` holds only its config and what
+differs. `registry.py` lists the families by model_type. How a run computes a model (parallel
+degrees, attention core, recompute, fused kernels) is its `Execution` (`execution.py`), handed to
+the model's constructor, never a config field. Models import the parallel runtime only for type hints.
 """

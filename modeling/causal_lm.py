@@ -3,8 +3,8 @@
 A family's `Skeleton` names where its pieces sit (PaddleNLP's names: "llama.embed_tokens",
 "llama.layers", "llama.norm", "lm_head"; GPT's "gpt.embeddings.word_embeddings", ...). The model
 creates those paths, so its `state_dict()` speaks the family's single-card names, and runs them in
-order: embeddings, decoder layers, final norm, head (the token embedding itself when tied). With
-`config.tensor_parallel_degree > 1` the parts are fleet's parallel layers; the code is the same.
+order: embeddings, decoder layers, final norm, head (the token embedding itself when tied). Under a
+run's tensor parallelism (`Execution.tp > 1`) the parts are fleet's parallel layers; the code is the same.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from paddlenlp.transformers.model_utils import PretrainedModel
 
 from modeling.blocks.embedding import LMHead, embed, logits
 from modeling.blocks.parts import Block, Embedding, Leaf, VocabEmbedding
+from modeling.execution import Execution
 from modeling.loss import CausalLMCriterion
-from modeling.tp_layers import tp_degree
 from modeling.tp_plan import FIRST, FIRST_AND_LAST, LAST, TensorPlan, split_axes, tensor_parallel_mappings
 
 
@@ -97,25 +97,26 @@ class CausalLMPretrainedModel(PretrainedModel):
 
 
 class CausalLM(CausalLMPretrainedModel):
-    """Single card, or TP with fleet's parallel layers when config.tensor_parallel_degree > 1."""
+    """Single card, or TP with fleet's parallel layers under a run's `Execution` with tp > 1."""
 
-    def __init__(self, config):
+    def __init__(self, config, run: Execution | None = None):
         super().__init__(config)
-        self.family.check_tensor_parallel(config, tp_degree(config))
+        self.run = run = run or Execution()
+        self.family.check_tensor_parallel(config, run.tp)
         for path, part, _ in self.family.skeleton.parts(config):
-            attach(self, path, part(config) if isinstance(part, type) else part.build(config))
-        self.criterion = CausalLMCriterion(config)
+            attach(self, path, part(config, run) if isinstance(part, type) else part.build(config, run))
+        self.criterion = CausalLMCriterion(run)
         self.apply(self._init_weights)
 
     def forward(self, input_ids, labels=None):
-        skeleton, config = self.family.skeleton, self.config
+        skeleton, config, run = self.family.skeleton, self.config, self.run
         tokens = find(self, skeleton.tokens)
-        hidden = embed(config, tokens, find(self, skeleton.positions) if skeleton.positions else None, input_ids)
+        hidden = embed(config, run, tokens, find(self, skeleton.positions) if skeleton.positions else None, input_ids)
         for layer in find(self, skeleton.layers):
             hidden = layer(hidden)
         hidden = find(self, skeleton.norm)(hidden)
         if config.tie_word_embeddings:
-            out = logits(config, hidden, tokens.weight, tied=True)
+            out = logits(run, hidden, tokens.weight, tied=True)
         else:
             out = find(self, skeleton.head)(hidden)
         if labels is None:

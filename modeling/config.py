@@ -26,10 +26,10 @@ class CausalLMConfig(PretrainedConfig):
     """Fields common to every family, under PaddleNLP's names; families add their own."""
 
     attention_output = "o_proj"  # the attention's output projection's name (GPT: out_proj)
+    has_dropout = False  # PaddleNLP's model of the family has dropout (GPT), which is not modelled here
 
     def __init__(self, vocab_size: int, hidden_size: int, intermediate_size: int, num_hidden_layers: int,
-                 num_attention_heads: int, max_position_embeddings: int, initializer_range: float = 0.02,
-                 recompute: bool = False, virtual_pp_degree: int = 1, **kwargs):
+                 num_attention_heads: int, max_position_embeddings: int, initializer_range: float = 0.02, **kwargs):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -37,8 +37,6 @@ class CausalLMConfig(PretrainedConfig):
         self.num_attention_heads = num_attention_heads
         self.max_position_embeddings = max_position_embeddings
         self.initializer_range = initializer_range
-        self.recompute = recompute
-        self.virtual_pp_degree = virtual_pp_degree
         super().__init__(**kwargs)
 
     def validate(self) -> None:
@@ -67,9 +65,8 @@ class DecoderConfig(CausalLMConfig):
                  num_hidden_layers: int = 32, num_attention_heads: int = 32, num_key_value_heads: int | None = None,
                  head_dim: int | None = None, hidden_act: str = "silu", max_position_embeddings: int = 2048,
                  rms_norm_eps: float = 1e-6, rope_theta: float = 10000.0, rope_scaling: dict | None = None,
-                 tie_word_embeddings: bool = False, initializer_range: float = 0.02, recompute: bool = False,
-                 virtual_pp_degree: int = 1, pad_token_id: int | None = 0, bos_token_id: int | None = 1,
-                 eos_token_id: int | None = 2, **kwargs):
+                 tie_word_embeddings: bool = False, initializer_range: float = 0.02, pad_token_id: int | None = 0,
+                 bos_token_id: int | None = 1, eos_token_id: int | None = 2, **kwargs):
         self.num_key_value_heads = num_key_value_heads or num_attention_heads
         # transformers' rule: hidden_size // num_attention_heads unless given (Qwen3 and Gemma give another)
         self.head_dim = head_dim or hidden_size // num_attention_heads
@@ -81,8 +78,8 @@ class DecoderConfig(CausalLMConfig):
             vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
             num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
             max_position_embeddings=max_position_embeddings, initializer_range=initializer_range,
-            recompute=recompute, virtual_pp_degree=virtual_pp_degree, pad_token_id=pad_token_id,
-            bos_token_id=bos_token_id, eos_token_id=eos_token_id, tie_word_embeddings=tie_word_embeddings, **kwargs)
+            pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+            tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     @property
     def qkv_bias(self) -> bool:

@@ -3,8 +3,9 @@ spellings into transformers 4.x's (the form our configs keep).
 
 `HARMLESS` is the documented list (README, "Start from a model"): bookkeeping, inference and
 generation settings, other tasks' heads, and PaddleNLP's run and kernel settings. A few of them are
-harmless only at one value (a fused-weights flag, an encoder-decoder flag): the predicate says
-which. A field on no list and not modelled by the family is refused by name.
+harmless only at one value (an encoder-decoder flag): the predicate says which. PaddleNLP's fused-
+projection flags say where a folder stores tensors (`paddle_pp.interop.pretrained` reads them). A
+field on no list and not modelled by the family is refused by name.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ _OTHER_TASKS = ("id2label", "label2id", "num_labels", "problem_type", "finetunin
                 "prefix", "classifier_dropout", "sep_token_id", "decoder_start_token_id", "cross_attention_hidden_size",
                 "is_decoder", "keys_to_ignore_at_inference")
 _PADDLENLP_RUN = ("tensor_parallel_degree", "tensor_parallel_rank", "tensor_parallel_output", "sequence_parallel",
+                  "pipeline_parallel_degree", "virtual_pp_degree", "recompute",
                   "fuse_sequence_parallel_allreduce", "sep_parallel_degree", "context_parallel_degree",
                   "use_flash_attention", "use_fused_rms_norm", "use_fused_rope", "use_fused_linear",
                   "use_fused_dropout_add", "use_fast_layer_norm", "use_recompute", "recompute_granularity",
@@ -47,10 +49,9 @@ _PADDLENLP_RUN = ("tensor_parallel_degree", "tensor_parallel_rank", "tensor_para
                   "immediate_clear_past_key_value", "use_flash_attention_for_generation",
                   "use_last_token_for_generation", "seq_length", "use_sparse_head_and_loss_fn",
                   "use_fused_head_and_loss_fn", "kto_config", "quantization_config_dict")
-_ONLY_WHEN_OFF = ("is_encoder_decoder", "add_cross_attention", "tie_encoder_decoder", "pruned_heads",
-                  "fuse_attention_qkv", "fuse_attention_ffn", "alibi", "use_long_sequence_strategies",
-                  "long_sequence_strategy_type", "long_sequence_strategy_name", "long_sequence_init_args",
-                  "quantization_config")
+_ONLY_WHEN_OFF = ("is_encoder_decoder", "add_cross_attention", "tie_encoder_decoder", "pruned_heads", "alibi",
+                  "use_long_sequence_strategies", "long_sequence_strategy_type", "long_sequence_strategy_name",
+                  "long_sequence_init_args", "quantization_config")
 
 HARMLESS: dict[str, Check] = {
     **{name: any_value for name in _BOOKKEEPING + _INFERENCE + _OTHER_TASKS + _PADDLENLP_RUN},

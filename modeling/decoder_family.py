@@ -23,11 +23,13 @@ def _stored(prefix: str, name: str, row: TensorPlan) -> Stored:
 
 
 def decoder_family(config_class: type, architecture: str, prefix: str, paddlenlp: bool,
-                   accepted: dict[str, Callable[[Any, dict], bool]] | None = None) -> ModelFamily:
-    """`config_class`'s family, named `architecture` in both transformers and PaddleNLP."""
+                   accepted: dict[str, Callable[[Any, dict], bool]] | None = None,
+                   paddlenlp_fused: tuple[str, ...] = ()) -> ModelFamily:
+    """`config_class`'s family, named `architecture` in both transformers and PaddleNLP (whose model
+    of it fuses the projections `paddlenlp_fused` names on request)."""
     skeleton = Skeleton(DecoderLayer, tokens=f"{prefix}.embed_tokens", layers=f"{prefix}.layers", norm=f"{prefix}.norm")
     adapter = TransformersAdapter(
         model_type=config_class.model_type, architecture=architecture, locate=partial(_stored, prefix),
         fixed={"attention_dropout": 0.0}, accepted={"pretraining_tp": any_value, **(accepted or {})},
         buffers=("rotary_emb.inv_freq",))
-    return ModelFamily(config_class, architecture, skeleton, adapter, paddlenlp)
+    return ModelFamily(config_class, architecture, skeleton, adapter, paddlenlp, frozenset(paddlenlp_fused))

@@ -10,7 +10,9 @@ import types
 from dataclasses import dataclass
 from functools import cached_property
 
+from modeling.blocks.decoder import LayerActivations, layer_activations
 from modeling.causal_lm import CausalLM, Skeleton
+from modeling.execution import Execution
 from modeling.pipeline import CausalLMPipe
 from modeling.tp_plan import ModelPlan, check_divisible, local_shape
 from modeling.transformers_adapter import TransformersAdapter
@@ -27,6 +29,7 @@ class ModelFamily:
     skeleton: Skeleton
     transformers: TransformersAdapter | None = None
     paddlenlp: bool = False  # PaddleNLP 3.0.0b4 has this family under the same names
+    paddlenlp_fused: frozenset[str] = frozenset()  # its fuse_attention_qkv / fuse_attention_ffn, if it has them
 
     @property
     def model_type(self) -> str:
@@ -34,7 +37,7 @@ class ModelFamily:
 
     @cached_property
     def causal_lm(self) -> type:
-        """`<Arch>`: single card, or TP with fleet's parallel layers when config.tensor_parallel_degree > 1."""
+        """`<Arch>`: single card, or TP with fleet's parallel layers under an `Execution` with tp > 1."""
         return self._generated(self.architecture, CausalLM)
 
     @cached_property
@@ -57,17 +60,24 @@ class ModelFamily:
         fields = ("vocab_size",) + self.skeleton.decoder_layer.all_tp_fields(config)
         check_divisible(self.architecture, config, fields, tp)
 
-    def layer_activation_bytes(self, config, batch: int, seq_len: int, tp: int, sequence_parallel: bool,
-                               dtype_bytes: int = 4) -> dict[str, int]:
-        """What one decoder layer keeps for backward on a rank, by sublayer (the planner's model)."""
-        return self.skeleton.decoder_layer.saved_bytes(config, batch, seq_len, tp, sequence_parallel, dtype_bytes)
+    def layer_saved_bytes(self, config, run: Execution, batch: int, seq_len: int,
+                          dtype_bytes: int = 4) -> dict[str, int]:
+        """What one decoder layer keeps for backward on a rank with nothing recomputed, by sublayer (those
+        that keep something)."""
+        saved = self.skeleton.decoder_layer.saved_bytes(config, run, batch, seq_len, dtype_bytes)
+        return {name: size for name, size in saved.items() if size}
 
-    def check_built(self, model, config, pp: int, stage: int) -> None:
+    def layer_activations(self, config, run: Execution, batch: int, seq_len: int,
+                          dtype_bytes: int = 4) -> LayerActivations:
+        """One decoder layer's activations on a rank under the run's recompute (the planner's model)."""
+        return layer_activations(self.skeleton.decoder_layer, config, run, batch, seq_len, dtype_bytes)
+
+    def check_built(self, model, config, run: Execution, pp: int, stage: int) -> None:
         """The built model holds exactly the plan's tensors for its stage, in the plan's per-rank
         shapes. Run on every rank of every job, so a declaration that drifts from the model code
         fails at start-up instead of saving a checkpoint that another layout reads wrong."""
-        plan, tp = self.tensor_plan(config), max(config.tensor_parallel_degree, 1)
-        expected = plan.stage_names(stage, pp, config.virtual_pp_degree)
+        plan, tp = self.tensor_plan(config), run.tp
+        expected = plan.stage_names(stage, pp, run.vpp)
         held = {name: tuple(param.shape) for name, param in model.state_dict().items()}
         problems = [f"{name}: held but not planned for stage {stage}" for name in sorted(set(held) - expected)]
         problems += [f"{name}: planned for stage {stage} but not held" for name in sorted(expected - set(held))]

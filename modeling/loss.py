@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import paddle
 import paddle.nn.functional as F
 from paddle import nn
 from paddle.distributed.fleet.layers.mpu import mp_layers
 
 from modeling.autocast import full_precision
-from modeling.tp_layers import tp_degree
+from modeling.execution import Execution
 
 IGNORE_INDEX = -100
 
@@ -19,9 +18,9 @@ class CausalLMCriterion(nn.Layer):
     Under TP the logits stay split by vocabulary and `ParallelCrossEntropy` reduces across ranks,
     so the full logits are never gathered."""
 
-    def __init__(self, config):
+    def __init__(self, run: Execution):
         super().__init__()
-        self.parallel = mp_layers.ParallelCrossEntropy(ignore_index=IGNORE_INDEX) if tp_degree(config) > 1 else None
+        self.parallel = mp_layers.ParallelCrossEntropy(ignore_index=IGNORE_INDEX) if run.tp > 1 else None
 
     def forward(self, logits, labels):
         with full_precision():  # in fp32 whatever the compute dtype, as PaddleNLP's criterion

@@ -20,6 +20,7 @@ from paddlenlp.transformers.model_utils import PipelinePretrainedModel
 from modeling.blocks.embedding import HeadLayer, TiedHeadLayer, embed
 from modeling.blocks.parts import Leaf
 from modeling.causal_lm import CausalLMPretrainedModel
+from modeling.execution import Execution
 from modeling.loss import CausalLMCriterion
 from modeling.tp_plan import FIRST, FIRST_AND_LAST
 from paddle_pp.runtime.errors import UserError
@@ -65,11 +66,11 @@ def tie_shared_weights(pipe) -> None:
 class EmbeddingSection(nn.Layer):
     """The first stage's embeddings (token, and learned positions), children under their names."""
 
-    def __init__(self, config, parts: dict[str, Leaf], tokens: str, positions: str | None):
+    def __init__(self, config, run: Execution, parts: dict[str, Leaf], tokens: str, positions: str | None):
         super().__init__()
-        self.config = config
+        self.config, self.run = config, run
         for name, part in parts.items():
-            self.add_sublayer(name, part.build(config))
+            self.add_sublayer(name, part.build(config, run))
         self.names = (tokens, positions)
 
     @property
@@ -78,15 +79,16 @@ class EmbeddingSection(nn.Layer):
 
     def forward(self, input_ids):
         tokens, positions = self.names
-        return embed(self.config, getattr(self, tokens), getattr(self, positions) if positions else None, input_ids)
+        return embed(self.config, self.run, getattr(self, tokens), getattr(self, positions) if positions else None,
+                     input_ids)
 
 
 class NormSection(nn.Layer):
     """The last stage's final norm, under its own name."""
 
-    def __init__(self, config, name: str, part: Leaf):
+    def __init__(self, config, run: Execution, name: str, part: Leaf):
         super().__init__()
-        self.add_sublayer(name, part.build(config))
+        self.add_sublayer(name, part.build(config, run))
         self.name = name
 
     def forward(self, hidden):
@@ -106,37 +108,34 @@ class CausalLMPipe(PipelinePretrainedModel, PipelineLayer):
     _get_tensor_parallel_mappings = CausalLMPretrainedModel._get_tensor_parallel_mappings
     _init_weights = CausalLMPretrainedModel._init_weights
 
-    def __init__(self, config):
-        self.config = config
-        hcg = fleet.get_hybrid_communicate_group()
-        config.tensor_parallel_degree = hcg.get_model_parallel_world_size()
-        config.tensor_parallel_rank = hcg.get_model_parallel_rank()
-        self.family.check_tensor_parallel(config, config.tensor_parallel_degree)
+    def __init__(self, config, run: Execution):
+        self.config, self.run = config, run
+        self.family.check_tensor_parallel(config, run.tp)
         skeleton, tied = self.family.skeleton, config.tie_word_embeddings
         parts = skeleton.parts(config)
         tied_key = f"{self.family.model_type}_tied_embedding"
         first = {path: part for path, part, place in parts if place in (FIRST, FIRST_AND_LAST)}
         prefix = _split(skeleton.tokens)[0]
-        embedding = dict(config=config, parts={_split(p)[1]: part for p, part in first.items()},
+        embedding = dict(config=config, run=run, parts={_split(p)[1]: part for p, part in first.items()},
                          tokens=_split(skeleton.tokens)[1],
                          positions=_split(skeleton.positions)[1] if skeleton.positions else None)
         self.add_sequential_layer(
             SharedLayerDesc(tied_key, EmbeddingSection, shared_weight_attr="embedding_weight", **embedding) if tied
             else LayerDesc(EmbeddingSection, **embedding), prefix)
         for i in range(config.num_hidden_layers):
-            self.add_sequential_layer(LayerDesc(skeleton.decoder_layer, config=config), f"{skeleton.layers}.{i}")
+            self.add_sequential_layer(LayerDesc(skeleton.decoder_layer, config=config, run=run),
+                                      f"{skeleton.layers}.{i}")
         norm_prefix, norm_name = _split(skeleton.norm)
-        self.add_sequential_layer(LayerDesc(NormSection, config=config, name=norm_name, part=config.hidden_norm()),
-                                  norm_prefix)
+        self.add_sequential_layer(LayerDesc(NormSection, config=config, run=run, name=norm_name,
+                                            part=config.hidden_norm()), norm_prefix)
         if tied:
-            self.add_sequential_layer(
-                SharedLayerDesc(tied_key, TiedHeadLayer, shared_weight_attr="embedding_weight", config=config),
-                skeleton.tokens)
+            self.add_sequential_layer(SharedLayerDesc(tied_key, TiedHeadLayer, shared_weight_attr="embedding_weight",
+                                                      config=config, run=run), skeleton.tokens)
         else:
             head = next(part for path, part, _ in parts if path == skeleton.head)
-            self.add_sequential_layer(LayerDesc(HeadLayer, config=config, hidden_size=head.hidden_size,
+            self.add_sequential_layer(LayerDesc(HeadLayer, run=run, hidden_size=head.hidden_size,
                                                 vocab_size=head.vocab_size), skeleton.head)
-        self._build_stages(CausalLMCriterion(config))
+        self._build_stages(CausalLMCriterion(run))
 
     def _build_stages(self, loss_fn: nn.Layer) -> None:
         """Cut the registered layers into this rank's stage(s), initialise them and tie shared weights.
@@ -144,7 +143,7 @@ class CausalLMPipe(PipelinePretrainedModel, PipelineLayer):
         `PipelinePretrainedModel.__init__` is skipped on purpose (diamond with PipelineLayer): the
         registered layers are handed to `PipelineLayer.__init__` directly."""
         hcg = fleet.get_hybrid_communicate_group()
-        pp, vpp = hcg.get_pipe_parallel_world_size(), self.config.virtual_pp_degree
+        pp, vpp = hcg.get_pipe_parallel_world_size(), self.run.vpp
         PipelineLayer.__init__(
             self,
             layers=self.get_sequential_layers(),

@@ -6,9 +6,11 @@ A new family: a folder `modeling/<name>/` declaring its config and `ModelFamily`
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from modeling.execution import Execution
 from modeling.family import ModelFamily
 from modeling.gemma import GEMMA
 from modeling.gpt import GPT
@@ -86,14 +88,18 @@ def validate_layout(config, layout: Layout) -> None:
             "reduction both hook the backward pass (untested order); use --sharding stage1 with tp, or tp 1")
 
 
-def build_causal_lm(config, topo: Topology):
+def execution_for(layout: Layout, tp_rank: int, choices: Execution = Execution()) -> Execution:
+    """The run's `Execution` on a rank of `layout`: `choices` (attention core, recompute, kernels)
+    with the layout's parallel degrees and this rank's place in them."""
+    return replace(choices, tp=layout.tp, tp_rank=tp_rank, sequence_parallel=layout.sequence_parallel,
+                   vpp=layout.vpp)
+
+
+def build_causal_lm(config, topo: Topology, choices: Execution = Execution()):
     """The model form the layout needs (`*ForCausalLMPipe` when pp > 1, else `*ForCausalLM` with
-    TP inside), checked against its family's declaration."""
+    TP inside) for the run's `choices`, checked against its family's declaration."""
     model_family = family_of(config)
-    config.tensor_parallel_degree = topo.layout.tp
-    config.tensor_parallel_rank = topo.tp_rank
-    config.virtual_pp_degree = topo.layout.vpp
-    config.sequence_parallel = topo.layout.sequence_parallel
-    model = model_family.pipe(config) if topo.layout.pp > 1 else model_family.causal_lm(config)
-    model_family.check_built(model, config, topo.layout.pp, topo.pp_rank)
+    run = execution_for(topo.layout, topo.tp_rank, choices)
+    model = model_family.pipe(config, run) if topo.layout.pp > 1 else model_family.causal_lm(config, run)
+    model_family.check_built(model, config, run, topo.layout.pp, topo.pp_rank)
     return model

@@ -17,9 +17,7 @@ from __future__ import annotations
 import paddle
 from paddle.distributed.fleet.utils import sequence_parallel_utils as sp_utils
 
-
-def enabled(config) -> bool:
-    return bool(getattr(config, "sequence_parallel", False)) and max(config.tensor_parallel_degree, 1) > 1
+from modeling.execution import Execution
 
 
 def sequence_shards(tp: int, sequence_parallel: bool) -> int:
@@ -28,25 +26,25 @@ def sequence_shards(tp: int, sequence_parallel: bool) -> int:
     return tp if sequence_parallel else 1
 
 
-def scatter_sequence(hidden: paddle.Tensor, config) -> paddle.Tensor:
+def scatter_sequence(hidden: paddle.Tensor, run: Execution) -> paddle.Tensor:
     """[batch, seq, hidden] -> this rank's [seq / tp, batch, hidden] (identity without SP)."""
-    if not enabled(config):
+    if not run.sequence_first:
         return hidden
     return sp_utils.ScatterOp.apply(hidden.transpose([1, 0, 2]))
 
 
-def gather_sequence(hidden: paddle.Tensor, config) -> paddle.Tensor:
+def gather_sequence(hidden: paddle.Tensor, run: Execution) -> paddle.Tensor:
     """This rank's [seq / tp, batch, hidden] -> [batch, seq, hidden] for the head (identity without SP).
     The backward keeps this rank's rows of a gradient the vocabulary-parallel head already summed."""
-    if not enabled(config):
+    if not run.sequence_first:
         return hidden
     return sp_utils.GatherOp.apply(hidden).transpose([1, 0, 2])
 
 
-def gather_tokens(hidden: paddle.Tensor, config) -> paddle.Tensor:
+def gather_tokens(hidden: paddle.Tensor, run: Execution) -> paddle.Tensor:
     """The whole sequence [seq, batch, hidden] as input of a block's column-parallel linears, gathered
     once per block (Paddle's ColumnSequenceParallelLinear gathers once per linear: three times for
     q, k, v). Its backward reduce-scatters the summed input gradient."""
-    if not enabled(config):
+    if not run.sequence_first:
         return hidden
     return sp_utils.AllGatherOp.apply(hidden)

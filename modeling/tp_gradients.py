@@ -13,18 +13,18 @@ from paddle.distributed import fleet
 from paddle.distributed.fleet.utils import sequence_parallel_utils as sp_utils
 from paddle.distributed.fleet.utils.hybrid_parallel_util import fused_allreduce_gradients_with_group
 
-from modeling import sequence_parallel
+from modeling.execution import Execution
 
 PARTIAL_OVER_HEADS = "tp_partial_over_heads"  # attribute marking a parameter that sees only this rank's heads
 
 
-def mark(layer: nn.Layer, config, always: bool = False) -> nn.Layer:
+def mark(layer: nn.Layer, run: Execution, always: bool = False) -> nn.Layer:
     """Mark `layer`'s parameters as seeing only a part of the input on each tp rank: its heads
     (`always`), or its positions under sequence parallelism (Paddle's own mark)."""
-    if always and max(config.tensor_parallel_degree, 1) > 1:
+    if always and run.tp > 1:
         for param in layer.parameters():
             setattr(param, PARTIAL_OVER_HEADS, True)
-    elif sequence_parallel.enabled(config):
+    elif run.sequence_first:
         for param in layer.parameters():
             sp_utils.mark_as_sequence_parallel_parameter(param)
     return layer

@@ -1,7 +1,7 @@
 """Layers that become fleet's tensor-parallel layers when tp > 1 and plain Paddle layers otherwise.
 
 Model files call these instead of choosing between the two, so a model reads like its single-card
-form and the split follows from `config.tensor_parallel_degree` alone.
+form and the split follows from the run's `Execution` alone.
 """
 
 from __future__ import annotations
@@ -12,11 +12,7 @@ from paddle.distributed import fleet
 from paddle.distributed.fleet.layers.mpu import mp_layers
 from paddle.distributed.fleet.utils import sequence_parallel_utils as sp_utils
 
-from modeling import sequence_parallel
-
-
-def tp_degree(config) -> int:
-    return max(config.tensor_parallel_degree, 1)
+from modeling.execution import Execution
 
 
 class GatheredColumnLinear(sp_utils.ColumnSequenceParallelLinear):
@@ -27,28 +23,28 @@ class GatheredColumnLinear(sp_utils.ColumnSequenceParallelLinear):
         return self.linear(x, self.weight, self.bias, name=self._name)
 
 
-def column_linear(config, in_features: int, out_features: int, bias: bool = False) -> nn.Layer:
+def column_linear(run: Execution, in_features: int, out_features: int, bias: bool = False) -> nn.Layer:
     """Output features split over tp ranks; the output stays split for the matching row linear."""
-    if sequence_parallel.enabled(config):
+    if run.sequence_first:
         return GatheredColumnLinear(in_features, out_features, has_bias=bias, gather_output=False)
-    if tp_degree(config) > 1:
+    if run.tp > 1:
         return mp_layers.ColumnParallelLinear(in_features, out_features, has_bias=bias, gather_output=False)
     return nn.Linear(in_features, out_features, bias_attr=None if bias else False)
 
 
-def row_linear(config, in_features: int, out_features: int, bias: bool = False) -> nn.Layer:
+def row_linear(run: Execution, in_features: int, out_features: int, bias: bool = False) -> nn.Layer:
     """Input features split over tp ranks; partial outputs are all-reduced (bias added once), or under
     sequence parallelism reduce-scattered along the sequence (the bias then marked sequence-parallel)."""
-    if sequence_parallel.enabled(config):
+    if run.sequence_first:
         return sp_utils.RowSequenceParallelLinear(in_features, out_features, has_bias=bias, input_is_parallel=True)
-    if tp_degree(config) > 1:
+    if run.tp > 1:
         return mp_layers.RowParallelLinear(in_features, out_features, has_bias=bias, input_is_parallel=True)
     return nn.Linear(in_features, out_features, bias_attr=None if bias else False)
 
 
-def vocab_embedding(config, num_embeddings: int, dim: int) -> nn.Layer:
+def vocab_embedding(run: Execution, num_embeddings: int, dim: int) -> nn.Layer:
     """Vocabulary rows split over tp ranks; lookups outside a rank's rows are zero, then all-reduced."""
-    if tp_degree(config) > 1:
+    if run.tp > 1:
         return mp_layers.VocabParallelEmbedding(num_embeddings, dim)
     return nn.Embedding(num_embeddings, dim)
 

@@ -13,10 +13,12 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
+
 from modeling.config_fields import HARMLESS, as_transformers4
 from modeling.tp_plan import TensorPlan
 
-RUN_FIELDS = ("self", "kwargs", "recompute", "virtual_pp_degree")  # set by the run, not by a model folder
+RUN_FIELDS = ("self", "kwargs")  # a config class's __init__ arguments that are no model field
 
 
 class ConfigFieldError(ValueError):
@@ -25,14 +27,45 @@ class ConfigFieldError(ValueError):
 
 @dataclass(frozen=True)
 class Stored:
-    """Where one of our tensors is in a transformers folder: under `name`, transposed or not, and
-    when their tensor fuses several of ours, our slice `part` of `parts` equal ones along `axis`."""
+    """Where one of our tensors is in a model folder (transformers', PaddleNLP's): under `name`,
+    transposed or not, and when their tensor fuses several of ours, along `axis` either our slice
+    `part` of `parts` equal ones, or with `interleave` = (group width, offset, width) the `width`
+    entries at `offset` of every group of `group width` entries (PaddleNLP's fused qkv)."""
 
     name: str
     transposed: bool = False
     axis: int | None = None
     part: int = 0
     parts: int = 1
+    interleave: tuple[int, int, int] | None = None
+
+    @property
+    def fused(self) -> bool:
+        return self.parts > 1 or self.interleave is not None
+
+    def select(self, stored: np.ndarray) -> np.ndarray:
+        """Our entries of an interleaved stored tensor, or of a piece of it made of whole groups."""
+        group, offset, width = self.interleave
+        axis = self.axis
+        grouped = stored.reshape(stored.shape[:axis] + (-1, group) + stored.shape[axis + 1:])
+        ours = np.take(grouped, np.arange(offset, offset + width), axis=axis + 1)
+        return ours.reshape(ours.shape[:axis] + (-1,) + ours.shape[axis + 2:])
+
+
+def join(members: list[tuple[Stored, np.ndarray]]) -> np.ndarray:
+    """The stored tensor made of our `members` (each array in the stored orientation, with where it sits)."""
+    first = members[0][0]
+    if len(members) == 1 and not first.fused:
+        return members[0][1]
+    if first.interleave is None:
+        return np.concatenate([array for _, array in sorted(members, key=lambda m: m[0].part)], axis=first.axis)
+    axis = first.axis
+    grouped = [array.reshape(array.shape[:axis] + (-1, stored.interleave[2]) + array.shape[axis + 1:])
+               for stored, array in sorted(members, key=lambda m: m[0].interleave[1])]
+    whole = np.concatenate(grouped, axis=axis + 1)
+    if whole.shape[axis + 1] != first.interleave[0]:
+        raise ValueError(f"{first.name}: the parts given do not fill its groups of {first.interleave[0]}")
+    return whole.reshape(whole.shape[:axis] + (-1,) + whole.shape[axis + 2:])
 
 
 @dataclass(frozen=True)

@@ -20,16 +20,16 @@ INVALID = [
     (["--virtual_pp_degree", "0"], 4, "cpu", ["--virtual_pp_degree 0", "positive"]),
     (["--sharding_parallel_degree", "2"], 4, "cpu", ["--sharding_parallel_degree 2", "needs --sharding"]),
     (["--sharding", "stage4"], 4, "cpu", ["--sharding 'stage4'", "stage1"]),
-    # stage2/3: nothing to partition with one sharding rank; the pipeline composes only with stage1
-    (["--sharding", "stage2"], 2, "cpu", ["--sharding stage2", "--sharding_parallel_degree >= 2"]),
-    (["--sharding", "stage3", "--sharding_parallel_degree", "-1", "--tensor_parallel_degree", "2"], 2, "gpu",
-     ["--sharding stage3", "--sharding_parallel_degree >= 2 (got 1)"]),
+    # the pipeline composes only with stage1
     (["--sharding", "stage3", "--sharding_parallel_degree", "2", "--pipeline_parallel_degree", "2"], 4, "cpu",
      ["--sharding stage3 with --pipeline_parallel_degree 2", "stage1"]),
     (["--virtual_pp_degree", "2"], 2, "cpu", ["--virtual_pp_degree 2", "--pipeline_parallel_degree >= 2"]),
     (["--virtual_pp_degree", "2", "--pipeline_parallel_degree", "2"], 2, "gpu", ["pipeline_parallel_degree 2", "pp > 2"]),
     (["--pipeline_parallel_degree", "2", "--sharding_parallel_degree", "2", "--sharding", "stage1",
       "--tensor_parallel_degree", "2"], 12, "cpu", ["= 8 does not divide the world size 12"]),
+    # PaddleNLP's llama recipe (tp2, stage2, every other rank sharding) on one process: was a ZeroDivisionError
+    (["--tensor_parallel_degree", "2", "--sharding", "stage2", "--sharding_parallel_degree", "-1"], 1, "cpu",
+     ["--tensor_parallel_degree 2", "does not divide the world size 1", "--nproc_per_node 2"]),
     (["--sharding", "stage2 offload", "--sharding_parallel_degree", "2"], 2, "cpu",
      ["--sharding 'stage2 offload'", "(offload) are not supported", "--sharding stage2 alone"]),
     # sequence parallelism splits what TP replicates, and does not compose with stage2/3 yet
@@ -45,6 +45,17 @@ def test_invalid_layout_names_the_flag(flags, world, device, words):
         parse_layout(flags, world_size=world, device=device)
     for word in words:
         assert word in str(error.value)
+
+
+@pytest.mark.parametrize("flags,world", [(["--sharding", "stage2"], 1), (["--sharding", "stage2"], 2),
+                                         (["--sharding", "stage3", "--sharding_parallel_degree", "-1",
+                                           "--tensor_parallel_degree", "2"], 2)])
+def test_stage2_or_3_over_one_sharding_rank_trains_unsharded_and_says_so(flags, world):
+    """PaddleNLP's meaning ('sharding_parallel_degree=1 means no sharding'): its documented one-card
+    Qwen2.5-0.5B command runs a stage2 recipe on one process."""
+    layout = parse_layout(flags, world_size=world, device="cpu")
+    assert layout.sharding_stage == "" and layout.group_sharded_level is None and layout.dp == world // layout.tp
+    assert "training unsharded" in layout.notes[0] and flags[1] in layout.notes[0]
 
 
 def test_sequence_parallel_needs_a_sequence_length_divisible_by_tp():

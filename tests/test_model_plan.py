@@ -37,7 +37,7 @@ def test_single_card_state_dict_is_the_plan(built):
     family, config, model = built
     plan = family.tensor_plan(config)
     assert {name: tuple(p.shape) for name, p in model.state_dict().items()} == {n: r.shape for n, r in plan.items()}
-    family.check_built(model, config, pp=1, stage=0)
+    family.check_built(model, config, model.run, pp=1, stage=0)
 
 
 def test_every_split_divides_and_reassembles_at_every_allowed_tp(built):
@@ -77,7 +77,7 @@ def test_a_plan_that_disagrees_with_the_model_is_named(built, monkeypatch):
                              ({n: r for n, r in plan.items() if n != name}, f"{name}: held but not planned")):
         monkeypatch.setattr(type(family), "tensor_plan", lambda self, _, t=tensors: dataclasses.replace(plan, tensors=t))
         with pytest.raises(PlanMismatchError, match=message):
-            family.check_built(model, config, pp=1, stage=0)
+            family.check_built(model, config, model.run, pp=1, stage=0)
 
 
 def test_unknown_family_and_indivisible_tp_are_user_errors():

@@ -1,5 +1,5 @@
-"""Starting from a model folder (`--model_name_or_path`), PaddleNLP recipes, VisualDL scalars, and
-generation: transformers and PaddleNLP compute the reference losses on the batch the trainer reads."""
+"""Starting from a model folder (`--model_name_or_path`) and generation: transformers and PaddleNLP
+compute the reference losses on the batch the trainer reads (recipes: test_recipes.py)."""
 
 from __future__ import annotations
 
@@ -16,13 +16,12 @@ from conftest import first_batch
 from checkpoint.format import CheckpointError
 from checkpoint.shards import ShardReader, TensorSpec, write_shard
 from paddle_pp.interop.pretrained import PADDLENLP, TRANSFORMERS, UNIFIED, open_pretrained
-from paddle_pp.training.arguments import build_parser, parse_args
+from paddle_pp.training.arguments import parse_args
 from paddle_pp.training.generation import load_generator
 from paddle_pp.training.model_config import ModelSourceError, model_config
-from paddle_pp.training.recipes import RecipeError, read_recipe
 
 import hf_models
-from runs import FOUR_D_SAVING, MODEL, PP2, REPO, RESUME_STEP, TOKENIZER, TP2, TRAINER, Run, pretrain
+from runs import FOUR_D_SAVING, REPO, RESUME_STEP, TOKENIZER, pretrain
 
 LOSS_RTOL = 1e-5  # step 1's loss is a forward of the same fp32 weights on the same batch
 SHAPE = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -169,56 +168,6 @@ def test_flags_equal_to_the_folder_or_without_its_weights_are_accepted(transform
     other = parse_args(["--model_name_or_path", str(transformers_folder), "--no-continue_training",
                         "--num_hidden_layers", "2"])
     assert model_config(other.model, 32, 4096, pretrained, other.given).num_hidden_layers == 2
-
-
-def _recipe_of(flags: tuple[str, ...]) -> dict:
-    """A PaddleNLP argument file holding `flags` (a run's command line), as a user would write it."""
-    values, key = {}, None
-    for token in flags:
-        if token.startswith("--"):
-            key = token[2:]
-            values[key] = True
-        else:
-            values[key] = json.loads(token) if token.replace(".", "").replace("-", "").isdigit() else token
-    return values
-
-
-@pytest.mark.multiproc
-def test_a_paddlenlp_recipe_runs_the_same_run_as_its_flags_and_visualdl_reads_back_the_scalars(
-        pretrain_run, run_workers_module, data_cache, tmp_path):
-    from visualdl import LogReader
-
-    (reference, *_), _ = pretrain_run(Run("tp2pp2", 4, TP2 + PP2))
-    recipe = _recipe_of(MODEL + TP2 + PP2) | {
-        "lr_scheduler_type": "cosine", "learning_rate": 3e-3, "min_learning_rate": 3e-4, "weight_decay": 0.1,
-        "adam_beta2": 0.95, "gradient_accumulation_steps": 2, "logging_steps": 1, "eval_steps": 10,
-        "save_steps": 0, "continue_training": 1, "use_flash_attention": True, "unified_checkpoint": True,
-        "do_train": True, "report_to": "visualdl", "logging_dir": str(tmp_path / "vdl"), "disable_tqdm": True}
-    (tmp_path / "pretrain.json").write_text(json.dumps(recipe))
-    # PaddleNLP's form: the file first, command-line flags over it (its run_pretrain.py forces eval_iters 10)
-    out = tmp_path / "out"
-    result, *_ = run_workers_module(TRAINER, 4, [tmp_path / "pretrain.json", "--eval_iters", "1", "--data_cache",
-                                                data_cache, "--output_dir", out], timeout=400, tag="recipe")
-    np.testing.assert_allclose(result["losses"], reference["losses"], rtol=1e-6)
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    scalars = LogReader(file_path=str(next((tmp_path / "vdl").glob("vdlrecords.*")))).get_data("scalar", "train/loss")
-    assert [s.id for s in scalars] == [r["step"] for r in records]
-    np.testing.assert_allclose([s.value for s in scalars], [r["loss"] for r in records], rtol=1e-6)
-
-
-def test_a_recipe_takes_paddlenlps_defaults_names_what_it_ignores_and_refuses_what_it_cannot_do(tmp_path):
-    known = {action.dest for action in build_parser()._actions}
-    path = tmp_path / "r.json"
-    path.write_text(json.dumps({"max_steps": 10, "use_fused_rope": True, "tokenizer_name_or_path": "tok",
-                                "fancy_new_field": 1, "learning_rate": 1e-4, "sequence_parallel": 1}))
-    flags, notes = read_recipe(path, known, {"continue_training", "sequence_parallel"})
-    assert flags["sequence_parallel"] is True
-    assert flags["lr_scheduler_type"] == "linear" and flags["continue_training"] is False  # PaddleNLP's defaults
-    assert flags["tokenizer_dir"] == "tok" and flags["learning_rate"] == 1e-4 and flags["eval_steps"] == 500
-    assert "use_fused_rope (a kernel" in notes[0] and "fancy_new_field (unknown" in notes[0]
-    path.write_text(json.dumps({"max_steps": 10, "hidden_dropout_prob": 0.1, "recompute_granularity": "core_attn"}))
-    with pytest.raises(RecipeError, match="recompute_granularity='core_attn'.*hidden_dropout_prob=0.1"):
-        read_recipe(path, known, set())
 
 
 def test_greedy_generation_matches_transformers_generate(transformers_folder):

@@ -12,7 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from modeling.registry import config_from_dict, family
+from modeling.attention_core import CORES
+from modeling.execution import Execution, Recompute
+from modeling.registry import config_from_dict, execution_for, family
 from paddle_pp.planning.memory import Workload, decoder_activation_bytes
 from paddle_pp.runtime.layout import Layout
 
@@ -85,20 +87,33 @@ def _config(model_type: str):
                             | ({"num_key_value_heads": KV_HEADS} if model_type == "llama" else {}))
 
 
+def _execution(layout: Layout, core: str, granularity: str = "none"):
+    return execution_for(layout, 0, Execution(attention=CORES[core],
+                                              recompute=Recompute(None if granularity == "none" else granularity)))
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("case", ACTIVATION_CASES, ids=lambda c: f"{c[0]}_tp{c[1]}{'_sp' if c[2] else ''}")
 def test_planner_activation_model_equals_the_measured_bytes(measured_activations, case):
-    """The planner's per-layer activation model (modeling/<family>/activations.py) is exact: every
-    sublayer's saved bytes on every rank, in fp32, LLaMA with GQA; and the planner's per-rank total
-    is the layers' sum."""
+    """The planner's per-layer activation model (each block's and attention core's `saved_bytes`) is
+    exact in fp32, LLaMA with GQA and GPT, for the dense and the blockwise core: every sublayer's
+    saved bytes on every rank, and under each recompute granularity what a layer's forward leaves
+    allocated (its input, which the caller holds, aside); the planner's per-rank total is the
+    layers' sum."""
     model_type, tp, sp = case
     config = _config(model_type)
-    expected = family(model_type).layer_activation_bytes(config, BATCH, SEQ, tp, sp)
-    for rank in measured_activations[case]:
-        assert rank["bytes"] == expected, f"tp rank {rank['tp_rank']}"
     layout = Layout(world_size=tp, tensor_parallel_degree=tp, sequence_parallel=sp)
-    workload = Workload(per_device_train_batch_size=BATCH, max_seq_length=SEQ)
-    assert decoder_activation_bytes(config, layout, workload, stage=0) == 2 * sum(expected.values())
+    layer_input = BATCH * SEQ // (tp if sp else 1) * HIDDEN * 4
+    for core in ("dense", "blockwise"):
+        expected = family(model_type).layer_saved_bytes(config, _execution(layout, core), BATCH, SEQ)
+        for rank in measured_activations[case]:
+            assert rank["bytes"][core] == expected, f"{core}, tp rank {rank['tp_rank']}"
+            for granularity, held in rank["held"][core].items():
+                kept = family(model_type).layer_activations(config, _execution(layout, core, granularity), BATCH, SEQ)
+                assert held == kept.kept - layer_input, f"{core}, {granularity}, tp rank {rank['tp_rank']}"
+        workload = Workload(per_device_train_batch_size=BATCH, max_seq_length=SEQ,
+                            use_flash_attention=core == "blockwise")
+        assert decoder_activation_bytes(config, layout, workload, stage=0) == 2 * sum(expected.values())
 
 
 @pytest.mark.multiproc
@@ -106,7 +121,7 @@ def test_planner_activation_model_equals_the_measured_bytes(measured_activations
 def test_sequence_parallel_splits_the_norm_activations_over_tp(measured_activations, model_type):
     """The issue's target: with SP at tp2 the norms keep 1/tp of what they keep under plain TP (the
     only activations TP leaves whole); nothing else grows, so the layer keeps less."""
-    plain, split = (measured_activations[(model_type, 2, sp)][0]["bytes"] for sp in (False, True))
+    plain, split = (measured_activations[(model_type, 2, sp)][0]["bytes"]["dense"] for sp in (False, True))
     norms = [name for name in plain if "norm" in name]
     assert len(norms) == 2
     for name in plain:

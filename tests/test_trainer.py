@@ -1,8 +1,10 @@
 """run_pretrain.py as users run it: real launches, every layout on the loss curve of single card.
 
 20 steps from the same initial weights (drawn per single-card name, whatever the layout) and the
-same data order: tp2 x pp2 (also with --recompute), dp2 x sharding2 x tp2 x pp2 and pp4 match
-single card within 1e-4 relative; a 2-node launch equals the same layout on one node exactly.
+same data order: tp2 x pp2 (also recomputing attention blocks), dp2 x sharding2 x tp2 x pp2, pp4
+and one card recomputing attention cores (reentrant) match single card within 1e-4 relative; tp2 x
+pp2 with the dense attention core gives the blockwise core's curve within 1e-5; a 2-node launch
+equals the same layout on one node exactly.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ LOSS_RTOL = 1e-4
 RUNS = {run.tag: run for run in (
     SINGLE,
     Run("tp2pp2", 4, TP2 + PP2),
-    Run("tp2pp2_recompute", 4, TP2 + PP2 + ("--recompute",)),
+    Run("tp2pp2_recompute", 4, TP2 + PP2 + ("--recompute", "--recompute_granularity", "full_attn")),
+    Run("tp2pp2_dense", 4, TP2 + PP2 + ("--no-use_flash_attention",)),
+    Run("single_core_attn_recompute", 1, ("--recompute", "true", "--recompute_granularity", "core_attn",
+                                          "--recompute_use_reentrant", "1")),
     Run("pp4", 4, ("--pipeline_parallel_degree", "4")),
     Run("dp2pp2", 4, PP2),
     Run("dp2pp2_two_nodes", 2, PP2, nnodes=2),
@@ -38,13 +43,24 @@ def trained(pretrain_run):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", ["tp2pp2", "dp2_sharding2_tp2_pp2", "pp4", "tp2pp2_recompute"])
+@pytest.mark.parametrize("name", ["tp2pp2", "dp2_sharding2_tp2_pp2", "pp4", "tp2pp2_recompute",
+                                  "single_core_attn_recompute"])
 def test_layout_loss_curve_matches_single_card(trained, name):
     (reference, *_), _ = trained("single")
     results, _ = trained(name)
     assert len({tuple(r["losses"]) for r in results}) == 1, f"{name}: ranks report different losses"
     np.testing.assert_allclose(results[0]["losses"], reference["losses"], rtol=LOSS_RTOL)
     np.testing.assert_allclose(results[0]["eval_loss"], reference["eval_loss"], rtol=LOSS_RTOL)
+
+
+@pytest.mark.multiproc
+def test_dense_and_blockwise_attention_cores_give_the_same_curve(trained):
+    """The default core on CPU (blockwise, --use_flash_attention) against the dense one
+    (--no-use_flash_attention), both under tp2 x pp2: losses, evaluation and grad norms within 1e-5."""
+    (blockwise, *_), _ = trained("tp2pp2")
+    (dense, *_), _ = trained("tp2pp2_dense")
+    for key in ("losses", "eval_loss", "grad_norms"):
+        np.testing.assert_allclose(blockwise[key], dense[key], rtol=1e-5, err_msg=key)
 
 
 @pytest.mark.multiproc

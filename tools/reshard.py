@@ -8,7 +8,8 @@
   merge   SOURCE TARGET: Paddle fleet per-rank files (model_state.tpXX_ppYY.pdparams,
           optimizer.tpXX_ppYY[_shardZZ].pdopt, config.json, trainer_state.json) to the unified format
   rechunk SOURCE TARGET --max_shard_mb N: rewrite a unified checkpoint with another shard size
-  weights SOURCE TARGET [--dtype bfloat16]: a weights-only copy (no optimizer, no trainer state) to hand on
+  weights SOURCE TARGET [--dtype bfloat16]: a weights-only copy (no optimizer, no trainer state) to hand on;
+          with --fuse_attention_qkv / --fuse_attention_ffn in PaddleNLP's fused-projection layout
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ from checkpoint.shards import EXPORT_DTYPES
 from checkpoint.split import join_split, split_checkpoint
 from checkpoint.unified_io import export_weights, rechunk
 from checkpoint.writers import assign_writers
+from modeling.paddlenlp_fused import FFN, QKV
 from modeling.registry import config_from_dict, load_config, plan_of, validate_layout
 from paddle_pp.interop.fleet import merge_fleet
 from paddle_pp.interop.pickled import ALLOW_UNSAFE_PICKLE_HELP
+from paddle_pp.interop.transformers import export_paddlenlp_fused
 from paddle_pp.planning.memory import Workload, plan_layout
 from paddle_pp.runtime.errors import UserError
 from paddle_pp.runtime.flags import add_flags, read_flags
@@ -51,7 +54,9 @@ def _plan(args) -> int:
               f"{s.total_bytes / 2**20:>9.1f} {s.load_bytes / 2**20:>13.1f}")
     print(f"(every dp/sharding rank at a (stage, tp) holds and reads the same; activations: the decoder layers' at "
           f"the step's peak for micro-batch {workload.per_device_train_batch_size} x {workload.max_seq_length} tokens"
-          f"{', recompute' if workload.recompute else ''}; embedding, head and loss not included)")
+          f"{f', recompute {workload.recompute_granularity}' if workload.recompute else ''}, "
+          f"{workload.execution(layout, compute_bytes, config.head_dim).attention.name} attention core; embedding, "
+          "head and loss not included)")
     slots = layout.rank_slots()
     writes = assign_writers(save_items(plan_of(config), layout, compute_bytes), layout.tp)
     if len(slots) <= args.max_rows:
@@ -83,6 +88,10 @@ def _rewrite(args) -> int:
             config = load_config(args.source)
             validate_layout(config, layout)
             out = split_checkpoint(args.source, args.target, layout, plan_of(config), on_tensor)
+        elif args.command == "weights" and (args.fuse_attention_qkv or args.fuse_attention_ffn):
+            fused = frozenset(name for name in (QKV, FFN) if getattr(args, name))
+            out = export_paddlenlp_fused(args.source, args.target, fused, int(args.max_shard_mb * 2**20), on_tensor,
+                                         args.dtype)
         elif args.command == "weights":
             out = export_weights(args.source, args.target, args.dtype, int(args.max_shard_mb * 2**20), on_tensor)
         elif args.command == "merge":
@@ -124,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
                              help="largest output shard")
         if name == "weights":
             sub.add_argument("--dtype", choices=EXPORT_DTYPES, default="float32")
+            for flag in (QKV, FFN):
+                sub.add_argument(f"--{flag}", action="store_true",
+                                 help=f"store the projections fused as PaddleNLP's model with {flag} does")
         if name == "merge":
             sub.add_argument("--allow_unsafe_pickle", action="store_true", help=ALLOW_UNSAFE_PICKLE_HELP)
     args = parser.parse_args(argv)

@@ -10,14 +10,15 @@ import numpy as np
 import paddle
 from paddle import nn
 
+from modeling.execution import Execution
 from modeling.sequence_parallel import gather_sequence, scatter_sequence
-from modeling.tp_layers import tp_degree, vocab_logits
+from modeling.tp_layers import vocab_logits
 from modeling.tp_plan import COLUMN, TensorPlan
 
 _NUMPY_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
 
 
-def embed(config, tokens: nn.Layer, positions: nn.Layer | None, input_ids) -> paddle.Tensor:
+def embed(config, run: Execution, tokens: nn.Layer, positions: nn.Layer | None, input_ids) -> paddle.Tensor:
     """The first hidden states: token embeddings, times `config.embedding_multiplier` (Gemma's
     sqrt(hidden), rounded to the compute dtype as transformers does) and plus learned positions
     when the model has them; scattered along the sequence under sequence parallelism."""
@@ -28,29 +29,28 @@ def embed(config, tokens: nn.Layer, positions: nn.Layer | None, input_ids) -> pa
         hidden = paddle.scale(hidden, float(np.asarray(multiplier, _NUMPY_DTYPES[dtype]).astype(np.float32)))
     if positions is not None:
         hidden = hidden + positions(paddle.arange(input_ids.shape[-1], dtype="int64").unsqueeze(0))
-    return scatter_sequence(hidden, config)
+    return scatter_sequence(hidden, run)
 
 
-def logits(config, hidden: paddle.Tensor, weight: paddle.Tensor, tied: bool) -> paddle.Tensor:
+def logits(run: Execution, hidden: paddle.Tensor, weight: paddle.Tensor, tied: bool) -> paddle.Tensor:
     """Logits over this rank's vocabulary slice, from the head's [hidden, vocab] weight or a tied
     embedding's [vocab, hidden]; the sequence is gathered back first under sequence parallelism."""
-    return vocab_logits(gather_sequence(hidden, config), weight, tp_degree(config), transpose_y=tied)
+    return vocab_logits(gather_sequence(hidden, run), weight, run.tp, transpose_y=tied)
 
 
 class HeadLayer(nn.Layer):
     """The untied head [hidden, vocab]; under TP each rank holds a vocabulary slice."""
 
-    def __init__(self, config, hidden_size: int, vocab_size: int):
+    def __init__(self, run: Execution, hidden_size: int, vocab_size: int):
         super().__init__()
-        self.config = config
-        tp = tp_degree(config)
-        self.weight = self.create_parameter(shape=[hidden_size, vocab_size // tp])
-        if tp > 1:
+        self.run = run
+        self.weight = self.create_parameter(shape=[hidden_size, vocab_size // run.tp])
+        if run.tp > 1:
             self.weight.is_distributed = True
             self.weight.split_axis = 1
 
     def forward(self, hidden):
-        return logits(self.config, hidden, self.weight, tied=False)
+        return logits(self.run, hidden, self.weight, tied=False)
 
 
 @dataclass(frozen=True)
@@ -63,20 +63,19 @@ class LMHead:
     def tensors(self) -> dict[str, TensorPlan]:
         return {"weight": TensorPlan((self.hidden_size, self.vocab_size), COLUMN, linear=True)}
 
-    def build(self, config) -> nn.Layer:
-        return HeadLayer(config, self.hidden_size, self.vocab_size)
+    def build(self, config, run: Execution) -> nn.Layer:
+        return HeadLayer(run, self.hidden_size, self.vocab_size)
 
 
 class TiedHeadLayer(nn.Layer):
     """The last pipeline stage's copy of a tied embedding [vocab / tp, hidden], used as the head;
     fleet keeps it equal to the first stage's (`SharedLayerDesc`, `embedding_weight`)."""
 
-    def __init__(self, config):
+    def __init__(self, config, run: Execution):
         super().__init__()
-        self.config = config
-        tp = tp_degree(config)
-        self.weight = self.create_parameter(shape=[config.vocab_size // tp, config.hidden_size])
-        if tp > 1:
+        self.run = run
+        self.weight = self.create_parameter(shape=[config.vocab_size // run.tp, config.hidden_size])
+        if run.tp > 1:
             self.weight.is_distributed = True
             self.weight.split_axis = 0
 
@@ -85,4 +84,4 @@ class TiedHeadLayer(nn.Layer):
         return self.weight
 
     def forward(self, hidden):
-        return logits(self.config, hidden, self.weight, tied=True)
+        return logits(self.run, hidden, self.weight, tied=True)

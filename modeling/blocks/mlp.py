@@ -8,15 +8,19 @@ from functools import partial
 import paddle.nn.functional as F
 
 from modeling.blocks.parts import Block, ColumnLinear, Part, RowLinear
+from modeling.execution import Execution
 from modeling.sequence_parallel import gather_tokens
 
 # transformers' `hidden_act` names -> the function (gelu_new and gelu_pytorch_tanh are both GeLU's tanh form)
 ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": partial(F.gelu, approximate=False),
                "gelu_pytorch_tanh": partial(F.gelu, approximate=True), "gelu_new": partial(F.gelu, approximate=True)}
+SILU = ("silu", "swish")  # what Paddle's fused swiglu computes: silu(gate) * up
 
 
 class GatedMLP(Block):
-    """down(act(gate(x)) * up(x)); reads `hidden_act` and `mlp_bias` from the config."""
+    """down(act(gate(x)) * up(x)); reads `hidden_act` and `mlp_bias` from the config. A run with
+    `kernels.swiglu` computes silu(gate) * up with Paddle's fused `swiglu` (as PaddleNLP's LLaMA, which
+    imports it from paddle.incubate, where Paddle 3.3.1 marks it deprecated for this one)."""
 
     @classmethod
     def declare(cls, c) -> dict[str, Part]:
@@ -28,17 +32,24 @@ class GatedMLP(Block):
     def tp_fields(cls, config) -> tuple[str, ...]:
         return ("intermediate_size",)
 
-    def __init__(self, config):
-        super().__init__(config)
-        self.act = ACTIVATIONS[config.hidden_act]
+    def __init__(self, config, run: Execution):
+        super().__init__(config, run)
+        if run.kernels.swiglu and config.hidden_act in SILU:
+            self.gated = F.swiglu
+        else:
+            act = ACTIVATIONS[config.hidden_act]
+            self.gated = lambda gate, up: act(gate) * up
 
     def forward(self, x):
-        x = gather_tokens(x, self.config)
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        x = gather_tokens(x, self.run)
+        return self.down_proj(self.gated(self.gate_proj(x), self.up_proj(x)))
 
     @staticmethod
-    def saved_bytes(c, tokens: int, tp: int, dtype_bytes: int) -> dict[str, int]:
+    def saved_bytes(c, run: Execution, tokens: int, dtype_bytes: int) -> dict[str, int]:
         """gate and up share one saved input (full-size under SP); the activation's input, its output
-        and up's output stay for the product and the activation's backward."""
-        width = c.intermediate_size // tp * dtype_bytes
-        return {"gate_proj": tokens * c.hidden_size * dtype_bytes, "": 3 * tokens * width, "down_proj": tokens * width}
+        and up's output stay for the product and the activation's backward (the fused swiglu keeps its
+        two inputs only; measured on CPU, where it has a kernel)."""
+        width = c.intermediate_size // run.tp * dtype_bytes
+        glue = 2 if run.kernels.swiglu and c.hidden_act in SILU else 3
+        return {"gate_proj": tokens * c.hidden_size * dtype_bytes, "": glue * tokens * width,
+                "down_proj": tokens * width}

@@ -13,15 +13,22 @@ FP32_BYTES = 4  # the norms' statistics (and the softmax) stay fp32 whatever the
 class RMSNorm(nn.Layer):
     """x / rms(x) * scale over the last axis, statistics in fp32. The scale is `weight`, or with
     `offset` (Gemma) `1 + weight`, applied in fp32 before the cast back as transformers' Gemma does
-    (LLaMA casts first, then scales). Used over the hidden size and, for q/k norms, over a head."""
+    (LLaMA casts first, then scales). Used over the hidden size and, for q/k norms, over a head.
+    `fused` (a GPU run's --use_fused_rms_norm; not for the `1 + weight` form) calls Paddle's
+    `fused_rms_norm` kernel instead, statistics in fp32 as here (never on CPU: it dies of SIGILL on
+    AVX2 CPUs; untested here)."""
 
-    def __init__(self, dim: int, eps: float, offset: bool = False):
+    def __init__(self, dim: int, eps: float, offset: bool = False, fused: bool = False):
         super().__init__()
         self.weight = self.create_parameter(
             shape=[dim], default_initializer=nn.initializer.Constant(0.0 if offset else 1.0))
-        self.eps, self.offset = eps, offset
+        self.eps, self.offset, self.fused = eps, offset, fused and not offset
 
     def forward(self, hidden):
+        if self.fused:
+            from paddle.incubate.nn.functional import fused_rms_norm
+
+            return fused_rms_norm(hidden, self.weight, None, self.eps, hidden.ndim - 1)[0]
         # autocast off and the statistics in fp32, as in PaddleNLP's LLaMA: O2 would run them in bf16
         # (the cast is free in fp32: astype to the same dtype returns the tensor itself). Square, not
         # pow(2), and the big operand first in the broadcast product: 7x faster with backward on CPU.
@@ -33,10 +40,14 @@ class RMSNorm(nn.Layer):
         return normed.astype(self.weight.dtype) * self.weight
 
 
-def rms_norm_saved_bytes(tokens: int, dim: int, dtype_bytes: int, offset: bool, rows: int = 1) -> int:
+def rms_norm_saved_bytes(tokens: int, dim: int, dtype_bytes: int, offset: bool, rows: int = 1,
+                         fused: bool = False) -> int:
     """What `RMSNorm` keeps for backward over `tokens` x `rows` vectors of `dim`: its input, the
-    normalised input and 1/rms per vector (fp32), and under `offset` the fp32 `1 + weight`."""
+    normalised input and 1/rms per vector (fp32), and under `offset` the fp32 `1 + weight`. Paddle's
+    fused kernel keeps the input and 1/rms only (read in its backward's signature, not run)."""
     vectors = tokens * rows
+    if fused and not offset:
+        return vectors * dim * dtype_bytes + vectors * FP32_BYTES
     return 2 * vectors * dim * dtype_bytes + vectors * FP32_BYTES + (dim * FP32_BYTES if offset else 0)
 
 

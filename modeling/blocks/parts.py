@@ -2,8 +2,10 @@
 split, initial values, whether the gradient is partial per tp rank) and builds its layer.
 
 A block (`Block`) declares its parts by name in `declare(config)`; its `__init__` builds each part as
-the child of that name, and `tensors(config)` collects the parts' placements under the same names.
-So a model's TP plan is read off the declarations its layers are built from, never kept by hand.
+the child of that name for the run's `Execution` (single card, or fleet's parallel layers under TP),
+and `tensors(config)` collects the parts' placements under the same names. So a model's TP plan is
+read off the declarations its layers are built from, never kept by hand, and does not depend on
+how a run computes it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from paddle import nn
 
 from modeling import tp_gradients, tp_layers
 from modeling.blocks.norms import RMSNorm
+from modeling.execution import Execution
 from modeling.tp_plan import (
     ALWAYS,
     COLUMN,
@@ -32,7 +35,7 @@ from modeling.tp_plan import (
 class Leaf(Protocol):
     def tensors(self) -> dict[str, TensorPlan]: ...
 
-    def build(self, config) -> nn.Layer: ...
+    def build(self, config, run: Execution) -> nn.Layer: ...
 
 
 Part = Union[Leaf, type["Block"]]
@@ -50,11 +53,11 @@ class Block(nn.Layer):
         """Config fields whose units tensor parallelism splits (heads, MLP width): each must divide by tp."""
         return ()
 
-    def __init__(self, config):
+    def __init__(self, config, run: Execution):
         super().__init__()
-        self.config = config
+        self.config, self.run = config, run
         for name, part in self.declare(config).items():
-            self.add_sublayer(name, part(config) if isinstance(part, type) else part.build(config))
+            self.add_sublayer(name, part(config, run) if isinstance(part, type) else part.build(config, run))
 
     @classmethod
     def tensors(cls, config) -> dict[str, TensorPlan]:
@@ -80,8 +83,8 @@ class ColumnLinear:
         weight = {"weight": TensorPlan((self.in_features, self.out_features), COLUMN, linear=True)}
         return weight | ({"bias": TensorPlan((self.out_features,), VECTOR_SPLIT, init=ZEROS)} if self.bias else {})
 
-    def build(self, config) -> nn.Layer:
-        return tp_layers.column_linear(config, self.in_features, self.out_features, self.bias)
+    def build(self, config, run: Execution) -> nn.Layer:
+        return tp_layers.column_linear(run, self.in_features, self.out_features, self.bias)
 
 
 @dataclass(frozen=True)
@@ -98,8 +101,8 @@ class RowLinear:
         return weight | ({"bias": TensorPlan((self.out_features,), REPLICATED, init=ZEROS,
                                              tp_partial_grad=UNDER_SEQUENCE_PARALLEL)} if self.bias else {})
 
-    def build(self, config) -> nn.Layer:
-        return tp_layers.row_linear(config, self.in_features, self.out_features, self.bias)
+    def build(self, config, run: Execution) -> nn.Layer:
+        return tp_layers.row_linear(run, self.in_features, self.out_features, self.bias)
 
 
 @dataclass(frozen=True)
@@ -112,8 +115,8 @@ class VocabEmbedding:
     def tensors(self) -> dict[str, TensorPlan]:
         return {"weight": TensorPlan((self.num_embeddings, self.dim), VOCAB_ROWS)}
 
-    def build(self, config) -> nn.Layer:
-        return tp_layers.vocab_embedding(config, self.num_embeddings, self.dim)
+    def build(self, config, run: Execution) -> nn.Layer:
+        return tp_layers.vocab_embedding(run, self.num_embeddings, self.dim)
 
 
 @dataclass(frozen=True)
@@ -126,7 +129,7 @@ class Embedding:
     def tensors(self) -> dict[str, TensorPlan]:
         return {"weight": TensorPlan((self.num_embeddings, self.dim), REPLICATED)}
 
-    def build(self, config) -> nn.Layer:
+    def build(self, config, run: Execution) -> nn.Layer:
         return nn.Embedding(self.num_embeddings, self.dim)
 
 
@@ -148,6 +151,7 @@ class Norm:
         bias = TensorPlan((self.dim,), REPLICATED, init=ZEROS, tp_partial_grad=partial)
         return {"weight": scale, "bias": bias} if self.layer_norm else {"weight": scale}
 
-    def build(self, config) -> nn.Layer:
-        norm = nn.LayerNorm(self.dim, epsilon=self.eps) if self.layer_norm else RMSNorm(self.dim, self.eps, self.offset)
-        return tp_gradients.mark(norm, config, always=self.per_head)
+    def build(self, config, run: Execution) -> nn.Layer:
+        norm = nn.LayerNorm(self.dim, epsilon=self.eps) if self.layer_norm else \
+            RMSNorm(self.dim, self.eps, self.offset, fused=run.kernels.fused_rms_norm)
+        return tp_gradients.mark(norm, run, always=self.per_head)

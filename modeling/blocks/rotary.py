@@ -103,6 +103,22 @@ class _Rotary(PyLayer):
         return dy * cos.expand(dy.shape) + paddle.concat([second, -first], axis=-1), None, None
 
 
+def rotate(q, k, config, seq_len: int, seq_first: bool, fused: bool):
+    """q and k rotated by position, the tables rounded once to their dtype. `fused` (a GPU run's
+    --use_fused_rope) calls Paddle's `fused_rotary_position_embedding` as PaddleNLP's LLaMA does (the
+    half-rotation layout: use_neox_rotary_style=False) with the same tables; it has no CPU kernel
+    (untested here)."""
+    cos, sin = (table.astype(q.dtype) for table in rotary_tables(config, seq_len, seq_first))
+    if fused:
+        from paddle.incubate.nn.functional import fused_rotary_position_embedding
+
+        flat = [table.reshape([seq_len, config.head_dim]) for table in (sin, cos)]
+        q, k, _ = fused_rotary_position_embedding(q, k, None, sin=flat[0], cos=flat[1],
+                                                  use_neox_rotary_style=False, time_major=seq_first)
+        return q, k
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
 def apply_rotary(x, cos, sin):
     """Rotate [batch, seq, heads, head_dim] (or sequence first) by position; cos and sin are the
     broadcastable tables of `rotary_tables`, computed in fp32 and rounded to x's dtype (as

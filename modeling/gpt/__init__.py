@@ -7,13 +7,15 @@ from __future__ import annotations
 import paddle.nn.functional as F
 
 from modeling.blocks.attention import SelfAttention
+from modeling.blocks.decoder import prefixed
 from modeling.blocks.norms import layer_norm_saved_bytes
 from modeling.blocks.parts import Block, ColumnLinear, Norm, Part, RowLinear
 from modeling.causal_lm import Skeleton
 from modeling.config import CausalLMConfig, ModelConfigError
 from modeling.config_fields import any_value, zero
+from modeling.execution import Execution
 from modeling.family import ModelFamily
-from modeling.recompute import maybe_recompute
+from modeling.paddlenlp_fused import QKV
 from modeling.sequence_parallel import gather_tokens, sequence_shards
 from modeling.tp_plan import TensorPlan
 from modeling.transformers_adapter import Stored, TransformersAdapter
@@ -24,6 +26,7 @@ class GPTConfig(CausalLMConfig):
 
     model_type = "gpt"
     attention_output = "out_proj"
+    has_dropout = True
     qkv_bias = o_bias = True
     qk_norm = rotary = False
 
@@ -74,21 +77,22 @@ class GPTDecoderLayer(Block):
         return ("intermediate_size",)
 
     def _block(self, hidden):
-        hidden = hidden + self.self_attn(self.norm1(hidden))
-        mlp_input = gather_tokens(self.norm2(hidden), self.config)
+        hidden = hidden + self.run.recompute("full_attn", self.self_attn, self.norm1(hidden), training=self.training)
+        mlp_input = gather_tokens(self.norm2(hidden), self.run)
         return hidden + self.linear2(F.gelu(self.linear1(mlp_input), approximate=True))
 
     def forward(self, hidden):
-        return maybe_recompute(self._block, hidden, self.config.recompute, self.training)
+        return self.run.recompute("full", self._block, hidden, training=self.training)
 
     @staticmethod
-    def saved_bytes(c, batch: int, seq_len: int, tp: int, sequence_parallel: bool, dtype_bytes: int) -> dict[str, int]:
+    def saved_bytes(c, run: Execution, batch: int, seq_len: int, dtype_bytes: int) -> dict[str, int]:
         """As `DecoderLayer.saved_bytes`; the MLP's glue ("") keeps the GeLU's input."""
         tokens = batch * seq_len
-        norm = layer_norm_saved_bytes(tokens // sequence_shards(tp, sequence_parallel), c.hidden_size, dtype_bytes)
-        attention = SelfAttention.saved_bytes(c, batch, seq_len, tp, dtype_bytes)
-        width = c.intermediate_size // tp * dtype_bytes
-        return {"norm1": norm, "norm2": norm, **{f"self_attn.{k}".rstrip("."): v for k, v in attention.items()},
+        norm = layer_norm_saved_bytes(tokens // sequence_shards(run.tp, run.sequence_parallel), c.hidden_size,
+                                      dtype_bytes)
+        width = c.intermediate_size // run.tp * dtype_bytes
+        return {"norm1": norm, "norm2": norm,
+                **prefixed("self_attn", SelfAttention.saved_bytes(c, run, batch, seq_len, dtype_bytes)),
                 "linear1": tokens * c.hidden_size * dtype_bytes, "": tokens * width, "linear2": tokens * width}
 
 
@@ -127,7 +131,14 @@ GPT = ModelFamily(
         accepted={"n_ctx": any_value, "summary_type": any_value, "summary_use_proj": any_value,
                   "summary_activation": any_value, "summary_proj_to_labels": any_value,
                   "summary_first_dropout": any_value, "hidden_dropout_prob": zero,
-                  "attention_probs_dropout_prob": zero},
+                  "attention_probs_dropout_prob": zero,
+                  # PaddleNLP's GPT config.json: its "gelu" is the tanh form (it calls F.gelu(approximate=True)),
+                  # pre-norm blocks, unscaled q.k; the rest are generation, loss, kernel and legacy settings
+                  "hidden_activation": lambda value, _: value in ("gelu", "gelu_new"),
+                  "normalize_before": lambda value, _: bool(value), "scale_qk_coeff": lambda value, _: value == 1.0,
+                  "fused_softmax_with_triangular": any_value, "num_partitions": any_value,
+                  "type_vocab_size": any_value, "eol_token_id": any_value, "ignore_index": any_value,
+                  "use_dualpipev": any_value},
         buffers=("attn.bias", "attn.masked_bias")),
-    paddlenlp=True)
+    paddlenlp=True, paddlenlp_fused=frozenset({QKV}))
 GPTForCausalLM, GPTForCausalLMPipe = GPT.causal_lm, GPT.pipe

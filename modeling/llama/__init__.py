@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from modeling.config import DecoderConfig
 from modeling.decoder_family import decoder_family
+from modeling.paddlenlp_fused import FFN, QKV
 
 
 class LlamaConfig(DecoderConfig):
@@ -16,5 +17,5 @@ class LlamaConfig(DecoderConfig):
         super().__init__(**kwargs)
 
 
-LLAMA = decoder_family(LlamaConfig, "LlamaForCausalLM", "llama", paddlenlp=True)
+LLAMA = decoder_family(LlamaConfig, "LlamaForCausalLM", "llama", paddlenlp=True, paddlenlp_fused=(QKV, FFN))
 LlamaForCausalLM, LlamaForCausalLMPipe = LLAMA.causal_lm, LLAMA.pipe

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from modeling.config import DecoderConfig, ModelConfigError
 from modeling.decoder_family import decoder_family
+from modeling.paddlenlp_fused import FFN, QKV
 
 
 class QwenWindows(DecoderConfig):
@@ -43,5 +44,5 @@ class Qwen2Config(QwenWindows):
         return True
 
 
-QWEN2 = decoder_family(Qwen2Config, "Qwen2ForCausalLM", "qwen2", paddlenlp=True)
+QWEN2 = decoder_family(Qwen2Config, "Qwen2ForCausalLM", "qwen2", paddlenlp=True, paddlenlp_fused=(QKV, FFN))
 Qwen2ForCausalLM, Qwen2ForCausalLMPipe = QWEN2.causal_lm, QWEN2.pipe

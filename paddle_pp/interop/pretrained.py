@@ -26,6 +26,7 @@ from checkpoint.shards import ShardReader
 from checkpoint.unified_io import UnifiedReader
 from modeling.config import ModelConfigError
 from modeling.family import ModelFamily
+from modeling.paddlenlp_fused import FFN, QKV, fused_stored
 from modeling.registry import UnknownModelError, config_from_dict, family, plan_of
 from modeling.tp_plan import ModelPlan, split_tensor
 from modeling.transformers_adapter import RUN_FIELDS, ConfigFieldError, Stored
@@ -56,6 +57,11 @@ def open_pretrained(folder: Path, weights: bool = True, allow_unsafe_pickle: boo
     the config): the weights are neither read nor checked, so a folder may hold config.json alone.
     Pickled pdparams are read as data only (`pickled.load_pickled`) unless `allow_unsafe_pickle`."""
     folder = Path(folder)
+    if not folder.exists() and _looks_like_a_hub_id(str(folder)):
+        raise CheckpointError(f"--model_name_or_path {folder}: no such folder, and it reads like a model hub id; "
+                              "this trainer does not download (no network is assumed): download the model once "
+                              "(e.g. huggingface-cli download or PaddleNLP's from_pretrained elsewhere) and pass "
+                              "its local folder")
     if not (folder / CONFIG_FILE).is_file():
         raise CheckpointError(f"--model_name_or_path {folder}: no {CONFIG_FILE} there; pass a folder saved by "
                               "paddle-pp, PaddleNLP's save_pretrained or transformers' save_pretrained")
@@ -65,7 +71,8 @@ def open_pretrained(folder: Path, weights: bool = True, allow_unsafe_pickle: boo
         config = {"model_type": raw.get("model_type"), **_config_fields(raw)}
         shapes = {name: meta["shape"] for name, meta in unified.tensors.items()}
         return _checked(folder, UNIFIED, config, shapes, unified.read, Stored)
-    model_family, config = _our_config(folder, raw)
+    model_family, config, fused = _our_config(folder, raw)
+    paddlenlp_locate = _paddlenlp_locator(config, fused)
     pickled = (folder / PDPARAMS).is_file() or (folder / PDPARAMS_INDEX).is_file()
     if not weights:  # a config.json alone is enough (PaddleNLP's continue_training false on a config folder)
         stored = pickled or (folder / HF_INDEX).is_file() or any(folder.glob("*.safetensors"))
@@ -74,7 +81,7 @@ def open_pretrained(folder: Path, weights: bool = True, allow_unsafe_pickle: boo
     if pickled:
         arrays = _pdparams(folder, allow_unsafe_pickle)
         return _checked(folder, PADDLENLP, config, {name: list(a.shape) for name, a in arrays.items()},
-                        lambda key, axis, parts, part: split_tensor(arrays[key], axis, parts, part), Stored)
+                        lambda key, axis, parts, part: split_tensor(arrays[key], axis, parts, part), paddlenlp_locate)
     readers = _safetensors_readers(folder)
     shapes = _header_shapes(readers)
     read = lambda key, axis, parts, part: readers[key].read(key, axis, parts, part)  # noqa: E731
@@ -82,7 +89,23 @@ def open_pretrained(folder: Path, weights: bool = True, allow_unsafe_pickle: boo
         plan = plan_of(config_from_dict(config))
         locate = lambda name: model_family.transformers.locate(name, plan[name])  # noqa: E731
         return _checked(folder, TRANSFORMERS, config, shapes, read, locate, model_family.transformers.buffers)
-    return _checked(folder, PADDLENLP, config, shapes, read, Stored)
+    return _checked(folder, PADDLENLP, config, shapes, read, paddlenlp_locate)
+
+
+def _paddlenlp_locator(config: dict, fused: frozenset[str]) -> Callable[[str], Stored]:
+    """Where a PaddleNLP folder stores each of our tensors: under our name, or inside the fused
+    projections its config.json asks for (`modeling.paddlenlp_fused`)."""
+    if not fused:
+        return Stored
+    ours = config_from_dict(config)
+    plan = plan_of(ours)
+    return lambda name: fused_stored(name, plan[name], ours, fused)
+
+
+def _looks_like_a_hub_id(name: str) -> bool:
+    """"owner/model" as hubs name models (PaddleNLP's recipes name them so: meta-llama/Meta-Llama-3-8B)."""
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
 
 
 def _safetensors_readers(folder: Path) -> dict[str, ShardReader]:
@@ -125,9 +148,10 @@ def _config_fields(raw: dict) -> dict:
     return {k: v for k, v in raw.items() if k in accepted and k not in RUN_FIELDS and v is not None}
 
 
-def _our_config(folder: Path, raw: dict) -> tuple[ModelFamily, dict]:
+def _our_config(folder: Path, raw: dict) -> tuple[ModelFamily, dict, frozenset[str]]:
     """config.json of a PaddleNLP or transformers folder as our config, after every field is found
-    modelled or harmless (`TransformersAdapter.our_config`); anything else is refused by name."""
+    modelled or harmless (`TransformersAdapter.our_config`); anything else is refused by name. PaddleNLP's
+    fused-projection flags are returned apart: they say where tensors are stored, not what is computed."""
     try:
         model_family = family(raw.get("model_type"))
     except UnknownModelError as err:
@@ -135,15 +159,22 @@ def _our_config(folder: Path, raw: dict) -> tuple[ModelFamily, dict]:
     if model_family.transformers is None:
         raise CheckpointError(f"--model_name_or_path {folder}: {model_family.architecture} loads only from paddle-pp "
                               "checkpoints (its family has no transformers mapping)")
+    fused = frozenset(flag for flag in (QKV, FFN) if raw.get(flag))
+    if fused - model_family.paddlenlp_fused:
+        raise CheckpointError(f"--model_name_or_path {folder}: config.json sets {', '.join(sorted(fused))}, which "
+                              f"PaddleNLP's {model_family.architecture} does not have (it fuses "
+                              f"{', '.join(sorted(model_family.paddlenlp_fused)) or 'nothing'}); the folder's "
+                              "layout is unknown")
     try:
         config = {"model_type": model_family.model_type,
-                  **model_family.transformers.our_config(raw, model_family.config_class)}
+                  **model_family.transformers.our_config({k: v for k, v in raw.items() if k not in (QKV, FFN)},
+                                                         model_family.config_class)}
         config_from_dict(config).validate()
     except (ConfigFieldError, ModelConfigError, TypeError) as err:
         raise CheckpointError(f"--model_name_or_path {folder}: config.json {err}. paddle-pp's "
                               f"{model_family.architecture} computes only what it models; a field that would "
                               "train another model is refused rather than ignored") from err
-    return model_family, config
+    return model_family, config, fused
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
@@ -178,6 +209,9 @@ def stored_shape(shape, stored: Stored) -> list[int]:
     shape = list(shape)[::-1] if stored.transposed else list(shape)
     if stored.parts > 1:
         shape[stored.axis] *= stored.parts
+    if stored.interleave is not None:
+        group, _, width = stored.interleave
+        shape[stored.axis] = shape[stored.axis] // width * group
     return shape
 
 
@@ -206,6 +240,10 @@ def _checked(folder: Path, kind: str, config: dict, shapes: dict[str, list[int]]
 
     def read(name: str, axis: int | None, parts: int, part: int) -> np.ndarray:
         stored = locate(name)
+        if stored.interleave is not None:  # a tp rank's kv heads are whole groups of the stored tensor
+            return stored.select(read_stored(stored.name, None if axis is None else stored.axis, parts, part))
+        if stored.parts > 1 and axis == stored.axis and not stored.transposed:  # this rank's piece of our slice
+            return read_stored(stored.name, axis, stored.parts * parts, stored.part * parts + part)
         if stored.parts > 1:  # our tensor is a slice of a fused one: cut it out, then this rank's piece
             whole = read_stored(stored.name, stored.axis, stored.parts, stored.part)
             return split_tensor(whole.T if stored.transposed else whole, axis, parts, part)

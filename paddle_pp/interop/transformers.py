@@ -1,4 +1,5 @@
-"""Hugging Face transformers layout: export a unified checkpoint, import a transformers folder.
+"""Hugging Face transformers layout: export a unified checkpoint, import a transformers folder; and
+the export to PaddleNLP's fused-projection layout, which shares the machinery.
 
 Names, transposes, fused tensors and config fields come from the family's `TransformersAdapter`
 (transformers stores linear weights [out, in] where Paddle stores [in, out]; GPT-2 fuses q, k and v
@@ -19,7 +20,10 @@ from checkpoint.format import CONFIG_FILE, MODEL, CheckpointError, copy_tokenize
 from checkpoint.shards import TensorSpec, pack, write_shard
 from checkpoint.unified_io import UnifiedReader
 from modeling.family import ModelFamily
+from modeling.paddlenlp_fused import fused_stored
 from modeling.registry import config_from_dict, family, plan_of
+from modeling.tp_plan import TensorPlan
+from modeling.transformers_adapter import Stored, join
 from paddle_pp.interop.pretrained import open_pretrained, stored_shape
 
 HF_INDEX = "model.safetensors.index.json"
@@ -35,7 +39,7 @@ def _transformers_family(config: dict, folder: Path) -> ModelFamily:
     return model_family
 
 
-def _write_shards(groups: dict[str, Group], shape_of: Callable[[str], list[int]], read: Callable[[str], np.ndarray],
+def write_model_shards(groups: dict[str, Group], shape_of: Callable[[str], list[int]], read: Callable[[str], np.ndarray],
                   target: Path, max_shard_bytes: int, fmt: str, dtype: str) -> dict:
     """Write each stored tensor (`groups`: stored name -> our parts, concatenated along their axis
     when several) as `dtype` into shards; returns the weight map."""
@@ -51,39 +55,60 @@ def _write_shards(groups: dict[str, Group], shape_of: Callable[[str], list[int]]
     return weight_map
 
 
+def export_stored(folder: Path, target: Path, locate: Callable[[str, TensorPlan], Stored], folder_config: dict,
+                  fmt: str, max_shard_bytes: int, on_tensor: Callable[[str, int], None] | None, dtype: str) -> Path:
+    """A folder of the tensors `locate` says where to store (names, transposes, fused tensors), built
+    from a unified checkpoint one stored tensor at a time, with `folder_config` as its config.json."""
+    folder = Path(folder)
+    plan = plan_of(config_from_dict(json.loads((folder / CONFIG_FILE).read_text())))
+    unified = UnifiedReader(folder, MODEL)
+    groups: dict[str, Group] = {}
+    for name, row in plan.items():
+        stored = locate(name, row)
+        groups.setdefault(stored.name, []).append((name, stored.part))
+
+    def read(stored_name: str) -> np.ndarray:
+        members = []
+        for name, _ in groups[stored_name]:
+            stored = locate(name, plan[name])
+            members.append((stored, unified.read(name).T if stored.transposed else unified.read(name)))
+            if on_tensor:
+                on_tensor(name, members[-1][1].nbytes)
+        return join(members)
+
+    def shape_of(stored_name: str) -> list[int]:
+        name = groups[stored_name][0][0]
+        return stored_shape(plan[name].shape, locate(name, plan[name]))
+
+    with new_folder(target) as partial:
+        weight_map = write_model_shards(groups, shape_of, read, partial, max_shard_bytes, fmt, dtype)
+        finish_folder(partial, weight_map, folder_config, folder)
+    return Path(target)
+
+
 def export_hf(folder: Path, target: Path, max_shard_bytes: int = 5 << 30,
               on_tensor: Callable[[str, int], None] | None = None, dtype: str = "float32") -> Path:
     """A transformers-loadable folder (config.json, model.safetensors[ + index], tokenizer) from a
     unified checkpoint, its weights in `dtype` (shards.EXPORT_DTYPES)."""
-    folder = Path(folder)
-    saved = json.loads((folder / CONFIG_FILE).read_text())
-    adapter = _transformers_family(saved, folder).transformers
+    saved = json.loads((Path(folder) / CONFIG_FILE).read_text())
+    adapter = _transformers_family(saved, Path(folder)).transformers
+    return export_stored(folder, target, adapter.locate, adapter.their_config(config_from_dict(saved), dtype), "pt",
+                         max_shard_bytes, on_tensor, dtype)
+
+
+def export_paddlenlp_fused(folder: Path, target: Path, fused: frozenset[str], max_shard_bytes: int = 5 << 30,
+                           on_tensor: Callable[[str, int], None] | None = None, dtype: str = "float32") -> Path:
+    """A PaddleNLP save_pretrained-style folder whose model fuses the projections `fused` names
+    (fuse_attention_qkv, fuse_attention_ffn), as PaddleNLP's own model with those flags stores them."""
+    saved = json.loads((Path(folder) / CONFIG_FILE).read_text())
+    model_family = family(saved.get("model_type"))
+    unknown = fused - model_family.paddlenlp_fused
+    if unknown:
+        raise CheckpointError(f"PaddleNLP's {model_family.architecture} has no {', '.join(sorted(unknown))}")
     config = config_from_dict(saved)
-    plan = plan_of(config)
-    unified = UnifiedReader(folder, MODEL)
-    groups: dict[str, Group] = {}
-    for name, row in plan.items():
-        stored = adapter.locate(name, row)
-        groups.setdefault(stored.name, []).append((name, stored.part))
-
-    def read(stored_name: str) -> np.ndarray:
-        parts = []
-        for name, _ in sorted(groups[stored_name], key=lambda member: member[1]):
-            stored = adapter.locate(name, plan[name])
-            parts.append(unified.read(name).T if stored.transposed else unified.read(name))
-            if on_tensor:
-                on_tensor(name, parts[-1].nbytes)
-        first = adapter.locate(groups[stored_name][0][0], plan[groups[stored_name][0][0]])
-        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=first.axis)
-
-    def shape_of(stored_name: str) -> list[int]:
-        name = groups[stored_name][0][0]
-        return stored_shape(plan[name].shape, adapter.locate(name, plan[name]))
-
-    with new_folder(target) as partial:
-        weight_map = _write_shards(groups, shape_of, read, partial, max_shard_bytes, "pt", dtype)
-        _finish(partial, weight_map, adapter.their_config(config, dtype), folder)
-    return Path(target)
+    return export_stored(folder, target, lambda name, row: fused_stored(name, row, config, fused),
+                         {**saved, **dict.fromkeys(fused, True), "dtype": dtype}, "np", max_shard_bytes, on_tensor,
+                         dtype)
 
 
 def import_hf(source: Path, target: Path, max_shard_bytes: int = 5 << 30,
@@ -103,13 +128,13 @@ def import_hf(source: Path, target: Path, max_shard_bytes: int = 5 << 30,
 
     with new_folder(target) as partial:
         groups = {name: [(name, 0)] for name in plan}
-        weight_map = _write_shards(groups, lambda name: list(plan[name].shape), read, partial, max_shard_bytes, "np",
-                                   "float32")
-        _finish(partial, weight_map, pretrained.config, Path(source))
+        weight_map = write_model_shards(groups, lambda name: list(plan[name].shape), read, partial, max_shard_bytes,
+                                        "np", "float32")
+        finish_folder(partial, weight_map, pretrained.config, Path(source))
     return Path(target)
 
 
-def _finish(target: Path, weight_map: dict, config: dict, source: Path) -> None:
+def finish_folder(target: Path, weight_map: dict, config: dict, source: Path) -> None:
     files = sorted(set(weight_map.values()))
     if len(files) > 1:
         total = sum((target / f).stat().st_size for f in files)

@@ -1,6 +1,7 @@
 """Will a layout run, and what does each rank hold in memory? Answered from the model config alone,
 offline: weights, gradients and AdamW states as ZeRO partitions them, and the decoder layers'
-activations from each family's per-layer model (`ModelFamily.layer_activation_bytes`)."""
+activations from each family's per-layer model (`ModelFamily.layer_activations`, built from the
+blocks' and attention cores' `saved_bytes`) for the run's attention core and recompute."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from modeling.registry import family_of, plan_of, validate_layout
-from modeling.sequence_parallel import sequence_shards
+from modeling.execution import GRANULARITIES, Execution, choose_execution
+from modeling.registry import execution_for, family_of, plan_of, validate_layout
 from paddle_pp.runtime.flags import flag
 from paddle_pp.runtime.layout import Layout
 
@@ -23,7 +24,18 @@ class Workload:
     per_device_train_batch_size: int = flag(4, "micro-batch size per data replica")
     max_seq_length: int = flag(128, "tokens per training sample")
     gradient_accumulation_steps: int = flag(2, "micro-batches per step (the pipeline's accumulate steps)")
-    recompute: bool = flag(False, "recompute each decoder layer in backward")
+    recompute: bool = flag(False, "recompute activations in backward (what: --recompute_granularity)")
+    recompute_granularity: str = flag("full", "full (decoder layers), full_attn (attention blocks), core_attn "
+                                              "(attention cores)", choices=list(GRANULARITIES))
+    use_flash_attention: bool = flag(True, "flash (GPU, bf16, when its rules allow) or blockwise attention; "
+                                           "--no-use_flash_attention: the dense core")
+
+    def execution(self, layout: Layout, compute_bytes: int, head_dim: int) -> Execution:
+        """The `Execution` a trainer with these flags would run on `layout` (any rank)."""
+        dtype = "bfloat16" if compute_bytes == 2 else None
+        choices, _ = choose_execution(self.use_flash_attention, self.recompute, self.recompute_granularity,
+                                      device=layout.device, dtype=dtype, head_dim=head_dim)
+        return execution_for(layout, 0, choices)
 
 
 @dataclass(frozen=True)
@@ -50,24 +62,21 @@ class RankShare:
 
 def decoder_activation_bytes(config, layout: Layout, workload: Workload, stage: int, compute_bytes: int = 4) -> int:
     """What the decoder layers of pipeline stage `stage` keep for backward at the peak of a step,
-    from the family's per-layer model (`modeling/<family>/activations.py`, exact in fp32).
+    from the family's per-layer model (exact in fp32 against the measurement) for the workload's
+    attention core and recompute granularity.
 
     One micro-batch is alive without pp (each is backpropagated before the next); under 1F1B stage k
     holds min(pp - k, micro-batches), the interleaved schedule (vpp) 1 + (pp - 1) / (pp x vpp) times
-    that (Megatron's count). With recompute a layer keeps only its input (split along the sequence
-    under SP) and one layer at a time is rebuilt in full. Embedding, head and loss are not included."""
-    per_layer = sum(family_of(config).layer_activation_bytes(
-        config, workload.per_device_train_batch_size, workload.max_seq_length, layout.tp, layout.sequence_parallel,
-        compute_bytes).values())
+    that (Megatron's count). Each layer keeps `kept` bytes per micro-batch in flight, and with
+    recompute one layer at a time rebuilds its `rebuilt` bytes. Embedding, head and loss are not included."""
+    run = workload.execution(layout, compute_bytes, config.head_dim)
+    layer = family_of(config).layer_activations(config, run, workload.per_device_train_batch_size,
+                                                workload.max_seq_length, compute_bytes)
     layers = config.num_hidden_layers // layout.pp
     in_flight = 1.0 if layout.pp == 1 else min(layout.pp - stage, workload.gradient_accumulation_steps)
     if layout.vpp > 1:
         in_flight *= 1 + (layout.pp - 1) / (layout.pp * layout.vpp)
-    if not workload.recompute:
-        return int(layers * in_flight * per_layer)
-    tokens = workload.per_device_train_batch_size * workload.max_seq_length
-    layer_input = tokens * config.hidden_size * compute_bytes // sequence_shards(layout.tp, layout.sequence_parallel)
-    return int(layers * in_flight * layer_input) + per_layer
+    return int(layers * in_flight * layer.kept) + layer.rebuilt
 
 
 def plan_layout(config, layout: Layout, compute_bytes: int = 4, workload: Workload | None = None) -> list[RankShare]:

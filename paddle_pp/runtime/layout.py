@@ -36,7 +36,9 @@ class Layout:
     """Degrees of the 4D layout; `dp` is derived as world / (tp * pp * sharding).
 
     `sharding_parallel_degree=-1` means "all data-parallel ranks that tp and pp leave", as in
-    PaddleNLP; it is resolved in `__post_init__`, so every other field is concrete.
+    PaddleNLP; it is resolved in `__post_init__`, so every other field is concrete. Where PaddleNLP
+    quietly reinterprets a request, so does the layout, and `notes` says what it did: stage2/3
+    over one sharding rank trains unsharded.
     """
 
     world_size: int
@@ -49,6 +51,7 @@ class Layout:
     device: str = "cpu"
     sequence_parallel: bool = False
     dp: int = field(init=False)
+    notes: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
         self._check_positive()
@@ -63,7 +66,13 @@ class Layout:
                 f"are not supported (no CPU offload is implemented); pass --sharding {stage} alone.")
         if self.sharding_parallel_degree == -1:
             rest = self.world_size // (self.tensor_parallel_degree * self.pipeline_parallel_degree)
-            object.__setattr__(self, "sharding_parallel_degree", rest if stage else 1)
+            object.__setattr__(self, "sharding_parallel_degree", max(rest, 1) if stage else 1)
+        if stage in GROUP_SHARDED_LEVELS and self.sharding_parallel_degree == 1:
+            object.__setattr__(self, "sharding", "")
+            object.__setattr__(self, "notes", (
+                f"--sharding {stage} over one sharding rank means no sharding, as in PaddleNLP "
+                "('sharding_parallel_degree=1 means no sharding'): training unsharded",))
+            stage = ""
         if self.sharding_parallel_degree > 1 and not stage:
             raise LayoutError(
                 f"--sharding_parallel_degree {self.sharding_parallel_degree} needs --sharding stage1 "
@@ -75,14 +84,10 @@ class Layout:
                 f"--tensor_parallel_degree {self.tensor_parallel_degree} x --pipeline_parallel_degree "
                 f"{self.pipeline_parallel_degree} x --sharding_parallel_degree {self.sharding_parallel_degree} "
                 f"= {product} does not divide the world size {self.world_size}; launch a multiple of "
-                f"{product} processes or lower a degree."
+                f"{product} processes (python -m paddle.distributed.launch --nproc_per_node {product} ...) or "
+                "lower a degree."
             )
         object.__setattr__(self, "dp", self.world_size // product)
-        if stage in GROUP_SHARDED_LEVELS and self.sharding_parallel_degree < 2:
-            raise LayoutError(
-                f"--sharding {stage} needs --sharding_parallel_degree >= 2 (got {self.sharding_parallel_degree}): "
-                "with one sharding rank nothing is partitioned; set --sharding_parallel_degree to the ranks that "
-                "should share the states (or -1 for all data-parallel ranks).")
         if stage in GROUP_SHARDED_LEVELS and self.pipeline_parallel_degree > 1:
             raise LayoutError(
                 f"--sharding {stage} with --pipeline_parallel_degree {self.pipeline_parallel_degree} is refused, as "

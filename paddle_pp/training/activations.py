@@ -1,8 +1,10 @@
 """What a forward pass keeps for backward, measured: the activation memory a layout costs per rank.
 
 Every tensor an op or PyLayer saves for its backward passes through Paddle's `saved_tensors_hooks`;
-counting each storage once (several ops save the same tensor) and leaving parameters out gives the
-activation bytes, attributed to the innermost named sublayer that was running when it was saved.
+counting each storage once (several ops save the same tensor) and leaving out parameters and
+constants built once (the rotary tables) gives the activation bytes, attributed to the innermost
+named sublayer that was running when it was saved. Recompute hides what it holds behind hooks of
+its own; `held_bytes` measures that through Paddle's CPU allocator instead.
 """
 
 from __future__ import annotations
@@ -13,11 +15,15 @@ from typing import Callable
 import paddle
 from paddle import nn
 
+from modeling.blocks.rotary import rotary_tables
 
-def saved_activation_bytes(model: nn.Layer, run: Callable[[], object]) -> dict[str, int]:
+
+def saved_activation_bytes(model: nn.Layer, run: Callable[[], object], constants: frozenset[int] = frozenset()
+                           ) -> dict[str, int]:
     """Bytes saved for backward while `run()` does a forward through `model`, by the name of the
-    innermost sublayer of `model` that saved them ("" for the model itself)."""
-    parameters = {p.data_ptr() for p in model.parameters()}
+    innermost sublayer of `model` that saved them ("" for the model itself); tensors whose storage
+    is a parameter's or in `constants` (data pointers) are not activations."""
+    parameters = {p.data_ptr() for p in model.parameters()} | constants
     running: list[str] = []
     seen: set[int] = set()
     by_layer: dict[str, int] = defaultdict(int)
@@ -56,6 +62,33 @@ def decoder_layer_activations(model: nn.Layer, vocab_size: int, batch: int, seq_
     layer = next(name for name, _ in model.named_sublayers() if name.endswith("layers.0"))
     paddle.seed(0)  # the same tokens on every tp rank
     ids = paddle.randint(0, vocab_size, [batch, seq_len])
-    by_layer = saved_activation_bytes(model, lambda: model(ids, labels=ids))
+    tables = rotary_tables(model.config, seq_len, model.run.sequence_first) if model.config.rotary else ()
+    by_layer = saved_activation_bytes(model, lambda: model(ids, labels=ids),
+                                      frozenset(table.data_ptr() for table in tables))
     return {name.removeprefix(layer).lstrip("."): size for name, size in by_layer.items()
             if name == layer or name.startswith(layer + ".")}
+
+
+def host_allocated() -> int:
+    """Bytes Paddle's CPU allocator holds now (its own statistic; tensors on a GPU are not counted)."""
+    from paddle.base import core
+
+    return int(core.host_memory_stat_current_value("Allocated", 0))
+
+
+def held_bytes(forward: Callable[[], object]) -> int:
+    """Bytes a training forward leaves allocated for its backward, measured by Paddle's CPU allocator:
+    what stays allocated after `forward()` with autograd on, less what stays after the same forward
+    under no_grad (its result, alive in both). Unlike the saved-tensor hooks it also sees what
+    recompute holds (recompute keeps its inputs in closures, behind hooks of its own); call once
+    beforehand so constants built on first use (rotary tables, masks) exist in both."""
+    start = host_allocated()
+    with paddle.no_grad():
+        result = forward()
+    without_graph = host_allocated() - start
+    del result
+    start = host_allocated()
+    result = forward()
+    with_graph = host_allocated() - start
+    del result
+    return with_graph - without_graph

@@ -12,8 +12,9 @@ from typing import Any, Sequence
 
 import yaml
 
+from modeling.execution import GRANULARITIES
 from modeling.registry import FAMILIES
-from paddle_pp.runtime.flags import add_flags, flag, read_flags
+from paddle_pp.runtime.flags import add_flags, boolean_flags, flag, read_flags
 from paddle_pp.runtime.layout import LayoutArguments, add_layout_args, launched_rank
 from paddle_pp.training.recipes import RecipeError, read_recipe
 from paddle_pp.training.schedule import DECAYS
@@ -40,7 +41,25 @@ class ModelArguments:
                                             "runs any code the file carries (only for a folder you trust; default: "
                                             "data only, see README, Security)")
     initializer_range: float = flag(0.02, "std of the initial matrices")
-    recompute: bool = flag(False, "recompute each decoder layer in backward")
+    recompute: bool = flag(False, "recompute activations in backward instead of keeping them (what: "
+                                  "--recompute_granularity)")
+    recompute_granularity: str = flag("full", "with --recompute, what is recomputed: full (each decoder layer), "
+                                              "full_attn (its attention block), core_attn (the attention core)",
+                                      choices=list(GRANULARITIES))
+    recompute_use_reentrant: bool = flag(False, "with --recompute: Paddle's reentrant (PyLayer) recompute instead of "
+                                                "the hook-based one; the same numbers")
+    pp_recompute_interval: int = flag(1, "decoder layers per recomputed segment (PaddleNLP's pipeline option): "
+                                         "each layer is one segment here, so only 1 (or 0, the same) is accepted")
+    use_flash_attention: bool = flag(True, "memory-efficient attention: Paddle's flash kernel where it applies (GPU, "
+                                           "bf16/fp16, head_dim <= 256 and a multiple of 8), the blockwise core "
+                                           "elsewhere; --no-use_flash_attention: the dense core (keeps every score)")
+    use_fused_rope: bool = flag(False, "Paddle's fused rotary kernel (GPU only; elsewhere the reference op, noted)")
+    use_fused_rms_norm: bool = flag(False, "Paddle's fused RMSNorm kernel (GPU only; elsewhere the reference op, "
+                                           "noted)")
+    hidden_dropout_prob: float = flag(0.0, "GPT's hidden dropout (PaddleNLP's run_pretrain default is 0.1): dropout is "
+                                           "not modelled, so a family with dropout refuses any other value than 0")
+    attention_probs_dropout_prob: float = flag(0.0, "GPT's attention dropout (PaddleNLP's default 0.1): as "
+                                                    "--hidden_dropout_prob")
 
 
 @dataclass
@@ -87,6 +106,7 @@ class OutputArguments:
     logging_steps: int = flag(1, "write metrics every N steps")
     eval_steps: int = flag(0, "evaluate every N steps (0: only at the end)")
     eval_iters: int = flag(2, "global batches of held-out data per evaluation")
+    do_eval: bool = flag(True, "evaluate on the valid split (every --eval_steps and at the end); false: never")
     disable_progress_bar: bool = flag(False, "no progress bar")
     report_to: str = flag("none", "also write the metrics as VisualDL scalars (rank 0)", choices=["none", "visualdl"])
     logging_dir: str = flag("", "VisualDL log folder (empty: output_dir/runs)")
@@ -140,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pretrain a LLaMA, Mistral, Qwen2, Qwen3, Gemma or GPT model under any data x sharding x "
                     "tensor x pipeline layout.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--config", type=Path, default=None, help="YAML file of flag: value defaults")
+    parser.add_argument("--config", type=Path, default=None,
+                        help="YAML file of flag: value defaults, or a PaddleNLP argument file (.json)")
     parser.add_argument("recipe", type=Path, nargs="?", default=None,
                         help="a PaddleNLP pretraining argument file (.json), as llm/run_pretrain.py takes")
     for name, group in GROUPS.items():
@@ -149,30 +170,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> PretrainArguments:
-    """Command line over a config file (YAML, or a PaddleNLP JSON recipe) over built-in defaults; an
-    unknown YAML key is an error, a recipe's fields are translated or named as ignored."""
+    """Command line over config files over built-in defaults: a YAML file (--config; an unknown key is
+    an error) and a PaddleNLP JSON recipe (the first argument, or --config x.json; its fields are
+    translated, named as changing nothing, or refused)."""
     parser = build_parser()
     first, _ = parser.parse_known_args(argv)
     known = {action.dest for action in parser._actions}
     from_file: dict[str, Any] = {}
+    recipe_path = first.recipe
     if first.config is not None:
         if not first.config.is_file():
             parser.error(f"--config {first.config} does not exist")
-        from_file = yaml.safe_load(first.config.read_text()) or {}
-        unknown = sorted(set(from_file) - known)
-        if unknown:
-            parser.error(f"{first.config}: unknown keys {unknown}")
-    if first.recipe is not None:
-        if first.recipe.suffix != ".json":
-            parser.error(f"{first.recipe}: a recipe is a PaddleNLP .json argument file (YAML goes to --config)")
+        if first.config.suffix == ".json":
+            if recipe_path is not None:
+                parser.error(f"two recipes: {recipe_path} and --config {first.config}; pass one")
+            recipe_path = first.config
+        else:
+            from_file = yaml.safe_load(first.config.read_text()) or {}
+            unknown = sorted(set(from_file) - known)
+            if unknown:
+                parser.error(f"{first.config}: unknown keys {unknown}")
+    if recipe_path is not None:
+        if recipe_path.suffix != ".json":
+            parser.error(f"{recipe_path}: a recipe is a PaddleNLP .json argument file (YAML goes to --config)")
         try:
-            recipe, notes = read_recipe(first.recipe, known, _boolean_flags(parser))
+            recipe, notes = read_recipe(recipe_path, known, boolean_flags(parser))
         except RecipeError as err:
             parser.error(str(err))
         from_file |= recipe
         if launched_rank() == 0:
             for note in notes:
-                print(f"{first.recipe.name}: {note}", file=sys.stderr)
+                print(f"{recipe_path.name}: {note}", file=sys.stderr)
     for action in parser._actions:
         if action.choices is not None and action.dest in from_file and from_file[action.dest] not in action.choices:
             parser.error(f"{action.dest}: {from_file[action.dest]!r} is not one of {sorted(action.choices)}")
@@ -181,10 +209,6 @@ def parse_args(argv: Sequence[str] | None = None) -> PretrainArguments:
     return PretrainArguments(**{name: read_flags(group, namespace) for name, group in GROUPS.items()},
                              layout=read_flags(LayoutArguments, namespace),
                              given=frozenset(from_file) | _given_on_command_line(argv))
-
-
-def _boolean_flags(parser: argparse.ArgumentParser) -> set[str]:
-    return {action.dest for action in parser._actions if isinstance(action, argparse.BooleanOptionalAction)}
 
 
 def _given_on_command_line(argv: Sequence[str] | None) -> frozenset[str]:

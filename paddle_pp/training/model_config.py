@@ -53,7 +53,7 @@ def model_config(args: ModelArguments, max_seq_length: int, tokenizer_vocab: int
         values |= {field: _flag_value(args, flag, args.hidden_size, args.num_attention_heads)
                    for flag, field in SHAPE_FLAGS.items()
                    if field in fields and (flag != "tie_word_embeddings" or flag in given)}
-        return _checked(config_from_dict(values | {"recompute": args.recompute}), max_seq_length)
+        return _checked(config_from_dict(values), max_seq_length)
     values = dict(pretrained.config)
     if "model_type" in given and family(args.model_type).model_type != values["model_type"]:
         raise ModelSourceError(f"--model_type {args.model_type} contradicts {pretrained.folder}/config.json "
@@ -76,9 +76,21 @@ def model_config(args: ModelArguments, max_seq_length: int, tokenizer_vocab: int
             f"the tokenizer has {tokenizer_vocab} tokens but {pretrained.folder}'s embedding has "
             f"{values['vocab_size']} rows (vocab_size): its ids would index past the embedding; use the model's own tokenizer "
             f"(drop --tokenizer_dir) or one of at most {values['vocab_size']} tokens")
-    return _checked(config_from_dict(values | {"recompute": args.recompute,
-                                                "initializer_range": args.initializer_range}), max_seq_length,
+    return _checked(config_from_dict(values | {"initializer_range": args.initializer_range}), max_seq_length,
                     pretrained.folder)
+
+
+def check_dropout(args: ModelArguments, config) -> None:
+    """Dropout is not modelled: a family whose PaddleNLP model has it (GPT) trains only at 0, which
+    PaddleNLP's run_pretrain.py does not give it unless asked (its default is 0.1); families without
+    dropout ignore the fields, as PaddleNLP does."""
+    asked = {name: getattr(args, name) for name in ("hidden_dropout_prob", "attention_probs_dropout_prob")
+             if getattr(args, name)}
+    if asked and config.has_dropout:
+        raise ModelSourceError(
+            f"{', '.join(f'{k}={v}' for k, v in asked.items())}: dropout is not modelled by paddle-pp (a recipe that "
+            "does not set these gets PaddleNLP's 0.1); set --hidden_dropout_prob 0 --attention_probs_dropout_prob 0 "
+            "(in a recipe: both fields 0)")
 
 
 def _checked(config, max_seq_length: int, folder: Path | None = None):

@@ -30,25 +30,18 @@ WHITE_LIST = frozenset({"lookup_table", "lookup_table_v2"})
 BLACK_LIST = frozenset({"reduce_sum", "c_softmax_with_cross_entropy"})
 
 
-def compute_dtype(bf16: bool, fp16: bool, amp_master_grad: bool, layout: Layout, accumulate_steps: int) -> str | None:
-    """'bfloat16', 'float16' or None (fp32), after checking the request makes sense for `layout`
-    on its device with `accumulate_steps` micro-batches per step."""
+def compute_dtype(bf16: bool, fp16: bool, amp_master_grad: bool, layout: Layout) -> str | None:
+    """'bfloat16', 'float16' or None (fp32), after checking the request makes sense for `layout` on
+    its device."""
     if bf16 and fp16:
         raise PrecisionError("--bf16 and --fp16 are exclusive; pick one")
     if amp_master_grad and not (bf16 or fp16):
         raise PrecisionError("--amp_master_grad needs --bf16 or --fp16")
-    if amp_master_grad and layout.group_sharded_level is not None:
+    if amp_master_grad and layout.sharding_stage == "stage3":
         raise PrecisionError(
-            f"--amp_master_grad with --sharding {layout.sharding_stage} is not supported: Paddle's master grad "
-            "replaces each gradient with an fp32 copy after backward, which stage2's gradient buffers and stage3's "
-            "slices never see (PaddleNLP needs a Paddle with stage2 main_grad and no dp for it). Use --sharding "
-            "stage1, or drop --amp_master_grad.")
-    if amp_master_grad and accumulate_steps > 1:
-        raise PrecisionError(
-            f"--amp_master_grad with {accumulate_steps} micro-batches per step is not supported: Paddle's master grad "
-            "turns each gradient into fp32 after a backward, and the next micro-batch's low-precision gradient cannot "
-            "accumulate into it (Paddle fails at the second backward). Use one micro-batch per step "
-            "(--gradient_accumulation_steps 1 with a larger --per_device_train_batch_size), or drop --amp_master_grad.")
+            "--amp_master_grad with --sharding stage3 is not supported: Paddle's stage3 reduces and slices each "
+            "parameter's own gradient and has no path for the fp32 main_grad master gradients accumulate into "
+            "(its stage2 has one, as does fleet's stage1). Use --sharding stage2 or stage1, or drop --amp_master_grad.")
     if not (bf16 or fp16):
         return None
     if layout.device == "cpu":
@@ -58,20 +51,31 @@ def compute_dtype(bf16: bool, fp16: bool, amp_master_grad: bool, layout: Layout,
     return "bfloat16" if bf16 else "float16"
 
 
-def decorate(model: paddle.nn.Layer, optimizer: paddle.optimizer.Optimizer, dtype: str | None,
-             master_grad: bool) -> None:
+def decorate(model: paddle.nn.Layer, optimizer: paddle.optimizer.Optimizer, dtype: str | None) -> None:
     """O2 in place: the model's parameters in `dtype`, the optimizer keeping fp32 master weights.
     These are the calls `paddle.amp.decorate(level="O2")` makes after its device check (which makes
     it a no-op on CPU), so the same bookkeeping runs in the CPU tests."""
     if dtype is None:
         return
-    from paddle.amp.auto_cast import _set_multi_precision, amp_global_state, amp_initialize
+    from paddle.amp.auto_cast import _set_multi_precision, amp_initialize
 
     amp_initialize(models=[model], dtype=dtype, excluded_layers=None)
     _set_multi_precision(optimizer, True)
-    if master_grad:
-        amp_global_state().use_master_grad = True
-        amp_global_state().model_parameters.extend(model.parameters())
+
+
+def accumulate_in_fp32(model: paddle.nn.Layer, optimizer: paddle.optimizer.Optimizer, dtype: str) -> Any:
+    """--amp_master_grad as PaddleNLP's Trainer drives fleet: every parameter's low-precision gradient
+    is added into an fp32 `main_grad` as each backward produces it, and cleared (fleet's
+    `MixPrecisionLayer`); the optimizer steps with the main grads (`MixPrecisionOptimizer`, which the
+    layout's wrappers then wrap). Fleet's data-parallel and pipeline reductions, stage1 and stage2,
+    its scalers and its hybrid clip read `main_grad` where a parameter has one, and so do this
+    trainer's tp gradient sums and gradient recorder (they take what the optimizer receives).
+    Paddle's own `decorate(master_grad=True)` casts a gradient to fp32 after a backward instead, and
+    the next micro-batch's bf16 gradient cannot be added to it (Paddle fails at the second backward)."""
+    from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer, MixPrecisionOptimizer
+
+    MixPrecisionLayer(model, dtype=dtype)  # registers the hooks on `model`'s parameters; the wrapper itself is unused
+    return MixPrecisionOptimizer(optimizer)
 
 
 def autocast(dtype: str | None):
@@ -82,14 +86,15 @@ def autocast(dtype: str | None):
                                 custom_black_list=set(BLACK_LIST))
 
 
-def loss_scaler(dtype: str | None, layout: Layout, initial_scale: float) -> Any:
+def loss_scaler(dtype: str | None, layout: Layout, initial_scale: float, master_grad: bool = False) -> Any:
     """Dynamic loss scaling for fp16 (bf16 has fp32's range and needs none), wrapped as PaddleNLP's
     Trainer wraps it. Under stage2/3 the scaler must first gather each rank's reduced gradient slice
     (`update_slice`) and check those for inf, which only `GroupShardedScaler` does; with TP, PP or
     stage1 fleet's scaler all-reduces the overflow flag over the job. On one card or pure data
     parallelism the plain scaler serves (the gradients are already equal on every replica), and
     fleet's would fail: it treats a single card as hybrid and all-reduces over a global group a
-    one-process job never creates."""
+    one-process job never creates. Fleet's and the group-sharded scalers unscale `main_grad` where a
+    parameter has one; the plain one learns to from fleet's `MixPrecisionScaler`, as in PaddleNLP."""
     if dtype != "float16":
         return None
     scaler = paddle.amp.GradScaler(init_loss_scaling=initial_scale)
@@ -101,6 +106,10 @@ def loss_scaler(dtype: str | None, layout: Layout, initial_scale: float) -> Any:
         from paddle.distributed import fleet
 
         return fleet.distributed_scaler(scaler)
+    if master_grad:
+        from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionScaler
+
+        MixPrecisionScaler(scaler)  # rebinds the scaler's unscale to read main_grad; the wrapper itself is unused
     return scaler
 
 

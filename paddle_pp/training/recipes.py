@@ -1,10 +1,12 @@
-"""PaddleNLP pretraining argument files (`run_pretrain.py recipe.json [--flag value ...]`, as
-PaddleNLP's llm/run_pretrain.py takes them) read as this trainer's flags.
+"""PaddleNLP pretraining argument files (`run_pretrain.py recipe.json [--flag value ...]`, or
+`--config recipe.json`, as PaddleNLP's llm/run_pretrain.py takes them) read as this trainer's flags.
 
-A recipe means what PaddleNLP would do with it, so a field it leaves out takes PaddleNLP's
-default, not ours (its linear decay, its learning rates, its batch sizes); fields that only pick
-kernels or I/O are named and ignored; a value that would train something else than PaddleNLP
-trains is refused by name.
+A recipe means what PaddleNLP would do with it, so a field it leaves out takes PaddleNLP's default,
+not ours (its linear decay, its learning rates, its batch sizes, GPT's dropout of 0.1, resuming the
+newest checkpoint in output_dir). Every field is one of: a flag of ours (under its name or a
+renamed one), on the short list of fields that change nothing that is trained (`NO_EFFECT`, each
+with its reason), a communication-option string whose every option is known to change nothing, or
+refused by name with the fix (`REFUSED`, and any field this file does not know).
 """
 
 from __future__ import annotations
@@ -27,46 +29,81 @@ PADDLENLP_DEFAULTS: dict[str, Any] = {
     "learning_rate": 5e-5, "min_learning_rate": 1e-5, "warmup_steps": 0, "lr_scheduler_type": "linear",
     "weight_decay": 0.0, "adam_beta2": 0.999, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1,
     "max_seq_length": 1024, "logging_steps": 500, "save_steps": 500, "continue_training": False,
+    "use_flash_attention": False, "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1,
     "eval_iters": 10,  # run_pretrain.py sets 10 whatever the file says
 }
 
+_KERNELS = "a kernel or parameter-layout choice with the same arithmetic"
 NO_EFFECT = {  # field: why it changes nothing that is trained here
-    **dict.fromkeys(("use_flash_attention", "use_fused_rms_norm", "use_fused_rope", "use_fast_layer_norm",
-                     "use_fused_linear", "use_fused_dropout_add", "use_fused_linear_cross_entropy",
-                     "enable_linear_fused_grad_add", "fuse_attention_qkv", "fuse_attention_ffn",
-                     "tensor_parallel_output"), "a kernel or fusion choice; the same arithmetic"),
-    **dict.fromkeys(("pipeline_parallel_config", "tensor_parallel_config", "sharding_parallel_config",
-                     "sharding_comm_buffer_size_MB", "fuse_sequence_parallel_allreduce"),
-                    "communication scheduling options"),
+    **dict.fromkeys(("use_fast_layer_norm", "use_fused_linear", "use_fused_dropout_add",
+                     "use_fused_linear_cross_entropy", "tensor_parallel_output"), _KERNELS),
+    "enable_linear_fused_grad_add": f"{_KERNELS} (--amp_master_grad accumulates into fp32 main_grad either way)",
+    **dict.fromkeys(("fuse_attention_qkv", "fuse_attention_ffn"),
+                    f"{_KERNELS}; parameters are kept per projection here, and folders with fused ones are read"),
+    **dict.fromkeys(("sharding_comm_buffer_size_MB", "fuse_sequence_parallel_allreduce"),
+                    "communication scheduling"),
     **dict.fromkeys(("dataloader_num_workers", "distributed_dataloader", "skip_warmup", "share_folder",
-                     "skip_profile_timer", "autotuner_benchmark", "device", "overwrite_output_dir",
-                     "per_device_eval_batch_size", "do_train", "do_eval", "do_predict", "num_train_epochs",
-                     "evaluation_strategy", "save_strategy", "logging_strategy", "test_iters"),
-                    "I/O, device or bookkeeping; steps are set by max_steps, evaluation by eval_steps"),
-    "unified_checkpoint": "checkpoints are always unified here",
-    "unified_checkpoint_config": "checkpoints are always unified here",
-    "fp16_opt_level": "fp32 master weights are always kept (O2's choice)",
+                     "skip_profile_timer", "autotuner_benchmark", "device", "do_train", "do_predict",
+                     "test_iters", "per_device_eval_batch_size", "evaluation_strategy", "save_strategy",
+                     "logging_strategy", "unified_checkpoint", "num_train_epochs"),
+                    "I/O, device or bookkeeping (checkpoints are always unified; steps are set by max_steps, "
+                    "evaluation by eval_steps and eval_iters on the training batch size)"),
 }
 
+# The options of PaddleNLP's three *_parallel_config strings that schedule communication or pick
+# kernels and change nothing that is trained; another option is refused by name.
+COMMUNICATION_OPTIONS = {
+    "pipeline_parallel_config": {"enable_delay_scale_loss", "enable_release_grads", "disable_partial_send_recv",
+                                 "disable_batch_p2p_comm", "enable_sharding_comm_overlap", "enable_dp_comm_overlap",
+                                 "disable_p2p_cache_shape", "enable_timer", "enable_overlap_p2p_comm",
+                                 "enable_clear_every_step_cache", "enable_offload_queue"},
+    "tensor_parallel_config": {"enable_delay_scale_loss", "enable_mp_async_allreduce", "enable_mp_skip_c_identity",
+                               "enable_mp_fused_linear_param_grad_add", "enable_sp_async_reduce_scatter",
+                               "sync_param", "sync_grad", "sync_moment", "enable_mp_allreduce_overlap"},
+    "sharding_parallel_config": {"split_param", "enable_stage1_overlap", "enable_stage1_allgather_overlap",
+                                 "enable_stage1_broadcast_overlap", "enable_stage2_overlap",
+                                 "enable_stage1_tensor_fusion", "enable_release_grads", "disable_stage1_reduce_avg",
+                                 "enable_overlap"},
+}
 
-CHECKED: dict[str, tuple[Callable[[dict], bool], str]] = {  # field: (is its value trainable here?, why not)
-    "recompute_granularity": (lambda v: v["recompute_granularity"] == "full",
-                              "only full-layer recompute is implemented"),
-    "decay_steps": (lambda v: v["decay_steps"] in (None, v.get("max_steps")), "the decay always ends at max_steps"),
-    "hidden_dropout_prob": (lambda v: not v["hidden_dropout_prob"], "no dropout is modelled"),
-    "attention_probs_dropout_prob": (lambda v: not v["attention_probs_dropout_prob"], "no dropout is modelled"),
-    "max_steps": (lambda v: v["max_steps"] > 0, "pretraining runs a set number of steps"),
+_LATER = "not implemented yet"
+REFUSED: dict[str, tuple[Callable[[dict], bool], str]] = {  # field: (is its value trainable here?, why not, fix)
+    "decay_steps": (lambda v: v["decay_steps"] in (None, v.get("max_steps")),
+                    "the decay always ends at max_steps; drop decay_steps or set it to max_steps"),
+    "max_steps": (lambda v: v["max_steps"] > 0, "pretraining runs a set number of steps; set max_steps > 0"),
+    "fp16_opt_level": (lambda v: v["fp16_opt_level"] == "O2",
+                       "only AMP O2 (bf16/fp16 parameters, fp32 masters) is modelled; use O2"),
+    "sep_parallel_degree": (lambda v: v["sep_parallel_degree"] in (None, 1, -1),
+                            f"segment parallelism (all-to-all of heads and sequence) is {_LATER}; drop it"),
+    "context_parallel_degree": (lambda v: v["context_parallel_degree"] in (None, 1, -1),
+                                f"context parallelism is {_LATER}; drop it"),
+    "expert_parallel_degree": (lambda v: v["expert_parallel_degree"] in (None, 1, -1),
+                               f"expert parallelism is {_LATER}; drop it"),
+    "use_expert_parallel": (lambda v: not v["use_expert_parallel"], f"expert parallelism is {_LATER}; drop it"),
+    "no_recompute_layers": (lambda v: not v["no_recompute_layers"],
+                            "every layer is recomputed alike here; drop no_recompute_layers"),
+    "refined_recompute": (lambda v: not v["refined_recompute"],
+                          "refined recompute is not modelled; use recompute_granularity instead"),
+    "unified_checkpoint_config": (lambda v: not v["unified_checkpoint_config"],
+                                  "checkpoint options are not modelled (async saves: --async_save); drop them"),
 }
 
 
 def _refusals(values: dict) -> list[str]:
-    """Fields whose value would train something else than this trainer can."""
-    return [f"{key}={values[key]!r} ({why})" for key, (trainable, why) in CHECKED.items()
-            if key in values and not trainable(values)]
+    """Fields whose value would train something else than this trainer can, with the fix."""
+    refused = [f"{key}={values[key]!r} ({why})" for key, (trainable, why) in REFUSED.items()
+               if key in values and not trainable(values)]
+    for key, allowed in COMMUNICATION_OPTIONS.items():
+        unknown = sorted(set(str(values.get(key) or "").split()) - allowed)
+        if unknown:
+            refused.append(f"{key} option(s) {', '.join(unknown)} (not known to change nothing that is trained; "
+                           f"known: {', '.join(sorted(allowed))})")
+    return refused
 
 
 def read_recipe(path: Path, known: set[str], booleans: set[str]) -> tuple[dict[str, Any], list[str]]:
-    """(flag defaults from the recipe, notes to show: fields ignored and PaddleNLP defaults applied)."""
+    """(flag defaults from the recipe, notes to show: fields without effect and PaddleNLP defaults
+    applied). `known`: our flags' names; `booleans`: those that are booleans (recipes write 0/1)."""
     try:
         values = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as err:
@@ -74,26 +111,33 @@ def read_recipe(path: Path, known: set[str], booleans: set[str]) -> tuple[dict[s
     if not isinstance(values, dict):
         raise RecipeError(f"{path} is not a JSON object of argument: value")
     refused = _refusals(values)
-    if refused:
-        raise RecipeError(f"{path} asks for what paddle-pp cannot honour: {'; '.join(refused)}")
     flags: dict[str, Any] = {}
-    ignored = []
+    without_effect: dict[str, list[str]] = {}  # reason -> fields
     for key, value in values.items():
         dest = RENAMED.get(key, key)
         if key in NO_EFFECT:
-            ignored.append(f"{key} ({NO_EFFECT[key]})")
+            without_effect.setdefault(NO_EFFECT[key], []).append(key)
         elif dest in known:
             flags[dest] = bool(value) if dest in booleans else value
-        elif key not in CHECKED:
-            ignored.append(f"{key} (unknown to paddle-pp)")
+        elif key not in REFUSED and key not in COMMUNICATION_OPTIONS and key != "overwrite_output_dir":
+            refused.append(f"{key}={value!r} (a field paddle-pp does not know: it may change what is trained; "
+                           "remove it, or see the README's list of recipe fields)")
+    if refused:
+        raise RecipeError(f"{path} asks for what paddle-pp cannot honour: {'; '.join(refused)}")
     if flags.get("report_to") == "all":
         flags["report_to"] = "visualdl"
     if "sharding" in flags and "sharding_parallel_degree" not in flags:
         flags["sharding_parallel_degree"] = -1  # PaddleNLP's default: every data-parallel rank
     if "eval_steps" not in flags:  # transformers' rule, which PaddleNLP follows
         flags["eval_steps"] = flags.get("logging_steps", PADDLENLP_DEFAULTS["logging_steps"])
+    if "resume_from_checkpoint" not in flags and not values.get("overwrite_output_dir"):
+        flags["resume_from_checkpoint"] = "latest"  # run_pretrain.py resumes output_dir's newest checkpoint
     defaults = {k: v for k, v in PADDLENLP_DEFAULTS.items() if k not in flags or k == "eval_iters"}
-    notes = [f"ignored: {', '.join(ignored)}"] if ignored else []
+    grouped = "; ".join(f"{', '.join(keys)} ({why})" for why, keys in without_effect.items())
+    notes = [f"changing nothing that is trained: {grouped}"] if without_effect else []
     notes += [f"PaddleNLP's defaults for fields the recipe leaves out: "
               f"{', '.join(f'{k}={v}' for k, v in defaults.items())}"] if defaults else []
+    if flags.get("resume_from_checkpoint") == "latest" and "resume_from_checkpoint" not in values:
+        notes.append("resumes output_dir's newest checkpoint if there is one, as PaddleNLP's run_pretrain.py does "
+                     "(overwrite_output_dir: true starts over)")
     return flags | defaults, notes

@@ -22,6 +22,7 @@ from checkpoint.load import check_compatible, load_checkpoint
 from checkpoint.save import PendingSave, save_checkpoint
 from checkpoint.single_card_state import init_single_card_weights
 from modeling import tp_gradients
+from modeling.execution import Execution, choose_execution
 from modeling.registry import build_causal_lm, plan_of, validate_layout
 from paddle_pp.data.sampler import SequentialBatches
 from paddle_pp.data.source import build_data, dataset_sizes, plan_data
@@ -33,10 +34,10 @@ from paddle_pp.runtime.layout import Layout, launched_rank
 from paddle_pp.runtime.stage3 import SLICE_PREFIX
 from paddle_pp.runtime.topology import Topology, align_ranks, gather_objects, init_distributed, rank0_first
 from paddle_pp.training import precision
-from paddle_pp.training.arguments import DataArguments, OptimizerArguments, PretrainArguments
+from paddle_pp.training.arguments import DataArguments, ModelArguments, OptimizerArguments, PretrainArguments
 from paddle_pp.training.grad_norm import ReportingGlobalNormClip, report_clipped_norm
 from paddle_pp.training.gradient_record import record_gradients, recorded_gradients
-from paddle_pp.training.model_config import model_config, tokenizer_dir
+from paddle_pp.training.model_config import check_dropout, model_config, tokenizer_dir
 from paddle_pp.training.output_lock import acquire, release
 from paddle_pp.training.replicated_sync import needs_replicated_sync, sync_replicated
 from paddle_pp.training.report import MetricsLog, VisualDLLog, plot_loss, training_bar
@@ -76,6 +77,21 @@ def warmup_steps(args: OptimizerArguments, given: frozenset[str]) -> int:
     return math.ceil(args.warmup_ratio * args.max_steps)
 
 
+def run_execution(args: ModelArguments, layout: Layout, compute_dtype: str | None,
+                  head_dim: int) -> tuple[Execution, list[str]]:
+    """The run's attention core, recompute and fused kernels from the model flags (`choose_execution`),
+    and notes on what was asked for and not taken on this device."""
+    if args.recompute and args.pp_recompute_interval > 1:
+        raise TrainingConfigError(
+            f"--pp_recompute_interval {args.pp_recompute_interval}: recompute runs one decoder layer per segment "
+            "here (PaddleNLP's 1, its default); segments of several layers are not implemented. Use "
+            "--pp_recompute_interval 1, or --recompute_granularity to recompute less")
+    sm = tuple(paddle.device.cuda.get_device_capability()) if layout.device == "gpu" else None
+    return choose_execution(args.use_flash_attention, args.recompute, args.recompute_granularity,
+                            args.recompute_use_reentrant, args.use_fused_rope, args.use_fused_rms_norm,
+                            layout.device, compute_dtype, head_dim, sm)
+
+
 def _build_optimizer(model, args: OptimizerArguments, schedule: WarmupCosine, clip: ReportingGlobalNormClip):
     """AdamW decaying matrices only. Stage3 hands the optimizer each large matrix as a flat slice
     named "slice@<name>", so the decay rule looks through that prefix (matching names as given, as
@@ -97,8 +113,7 @@ class Pretrainer:
         self.layout = Layout.from_args(args.layout)
         self.layout.check_sequence_length(data.max_seq_length)
         self.batches = plan_batches(data, self.layout)
-        self.compute_dtype = precision.compute_dtype(optim.bf16, optim.fp16, optim.amp_master_grad, self.layout,
-                                                     self.batches.accumulate_steps)
+        self.compute_dtype = precision.compute_dtype(optim.bf16, optim.fp16, optim.amp_master_grad, self.layout)
         # found before the output_dir lock: `latest` only ever moves forward, and a live writer fails the lock
         self.resume_dir = self._resume_folder()
         source = args.model.model_name_or_path
@@ -108,7 +123,12 @@ class Pretrainer:
         self.tokenizer = load_text_tokenizer(tokenizer_dir(data, self.pretrained, args.given))
         self.config = model_config(args.model, data.max_seq_length, self.tokenizer.vocab_size, self.pretrained,
                                    args.given)
+        check_dropout(args.model, self.config)
         validate_layout(self.config, self.layout)
+        self.execution, notes = run_execution(args.model, self.layout, self.compute_dtype, self.config.head_dim)
+        if launched_rank() == 0:
+            for note in (*self.layout.notes, *notes):
+                print(f"note: {note}", file=sys.stderr)
         if self.resume_dir is not None:
             check_compatible(self.resume_dir, self.config, self.layout)
         self.data_plan = plan_data(
@@ -132,7 +152,7 @@ class Pretrainer:
 
         self.topo: Topology = init_distributed(self.layout, self.batches.micro_batch, self.batches.accumulate_steps)
         paddle.seed(data.seed)
-        raw = build_causal_lm(self.config, self.topo)
+        raw = build_causal_lm(self.config, self.topo, self.execution)
         self.plan = plan_of(self.config)
         self.axes = self.plan.axes()
         if self.resume_dir is None and self.pretrained is not None and args.model.continue_training:
@@ -145,12 +165,14 @@ class Pretrainer:
         tp_gradients.register_gradient_allreduce(raw, self.batches.accumulate_steps)
         self.clip = ReportingGlobalNormClip(optim.max_grad_norm)
         optimizer = _build_optimizer(raw, optim, self.schedule, self.clip)
-        precision.decorate(raw, optimizer, self.compute_dtype, optim.amp_master_grad)
+        precision.decorate(raw, optimizer, self.compute_dtype)
+        if optim.amp_master_grad:
+            optimizer = precision.accumulate_in_fp32(raw, optimizer, self.compute_dtype)
         self.model, self.optimizer = wrap_for_layout(raw, optimizer, self.topo, args.layout.stage3_segment_size)
         report_clipped_norm(self.optimizer, self.clip, raw, self.topo)
         if args.checkpoint.save_gradients:
             record_gradients(self.optimizer)
-        self.scaler = precision.loss_scaler(self.compute_dtype, self.layout, optim.scale_loss)
+        self.scaler = precision.loss_scaler(self.compute_dtype, self.layout, optim.scale_loss, optim.amp_master_grad)
         self.raw_model = raw
         self.consumed_samples, self.step = 0, 0
         if self.resume_dir is not None:
@@ -293,7 +315,7 @@ class Pretrainer:
             record = self.skip_one_step() if skipped(self.step + 1, self.skip_intervals) else \
                 self.train_one_step()
             last = self.step == stop
-            if (out.eval_steps and self.step % out.eval_steps == 0) or last:
+            if out.do_eval and ((out.eval_steps and self.step % out.eval_steps == 0) or last):
                 record["eval_loss"] = self.evaluate()
             record["elapsed_s"] = time.perf_counter() - started
             history.append(record)

@@ -39,12 +39,12 @@ def main(argv: list[str]) -> int:
 
     fp16_scaler = precision.loss_scaler
 
-    def scaler_as_on_gpu(_dtype, layout, initial_scale):
+    def scaler_as_on_gpu(_dtype, layout, initial_scale, master_grad=False):
         tracer = grad_scaler._dygraph_tracer
         grad_scaler._dygraph_tracer = lambda: SimpleNamespace(
             _expected_place=SimpleNamespace(is_gpu_place=lambda: True))
         try:
-            return fp16_scaler("float16", layout, initial_scale)
+            return fp16_scaler("float16", layout, initial_scale, master_grad)
         finally:
             grad_scaler._dygraph_tracer = tracer
 

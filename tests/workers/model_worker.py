@@ -3,6 +3,7 @@
 The test writes the single-card weights (`--init`, .npz) and an HF-style config with "model_type"
 (`--config`, JSON); rank 0 writes the gathered single-card parameters after training to `--out`.
 `--optimizer sgd` makes global-norm clipping visible in the update (AdamW is nearly invariant to it).
+`--attention blockwise --block N` runs the blockwise attention core with N positions per block.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import numpy as np
 import paddle
 
 from checkpoint.single_card_state import gather_single_card_state, load_single_card_state
+from modeling import tp_gradients
+from modeling.attention_core import CORES, BlockwiseCore
+from modeling.execution import Execution
 from modeling.registry import build_causal_lm, config_from_dict, plan_of
 from paddle_pp.runtime.fleet_wrappers import wrap_model, wrap_optimizer
 from paddle_pp.runtime.launch import write_result
@@ -44,15 +48,19 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--accumulate_steps", type=int, default=2)
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     parser.add_argument("--clip_norm", type=float, default=1.0)
+    parser.add_argument("--attention", choices=sorted(CORES), default="dense")
+    parser.add_argument("--block", type=int, default=512)
     args = parser.parse_args(argv)
 
     layout = Layout.from_args(args)
     micro = args.global_batch // layout.data_replicas // args.accumulate_steps
     topo = init_distributed(layout, micro_batch_size=micro, accumulate_steps=args.accumulate_steps)
     config = config_from_dict(json.loads(open(args.config).read()))
-    raw = build_causal_lm(config, topo)
+    core = BlockwiseCore(args.block) if args.attention == "blockwise" else CORES[args.attention]
+    raw = build_causal_lm(config, topo, Execution(attention=core))
     axes = plan_of(config).axes()
     load_single_card_state(raw, dict(np.load(args.init)), axes, topo)
+    tp_gradients.register_gradient_allreduce(raw, args.accumulate_steps)  # as the trainer: SP's norm gradients
     criterion = getattr(raw, "criterion", None)
     clip = paddle.nn.ClipGradByGlobalNorm(args.clip_norm)
     if args.optimizer == "sgd":

@@ -1,0 +1,91 @@
+"""How one run computes a model, beside what the model is.
+
+A model's config (config.json) says what the network is; `Execution` says how this run computes
+it: the tensor-parallel degree and rank, sequence parallelism, pipeline chunks, the attention core,
+which activations are recomputed and which fused kernels run. It is built once per run, handed to
+the model's constructor and from there to every block, so a run-time choice never becomes a config
+field (nor leaks into a saved config.json) and a new axis adds a field here, not a branch on the
+config in every block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import paddle
+from paddle.distributed.fleet.utils import recompute as fleet_recompute
+
+from modeling.attention_core import CORES, AttentionCore, choose_core
+
+GRANULARITIES = ("full", "full_attn", "core_attn")  # PaddleNLP's recompute_granularity values
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """PaddleNLP's recompute: what a decoder layer recomputes in backward instead of keeping
+    (`granularity` None: nothing): the whole layer (full), its attention block with the projections
+    (full_attn) or only the attention core (core_attn)."""
+
+    granularity: str | None = None
+    use_reentrant: bool = False
+
+    def __post_init__(self) -> None:
+        if self.granularity not in (None, *GRANULARITIES):
+            raise ValueError(f"recompute granularity {self.granularity!r} is not one of {GRANULARITIES}")
+
+    def __call__(self, scope: str, function: Callable, *inputs: paddle.Tensor, training: bool = True):
+        """`function(*inputs)`, recomputed in backward when `scope` is this run's granularity. Only
+        when an input carries a gradient: recomputing a stop_gradient pipeline input hangs the
+        schedule in reentrant mode (PaddleNLP#7235), and a region without gradients needs nothing."""
+        if self.granularity == scope and training and any(not t.stop_gradient for t in inputs):
+            return fleet_recompute(function, *inputs, use_reentrant=self.use_reentrant)
+        return function(*inputs)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """Fused kernels this run uses in place of the reference ops (each chosen on GPU only)."""
+
+    fused_rope: bool = False  # paddle.incubate fused_rotary_position_embedding
+    fused_rms_norm: bool = False  # paddle.incubate fused_rms_norm (SIGILL on AVX2 CPUs: never on CPU)
+    swiglu: bool = False  # paddle.nn.functional.swiglu for silu-gated MLPs
+
+
+@dataclass(frozen=True)
+class Execution:
+    """The run's way of computing a model; the default is one card, dense attention, nothing fused."""
+
+    tp: int = 1
+    tp_rank: int = 0
+    sequence_parallel: bool = False
+    vpp: int = 1  # virtual pipeline chunks per stage (the stage split reads it)
+    attention: AttentionCore = field(default_factory=lambda: CORES["dense"])
+    recompute: Recompute = field(default_factory=Recompute)
+    kernels: Kernels = field(default_factory=Kernels)
+
+    @property
+    def sequence_first(self) -> bool:
+        """Activations are [seq, batch, hidden] (sequence parallelism cuts the sequence over tp)."""
+        return self.sequence_parallel and self.tp > 1
+
+
+def choose_execution(use_flash_attention: bool = True, recompute: bool = False, granularity: str = "full",
+                     use_reentrant: bool = False, fused_rope: bool = False, fused_rms_norm: bool = False,
+                     device: str = "cpu", dtype: str | None = None, head_dim: int = 64,
+                     sm: tuple[int, int] | None = None) -> tuple[Execution, list[str]]:
+    """The run's attention core, recompute and kernels from PaddleNLP's flags of the same names, for
+    `device` and the compute `dtype` (None: fp32), and notes on what was asked for and not taken.
+    Fused kernels run on a GPU only (PaddleNLP switches fused rope off elsewhere with a warning; the
+    others have no CPU kernel, or kill the process: fused_rms_norm on AVX2); SwiGLU is fused on GPU
+    as in PaddleNLP's LLaMA. The granularity counts only with `recompute`, as in PaddleNLP."""
+    core, refusal = choose_core(use_flash_attention, device, dtype, head_dim, sm)
+    notes = [f"attention: {core.name} core (flash attention not used: {refusal})"] if refusal else []
+    gpu = device == "gpu"
+    for name, asked in (("--use_fused_rope", fused_rope), ("--use_fused_rms_norm", fused_rms_norm)):
+        if asked and not gpu:
+            notes.append(f"{name} ignored on {device}: the kernel runs on GPU only (the reference op runs, "
+                         "same numbers)")
+    kernels = Kernels(fused_rope=fused_rope and gpu, fused_rms_norm=fused_rms_norm and gpu, swiglu=gpu)
+    return Execution(attention=core, recompute=Recompute(granularity if recompute else None, use_reentrant),
+                     kernels=kernels), notes
