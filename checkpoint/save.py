@@ -112,7 +112,7 @@ def _written_dtype(kind: str, tensor: paddle.Tensor) -> np.dtype:
 def _holdings(held: Held, topo: Topology) -> dict:
     """What this rank could write (names, single-card bytes, TP-split) and where it sits."""
     tp = topo.layout.tp
-    return {"rank": topo.global_rank, "stage": topo.pp_rank, "replica": topo.data_replica_index,
+    return {"rank": topo.global_rank, "stage": topo.pp_rank, "replica": topo.weight_replica_index,
             "tp_rank": topo.tp_rank, "tensors": {
                 kind: {name: [nbytes, split, gathered_bytes(nbytes, split, tp, _slices(t, topo))]
                        for name, (t, axis) in tensors.items()
@@ -157,7 +157,7 @@ def _shard(kind: str, tensors: dict, plan: WritePlan, files: dict[Slot, str], to
     its tp group's files (whose layouts every member computes alike from the plan), the stage3
     slices it sends."""
     shard, tp, sharding = _Shard(kind), topo.layout.tp, topo.layout.sharding_degree
-    group = (topo.pp_rank, topo.data_replica_index)
+    group = (topo.pp_rank, topo.weight_replica_index)
     group_specs: dict[int, list[TensorSpec]] = {t: [] for t in range(tp)}  # each tp rank's file in this group
     pieces: list[tuple[_Entry, int, TensorSpec]] = []
     for name in sorted(tensors):
@@ -168,7 +168,7 @@ def _shard(kind: str, tensors: dict, plan: WritePlan, files: dict[Slot, str], to
         if ours:
             group_specs[writer].append(spec)
         if isinstance(tensor, FlatSlice):  # every sharding peer of a tp rank that takes part gathers with it
-            takes_part = (stage, replica // sharding) == (topo.pp_rank, topo.dp_rank) and \
+            takes_part = (stage, replica // sharding) == (topo.pp_rank, topo.weight_replica_index // sharding) and \
                 (split or writer == topo.tp_rank)
         else:
             takes_part = ours and (split or writer == topo.tp_rank)
@@ -320,7 +320,7 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, topo: Topolog
     judge_replicas([report["fingerprints"] for report in reports], replica_check)
     writers = _plan_writers(holdings, topo.layout.tp)
     files = _file_names(writers, holdings, list(held))
-    me = (topo.pp_rank, topo.data_replica_index, topo.tp_rank)
+    me = (topo.pp_rank, topo.weight_replica_index, topo.tp_rank)
     plans = {kind: (files[kind].get(me), _shard(kind, tensors, writers, files[kind], topo))
              for kind, tensors in held.items()}
     if topo.global_rank == 0 or any(fname or any(e.place for e in shard.entries) for fname, shard in plans.values()):

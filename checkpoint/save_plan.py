@@ -27,9 +27,9 @@ OPTIMIZER_SCALARS = ("beta1_pow_acc", "beta2_pow_acc")  # one fp32 number each p
 def save_items(plan: ModelPlan, layout: Layout, compute_bytes: int = 4) -> list[WriteItem]:
     """What a save of this model under `layout` writes, and who holds each tensor: the model in
     fp32, AdamW's states (and fp32 master weights under bf16/fp16), each parameter's states held by
-    the sharding rank Paddle's stage1 or stage2 optimizer gives it, in every dp replica (under
+    the sharding rank Paddle's stage1 or stage2 optimizer gives it, in every dp and cp replica (under
     stage3 every sharding rank holds a slice, so every replica can write it)."""
-    replicas = range(layout.dp * layout.sharding_degree)
+    replicas = range(layout.weight_replicas)
     items: list[WriteItem] = []
     states = OPTIMIZER_STATES + ((MASTER_WEIGHT,) if compute_bytes < 4 else ())
     for stage in range(layout.pp):
@@ -46,7 +46,7 @@ def save_items(plan: ModelPlan, layout: Layout, compute_bytes: int = 4) -> list[
                                       layout.sharding_degree if layout.sharding_stage == "stage3" else 1)
             items.append(WriteItem(MODEL, name, numel * 4, split, gathered, everyone))
             holders = everyone if layout.sharding_stage == "stage3" else \
-                tuple((stage, dp * layout.sharding_degree + owner) for dp in range(layout.dp))
+                tuple((stage, layout.weight_replica(dp, owner, cp)) for cp in range(layout.cp) for dp in range(layout.dp))
             items += [WriteItem(OPTIMIZER, f"{name}{STATE_SEPARATOR}{state}", numel * 4, split, gathered, holders)
                       for state in states]
             items += [WriteItem(OPTIMIZER, f"{name}{STATE_SEPARATOR}{state}", 4, False, 0, holders)

@@ -1,11 +1,12 @@
 """Who writes each tensor of a save: every rank of the job takes a share, balanced by bytes.
 
 Each tensor (model weight, optimizer state, recorded gradient) is written once, as its single-card
-tensor, by one rank of the lowest pipeline stage that holds it. Any data replica (dp x sharding
-index) holding it may write it: model weights are held by every replica, an optimizer state by
-the replicas of the sharding rank that updates it. A TP-split tensor is written in place: each rank
-of the writer's tp group writes its piece into the writer's file (a stage3 flat slice is first
-gathered over its sharding group, to the member in the writer's replica). Tensors go largest first
+tensor, by one rank of the lowest pipeline stage that holds it. Any weight replica (dp x sharding
+x cp index: `Layout.weight_replica`) holding it may write it: model weights are held by every
+replica, an optimizer state by the replicas of the sharding rank that updates it. A TP-split
+tensor is written in place: each rank of the writer's tp group writes its piece into the writer's
+file (a stage3 flat slice is first gathered over its sharding group, to the member in the
+writer's replica). Tensors go largest first
 to the least-loaded rank that can write them (LPT scheduling; a TP-split tensor loads each rank of
 the tp group with its piece, and goes to the rank with the smallest files among equally loaded ones),
 so a job with data parallelism spreads its save over all its ranks instead of leaving the writing
@@ -20,7 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable
 
-Slot = tuple[int, int, int]  # (pipeline stage, data replica, tp rank): one rank of the job
+Slot = tuple[int, int, int]  # (pipeline stage, weight replica, tp rank): one rank of the job
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class WriteItem:
     nbytes: int  # bytes of the single-card tensor, as written
     split: bool  # split over tp: each tp rank of the writer's replica writes its piece in place
     gathered: int  # bytes each rank writing (a piece of) it receives first: stage3 slices of other sharding ranks
-    holders: tuple[tuple[int, int], ...]  # (stage, data replica) pairs that hold it
+    holders: tuple[tuple[int, int], ...]  # (stage, weight replica) pairs that hold it
 
 
 @dataclass

@@ -13,10 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import paddle
 from paddle.distributed.fleet.utils import recompute as fleet_recompute
 
 from modeling.attention_core import CORES, AttentionCore, choose_core
+from modeling.context_parallel import Ring, local_positions
 
 GRANULARITIES = ("full", "full_attn", "core_attn")  # PaddleNLP's recompute_granularity values
 
@@ -60,9 +62,22 @@ class Execution:
     tp_rank: int = 0
     sequence_parallel: bool = False
     vpp: int = 1  # virtual pipeline chunks per stage (the stage split reads it)
+    ring: Ring | None = None  # context parallelism: the cp ranks sharing each sequence
     attention: AttentionCore = field(default_factory=lambda: CORES["dense"])
     recompute: Recompute = field(default_factory=Recompute)
     kernels: Kernels = field(default_factory=Kernels)
+
+    def positions(self, local_len: int) -> np.ndarray | None:
+        """The sequence positions of this rank's `local_len` tokens under context parallelism (None
+        without: 0..local_len - 1)."""
+        if self.ring is None:
+            return None
+        return local_positions(local_len * self.ring.degree, self.ring.degree, self.ring.rank)
+
+    @property
+    def cp(self) -> tuple[int, int]:
+        """(context-parallel degree, this rank's place): (1, 0) without."""
+        return (self.ring.degree, self.ring.rank) if self.ring is not None else (1, 0)
 
     @property
     def sequence_first(self) -> bool:

@@ -16,11 +16,15 @@ class CausalLMCriterion(nn.Layer):
     """Mean cross-entropy over labels that are not IGNORE_INDEX.
 
     Under TP the logits stay split by vocabulary and `ParallelCrossEntropy` reduces across ranks,
-    so the full logits are never gathered."""
+    so the full logits are never gathered. Under context parallelism each rank holds part of every
+    sequence: its loss is its summed token losses over the count of the whole sequences' counted
+    labels, so the cp ranks' losses (and, summed over cp by the gradient reduction, their
+    gradients) add up to the single-card mean, whatever each part holds."""
 
     def __init__(self, run: Execution):
         super().__init__()
         self.parallel = mp_layers.ParallelCrossEntropy(ignore_index=IGNORE_INDEX) if run.tp > 1 else None
+        self.ring = run.ring
 
     def forward(self, logits, labels):
         with full_precision():  # in fp32 whatever the compute dtype, as PaddleNLP's criterion
@@ -31,4 +35,5 @@ class CausalLMCriterion(nn.Layer):
                 token_loss = F.cross_entropy(logits, labels.unsqueeze(-1), reduction="none",
                                              ignore_index=IGNORE_INDEX)
             counted = (labels != IGNORE_INDEX).astype("float32").unsqueeze(-1)
-            return (token_loss * counted).sum() / counted.sum().clip(min=1.0)
+            count = counted.sum() if self.ring is None else self.ring.all_reduce(counted.sum())
+            return (token_loss * counted).sum() / count.clip(min=1.0)

@@ -10,6 +10,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from modeling.attention_core.blockwise import DEFAULT_BLOCK
+from modeling.context_parallel import Ring, RingCore
 from modeling.execution import Execution
 from modeling.family import ModelFamily
 from modeling.gemma import GEMMA
@@ -88,18 +90,30 @@ def validate_layout(config, layout: Layout) -> None:
             "reduction both hook the backward pass (untested order); use --sharding stage1 with tp, or tp 1")
 
 
-def execution_for(layout: Layout, tp_rank: int, choices: Execution = Execution()) -> Execution:
+def execution_for(layout: Layout, tp_rank: int, choices: Execution = Execution(), ring: Ring | None = None
+                  ) -> Execution:
     """The run's `Execution` on a rank of `layout`: `choices` (attention core, recompute, kernels)
-    with the layout's parallel degrees and this rank's place in them."""
-    return replace(choices, tp=layout.tp, tp_rank=tp_rank, sequence_parallel=layout.sequence_parallel,
-                   vpp=layout.vpp)
+    with the layout's parallel degrees and this rank's place in them; under context parallelism its
+    attention goes around `ring` with the chosen core's kernel (the dense core cannot: it has no
+    log-sum-exp)."""
+    run = replace(choices, tp=layout.tp, tp_rank=tp_rank, sequence_parallel=layout.sequence_parallel,
+                  vpp=layout.vpp)
+    if ring is None:
+        return run
+    if run.attention.name == "dense":
+        raise LayoutModelError("--context_parallel_degree needs a core that merges partial attention by its "
+                               "log-sum-exp; the dense core (--no-use_flash_attention) has none. Drop "
+                               "--no-use_flash_attention (context parallelism then runs the blockwise kernel)")
+    block = getattr(run.attention, "block", DEFAULT_BLOCK)
+    kernel = "flash" if run.attention.name == "flash" else "blockwise"
+    return replace(run, ring=ring, attention=RingCore(ring=ring, block=block, kernel=kernel))
 
 
 def build_causal_lm(config, topo: Topology, choices: Execution = Execution()):
     """The model form the layout needs (`*ForCausalLMPipe` when pp > 1, else `*ForCausalLM` with
     TP inside) for the run's `choices`, checked against its family's declaration."""
     model_family = family_of(config)
-    run = execution_for(topo.layout, topo.tp_rank, choices)
+    run = execution_for(topo.layout, topo.tp_rank, choices, topo.ring)
     model = model_family.pipe(config, run) if topo.layout.pp > 1 else model_family.causal_lm(config, run)
     model_family.check_built(model, config, run, topo.layout.pp, topo.pp_rank)
     return model

@@ -48,6 +48,10 @@ FINAL_STEP = 20
 FINAL_SAVE = ("--save_steps", str(FINAL_STEP))  # the single-card runs keep their final weights for parity tests
 SINGLE = Run("single", flags=FINAL_SAVE)
 SINGLE_GPT = Run("full_gpt", flags=GPT + FINAL_SAVE)
+CP2 = ("--context_parallel_degree", "2")
+MICRO2 = ("--per_device_train_batch_size", "2")  # 4 micro-batches of 2 a step: half the ring's round trips
+# The context-parallel suite compares it with single card; the trainer suite's 2-node launch with it.
+CP2_PP2 = Run("cp2_pp2", 4, CP2 + PP2 + MICRO2 + FINAL_SAVE)
 # The 16-rank run both suites need: the trainer compares its 20 steps with single card, the
 # checkpoint tests resume its step-10 checkpoint on one card.
 FOUR_D_SAVING = Run("4d_saving", 16, TP2 + PP2 + SHARDING2 + ("--save_steps", str(RESUME_STEP)))
@@ -92,3 +96,28 @@ def final_weight_drifts(pretrain_run, run: Run, reference: Run, skip: str = "\0"
     assert weights[0].keys() == weights[1].keys()
     return {name: float(np.linalg.norm(weights[0][name] - value) / np.linalg.norm(value))
             for name, value in weights[1].items() if not name.endswith(skip)}
+
+
+def history(pretrain_run, run: Run) -> dict:
+    """Rank 0's result of `run`, after checking every rank reports the same losses."""
+    results, _ = pretrain_run(run)
+    assert len({tuple(r["losses"]) for r in results}) == 1, f"{run.tag}: ranks report different losses"
+    return results[0]
+
+
+def assert_trains_like(pretrain_run, run: Run, reference: Run, rtol: float, skip: str = "\0") -> None:
+    """`run`'s 20 steps on `reference`'s: losses, evaluation, grad norms (with clipping active, so a
+    norm summed over the wrong ranks changes the updates) and the step-20 weights within `rtol`."""
+    expected, result = history(pretrain_run, reference), history(pretrain_run, run)
+    np.testing.assert_allclose(result["losses"], expected["losses"], rtol=rtol)
+    np.testing.assert_allclose(result["eval_loss"], expected["eval_loss"], rtol=rtol)
+    assert max(expected["grad_norms"]) > 1.0
+    np.testing.assert_allclose(result["grad_norms"], expected["grad_norms"], rtol=rtol)
+    drifts = final_weight_drifts(pretrain_run, run, reference, skip)
+    assert max(drifts.values()) < rtol, max(drifts.items(), key=lambda item: item[1])
+
+
+def assert_continues_single_card(pretrain_run, resumed: Run, rtol: float) -> None:
+    """Steps 11-20 of `resumed` on the uninterrupted single-card run's."""
+    reference = history(pretrain_run, SINGLE)
+    np.testing.assert_allclose(history(pretrain_run, resumed)["losses"], reference["losses"][RESUME_STEP:], rtol=rtol)

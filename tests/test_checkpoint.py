@@ -54,7 +54,8 @@ LAYOUTS = {  # name: (nproc, flags)
     "dp2": (2, ()),
     "dp2_tp2": (4, TP2),
 }
-MATRIX = [("single", "4d"), ("4d", "single"), ("tp2pp2", "dp2_sharding2"), ("pp2", "pp2_vpp2"), ("dp2_tp2", "single")]
+# single -> a multi-axis layout: tests/test_context_parallel.py (cp2 x pp2), tests/test_sequence_parallel.py
+MATRIX = [("4d", "single"), ("tp2pp2", "dp2_sharding2"), ("pp2", "pp2_vpp2"), ("dp2_tp2", "single")]
 
 
 def full(model: str) -> Run:

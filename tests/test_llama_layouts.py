@@ -30,7 +30,6 @@ LAYOUTS = {
     "dp2": (2, ()),
     "sharding2": (2, SHARDING2),
     "pp2_vpp2": (2, PP2 + ("--virtual_pp_degree", "2", "--accumulate_steps", "4")),
-    "pp4": (4, ("--pipeline_parallel_degree", "4", "--accumulate_steps", "4")),
     "tp2_sp_blockwise": (2, TP2 + ("--sequence_parallel", *BLOCKWISE)),
     "pp2_blockwise": (2, PP2 + BLOCKWISE),
 }

@@ -15,7 +15,7 @@ import pytest
 from conftest import first_batch
 
 from paddle_pp.runtime.errors import UserError
-from paddle_pp.runtime.layout import Layout
+from paddle_pp.runtime.layout import Layout, LayoutError
 from paddle_pp.training.arguments import build_parser, parse_args
 from paddle_pp.training.model_config import ModelSourceError
 from paddle_pp.training.recipes import RecipeError, read_recipe
@@ -60,14 +60,18 @@ def test_a_recipe_takes_paddlenlps_defaults_names_what_changes_nothing_and_refus
     assert flags["resume_from_checkpoint"] == "latest"  # run_pretrain.py resumes output_dir's newest checkpoint
     assert "fuse_attention_qkv (a kernel" in notes[0]
     for refused, words in (({"fancy_new_field": 1}, "fancy_new_field=1 (a field paddle-pp does not know"),
-                           ({"context_parallel_degree": 2}, "context_parallel_degree=2"),
-                           ({"sep_parallel_degree": 2}, "sep_parallel_degree=2"),
                            ({"use_expert_parallel": True}, "use_expert_parallel=True"),
                            ({"fp16_opt_level": "O1"}, "fp16_opt_level='O1'"),
                            ({"tensor_parallel_config": "enable_mp_async_allreduce some_new_option"},
                             "tensor_parallel_config option(s) some_new_option")):
         with pytest.raises(RecipeError, match=re.escape(words)):
             read_recipe(_recipe(tmp_path, {"max_steps": 10, **refused}), KNOWN, set())
+    # context parallelism is modelled; PaddleNLP's all-to-all segment parallelism is refused by the layout
+    args = parse_args([str(_recipe(tmp_path, {"max_steps": 3, "context_parallel_degree": 2,
+                                              "sep_parallel_degree": 2}))])
+    assert args.layout.context_parallel_degree == 2
+    with pytest.raises(LayoutError, match="--sep_parallel_degree 2: PaddleNLP's segment parallelism"):
+        Layout.from_args(args.layout, world_size=4, device="cpu")
 
 
 def test_use_flash_attention_chooses_the_memory_efficient_core(tmp_path):

@@ -1,6 +1,7 @@
 """Sequence parallelism (`--sequence_parallel`, Paddle's sequence_parallel_utils on CPU processes):
-the single-card loss curve, grad norms and final weights under tp2, tp2 x pp2 with recompute and
-GPT tp2, and a checkpoint saved with SP resuming on one card.
+the single-card loss curve, grad norms and final weights under tp2 x pp2 with recompute and GPT tp2
+(and LLaMA cp2 x tp2 + SP: tests/test_context_parallel.py), and a checkpoint saved with SP resuming
+on one card.
 
 SP moves activations, never parameters: if a norm weight's gradient were not summed over the tp
 ranks (each sees only its half of the positions) the weights would drift from single card's within
@@ -9,7 +10,6 @@ a few steps, and if it were summed twice the grad norm would be off; both are as
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from modeling.attention_core import CORES
@@ -18,7 +18,18 @@ from modeling.registry import config_from_dict, execution_for, family
 from paddle_pp.planning.memory import Workload, decoder_activation_bytes
 from paddle_pp.runtime.layout import Layout
 
-from runs import GPT, HALF, PP2, RESUME_STEP, SINGLE, SINGLE_GPT, TP2, Run, final_weight_drifts
+from runs import (
+    GPT,
+    HALF,
+    PP2,
+    RESUME_STEP,
+    SINGLE,
+    SINGLE_GPT,
+    TP2,
+    Run,
+    assert_continues_single_card,
+    assert_trains_like,
+)
 
 PARITY_RTOL = 1e-4  # the issue's bound over 20 steps
 RESUME_RTOL = 1e-5
@@ -29,33 +40,20 @@ RESUME_RTOL = 1e-5
 ZERO_GRADIENT = ".self_attn.k_proj.bias"
 SP = ("--sequence_parallel", "--save_steps", str(RESUME_STEP))
 
-TP2_SP = Run("tp2_sp", 2, TP2 + SP)
 TP2_PP2_SP = Run("tp2_pp2_sp_recompute", 4, TP2 + PP2 + SP + ("--recompute",))
 GPT_TP2_SP = Run("gpt_tp2_sp", 2, GPT + TP2 + SP)
 
 
-def _history(pretrain_run, run: Run) -> dict:
-    results, _ = pretrain_run(run)
-    assert len({tuple(r["losses"]) for r in results}) == 1, f"{run.tag}: ranks report different losses"
-    return results[0]
-
-
 @pytest.mark.multiproc
-@pytest.mark.parametrize("run, reference", [(TP2_SP, SINGLE), (TP2_PP2_SP, SINGLE), (GPT_TP2_SP, SINGLE_GPT)],
+@pytest.mark.parametrize("run, reference", [(TP2_PP2_SP, SINGLE), (GPT_TP2_SP, SINGLE_GPT)],
                          ids=lambda value: value.tag)
 def test_sequence_parallel_trains_like_single_card(pretrain_run, run, reference):
-    expected, result = _history(pretrain_run, reference), _history(pretrain_run, run)
-    np.testing.assert_allclose(result["losses"], expected["losses"], rtol=PARITY_RTOL)
-    np.testing.assert_allclose(result["eval_loss"], expected["eval_loss"], rtol=PARITY_RTOL)
-    assert max(expected["grad_norms"]) > 1.0  # clipping is active, so a wrong norm changes the update
-    np.testing.assert_allclose(result["grad_norms"], expected["grad_norms"], rtol=PARITY_RTOL)
-    drifts = final_weight_drifts(pretrain_run, run, reference, skip=ZERO_GRADIENT)
-    assert max(drifts.values()) < PARITY_RTOL, max(drifts.items(), key=lambda item: item[1])
+    assert_trains_like(pretrain_run, run, reference, PARITY_RTOL, skip=ZERO_GRADIENT)
 
 
 SINGLE_FIRST_HALF = Run("first_llama_single", 1, HALF)  # the checkpoint suite's 10 single-card steps and save
 SP_RESUMES = {  # the checkpoint does not depend on SP: either way the single-card curve continues
-    "tp2_sp->single": Run("tp2_sp_to_single", 1, (), resume_from=TP2_SP),
+    "tp2_pp2_sp->single": Run("tp2_pp2_sp_to_single", 1, (), resume_from=TP2_PP2_SP),
     "single->tp2_sp": Run("single_to_tp2_sp", 2, TP2 + ("--sequence_parallel",), resume_from=SINGLE_FIRST_HALF),
 }
 
@@ -63,9 +61,7 @@ SP_RESUMES = {  # the checkpoint does not depend on SP: either way the single-ca
 @pytest.mark.multiproc
 @pytest.mark.parametrize("pair", list(SP_RESUMES))
 def test_checkpoints_move_between_sequence_parallel_and_single_card(pretrain_run, pair):
-    reference = _history(pretrain_run, SINGLE)
-    result = _history(pretrain_run, SP_RESUMES[pair])
-    np.testing.assert_allclose(result["losses"], reference["losses"][RESUME_STEP:], rtol=RESUME_RTOL)
+    assert_continues_single_card(pretrain_run, SP_RESUMES[pair], RESUME_RTOL)
 
 
 # (model_type, tp, sequence parallel): what one decoder layer keeps for backward, measured on every rank

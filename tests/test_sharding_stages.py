@@ -9,7 +9,6 @@ projection also stays whole), covering both kinds.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from checkpoint.verify import verify_checkpoint
@@ -22,7 +21,9 @@ from runs import (
     SINGLE,
     TP2,
     Run,
-    final_weight_drifts,
+    assert_continues_single_card,
+    assert_trains_like,
+    history,
     planned_writers,
     written_by_rank,
 )
@@ -49,24 +50,12 @@ RESUMES = {  # the issue's pairs: each continues the single-card curve from the 
 }
 
 
-def _history(pretrain_run, run: Run) -> dict:
-    results, _ = pretrain_run(run)
-    assert len({tuple(r["losses"]) for r in results}) == 1, f"{run.tag}: ranks report different losses"
-    return results[0]
-
-
 @pytest.mark.multiproc
 @pytest.mark.parametrize("run", [STAGE2, STAGE3, TP_STAGE3], ids=lambda run: run.tag)
 def test_stage_trains_like_single_card(pretrain_run, run):
-    reference, result = _history(pretrain_run, SINGLE), _history(pretrain_run, run)
-    np.testing.assert_allclose(result["losses"], reference["losses"], rtol=PARITY_RTOL)
-    np.testing.assert_allclose(result["eval_loss"], reference["eval_loss"], rtol=PARITY_RTOL)
-    # clipping is active (norms above --max_grad_norm 1.0 early on) and the norm is summed once over
-    # the sharding group (twice would be sqrt(2) off, never would be 1/sqrt(n) off)
-    assert max(reference["grad_norms"]) > 1.0
-    np.testing.assert_allclose(result["grad_norms"], reference["grad_norms"], rtol=PARITY_RTOL)
-    drifts = final_weight_drifts(pretrain_run, run, SINGLE)  # the step-20 checkpoints, tensor by tensor
-    assert max(drifts.values()) < PARITY_RTOL, max(drifts.items(), key=lambda item: item[1])
+    """Clipping is active, and the norm is summed once over the sharding group (twice would be
+    sqrt(2) off, never would be 1/sqrt(n) off)."""
+    assert_trains_like(pretrain_run, run, SINGLE, PARITY_RTOL)
 
 
 @pytest.mark.multiproc
@@ -121,12 +110,11 @@ def test_stage_save_is_spread_over_every_rank_as_the_planner_predicts(pretrain_r
 @pytest.mark.multiproc
 @pytest.mark.parametrize("pair", list(RESUMES))
 def test_resume_across_stages_continues_the_single_card_run(pretrain_run, pair):
-    reference, result = _history(pretrain_run, SINGLE), _history(pretrain_run, RESUMES[pair])
-    np.testing.assert_allclose(result["losses"], reference["losses"][RESUME_STEP:], rtol=RESUME_RTOL)
+    assert_continues_single_card(pretrain_run, RESUMES[pair], RESUME_RTOL)
 
 
 @pytest.mark.multiproc
 def test_same_layout_stage3_resume_is_bitwise(pretrain_run):
-    uninterrupted = _history(pretrain_run, STAGE3)
-    result = _history(pretrain_run, Run("stage3_same_layout", 4, sharded("stage3", 4), resume_from=STAGE3))
+    uninterrupted = history(pretrain_run, STAGE3)
+    result = history(pretrain_run, Run("stage3_same_layout", 4, sharded("stage3", 4), resume_from=STAGE3))
     assert result["losses"] == uninterrupted["losses"][RESUME_STEP:]

@@ -1,10 +1,12 @@
 """run_pretrain.py as users run it: real launches, every layout on the loss curve of single card.
 
 20 steps from the same initial weights (drawn per single-card name, whatever the layout) and the
-same data order: tp2 x pp2 (also recomputing attention blocks), dp2 x sharding2 x tp2 x pp2, pp4
-and one card recomputing attention cores (reentrant) match single card within 1e-4 relative; tp2 x
-pp2 with the dense attention core gives the blockwise core's curve within 1e-5; a 2-node launch
-equals the same layout on one node exactly.
+same data order: tp2 x pp2, dp2 x sharding2 x tp2 x pp2 and pp4 match single card within 1e-4
+relative (recompute at each granularity: tests/test_sequence_parallel.py and
+tests/test_context_parallel.py); tp2 x
+pp2 with the dense attention core gives the blockwise core's curve within 1e-5; a 2-node launch of
+cp2 x pp2 (its ring and pipeline edges crossing the nodes) equals the same layout on one node
+exactly.
 """
 
 from __future__ import annotations
@@ -20,19 +22,16 @@ from paddle_pp.training.arguments import parse_args
 from paddle_pp.training.precision import PrecisionError
 from paddle_pp.training.trainer import Pretrainer, TrainingConfigError
 
-from runs import FOUR_D_SAVING, MODEL, PP2, REPO, SCRIPT, SINGLE, TP2, Run
+from runs import CP2_PP2, FOUR_D_SAVING, MODEL, PP2, REPO, SCRIPT, SINGLE, TP2, Run
 
 LOSS_RTOL = 1e-4
 RUNS = {run.tag: run for run in (
     SINGLE,
     Run("tp2pp2", 4, TP2 + PP2),
-    Run("tp2pp2_recompute", 4, TP2 + PP2 + ("--recompute", "--recompute_granularity", "full_attn")),
     Run("tp2pp2_dense", 4, TP2 + PP2 + ("--no-use_flash_attention",)),
-    Run("single_core_attn_recompute", 1, ("--recompute", "true", "--recompute_granularity", "core_attn",
-                                          "--recompute_use_reentrant", "1")),
     Run("pp4", 4, ("--pipeline_parallel_degree", "4")),
-    Run("dp2pp2", 4, PP2),
-    Run("dp2pp2_two_nodes", 2, PP2, nnodes=2),
+    CP2_PP2,
+    Run("cp2pp2_two_nodes", 2, CP2_PP2.flags, nnodes=2),
 )} | {"dp2_sharding2_tp2_pp2": FOUR_D_SAVING}
 
 
@@ -43,8 +42,7 @@ def trained(pretrain_run):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", ["tp2pp2", "dp2_sharding2_tp2_pp2", "pp4", "tp2pp2_recompute",
-                                  "single_core_attn_recompute"])
+@pytest.mark.parametrize("name", ["tp2pp2", "dp2_sharding2_tp2_pp2", "pp4"])
 def test_layout_loss_curve_matches_single_card(trained, name):
     (reference, *_), _ = trained("single")
     results, _ = trained(name)
@@ -72,9 +70,9 @@ def test_middle_pipeline_stages_build_no_dataset(trained):
 
 @pytest.mark.multiproc
 def test_two_node_launch_equals_one_node(trained):
-    """Two launchers joined by --master/--nnodes 2 form one dp2 x pp2 job, identical to one node's."""
-    one, _ = trained("dp2pp2")
-    two, _ = trained("dp2pp2_two_nodes")
+    """Two launchers joined by --master/--nnodes 2 form one cp2 x pp2 job, identical to one node's."""
+    one, _ = trained("cp2_pp2")
+    two, _ = trained("cp2pp2_two_nodes")
     assert len(two) == 4
     assert two[0]["losses"] == one[0]["losses"]
 

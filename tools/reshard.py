@@ -30,7 +30,7 @@ from modeling.registry import config_from_dict, load_config, plan_of, validate_l
 from paddle_pp.interop.fleet import merge_fleet
 from paddle_pp.interop.pickled import ALLOW_UNSAFE_PICKLE_HELP
 from paddle_pp.interop.transformers import export_paddlenlp_fused
-from paddle_pp.planning.memory import Workload, plan_layout
+from paddle_pp.planning.memory import Workload, plan_layout, ring_bytes_per_step
 from paddle_pp.runtime.errors import UserError
 from paddle_pp.runtime.flags import add_flags, read_flags
 from paddle_pp.runtime.layout import Layout, add_layout_args
@@ -52,11 +52,14 @@ def _plan(args) -> int:
         print(f"{s.stage:>5} {s.tp_rank:>3} {s.parameters:>12,} {s.weight_bytes / 2**20:>11.1f} "
               f"{s.grad_bytes / 2**20:>9.1f} {s.optimizer_bytes / 2**20:>9.1f} {s.activation_bytes / 2**20:>14.1f} "
               f"{s.total_bytes / 2**20:>9.1f} {s.load_bytes / 2**20:>13.1f}")
-    print(f"(every dp/sharding rank at a (stage, tp) holds and reads the same; activations: the decoder layers' at "
+    print(f"(every dp/sharding/cp rank at a (stage, tp) holds and reads the same; activations: the decoder layers' at "
           f"the step's peak for micro-batch {workload.per_device_train_batch_size} x {workload.max_seq_length} tokens"
           f"{f', recompute {workload.recompute_granularity}' if workload.recompute else ''}, "
           f"{workload.execution(layout, compute_bytes, config.head_dim).attention.name} attention core; embedding, "
           "head and loss not included)")
+    if layout.cp > 1:
+        print(f"context parallel ring: each rank sends {ring_bytes_per_step(config, layout, workload, compute_bytes) / 2**20:.1f} "
+              f"MB per step ({layout.cp} ranks per sequence, {workload.max_seq_length // layout.cp} tokens each)")
     slots = layout.rank_slots()
     writes = assign_writers(save_items(plan_of(config), layout, compute_bytes), layout.tp)
     if len(slots) <= args.max_rows:

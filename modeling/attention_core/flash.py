@@ -12,7 +12,9 @@ and the activation model are tested on CPU.
 
 from __future__ import annotations
 
+import paddle
 import paddle.nn.functional as F
+from paddle import _C_ops
 
 FLASH_DTYPES = ("float16", "bfloat16")
 MAX_HEAD_DIM, HEAD_DIM_MULTIPLE = 256, 8
@@ -42,3 +44,18 @@ def flash_causal_attention(q, k, v, seq_first: bool = False):
     batch, seq = out.shape[:2]
     out = out.reshape([batch, seq, -1])
     return out.transpose([1, 0, 2]) if seq_first else out
+
+
+def flash_block(q, k, v, causal: bool):
+    """(output, fp32 log-sum-exp [batch, heads, seq]) of one block of ring attention, q [batch, seq,
+    heads, head_dim] against k, v [batch, seq, kv_heads, head_dim]: Paddle's `_C_ops.flash_attn`, called
+    as Paddle's own ring attention calls it (paddle/distributed/auto_parallel/ring_attention.py; its
+    PaddleNLP twin needs the paddlenlp_ops build for backward), the log-sum-exp cut to the query length."""
+    out, _, lse, _ = _C_ops.flash_attn(q, k, v, None, None, 0.0, causal, False, False, "")
+    return out, lse[:, :, :q.shape[1]]
+
+
+def flash_block_backward(q, k, v, out, lse, dout, causal: bool):
+    """(dq, dk, dv) of `flash_block` given the merged output and log-sum-exp: `_C_ops.flash_attn_grad`."""
+    seed_offset = paddle.to_tensor([0, 0], place=paddle.CPUPlace(), dtype="int64")
+    return _C_ops.flash_attn_grad(q, k, v, out, lse, seed_offset, None, dout, 0.0, causal)

@@ -49,7 +49,7 @@ class SelfAttention(Block):
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if c.rotary:
-            q, k = rotate(q, k, c, lead[0] if seq_first else lead[1], seq_first, run.kernels.fused_rope)
+            q, k = rotate(q, k, c, lead[0] if seq_first else lead[1], seq_first, run.kernels.fused_rope, run.cp)
         out = run.recompute("core_attn", lambda *qkv: run.attention(*qkv, seq_first), q, k, v, training=self.training)
         return getattr(self, c.attention_output)(out)
 

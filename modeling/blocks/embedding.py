@@ -21,14 +21,17 @@ _NUMPY_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32
 def embed(config, run: Execution, tokens: nn.Layer, positions: nn.Layer | None, input_ids) -> paddle.Tensor:
     """The first hidden states: token embeddings, times `config.embedding_multiplier` (Gemma's
     sqrt(hidden), rounded to the compute dtype as transformers does) and plus learned positions
-    when the model has them; scattered along the sequence under sequence parallelism."""
+    when the model has them (of this rank's tokens under context parallelism); scattered along the
+    sequence under sequence parallelism."""
     hidden = tokens(input_ids)
     multiplier = getattr(config, "embedding_multiplier", None)
     if multiplier:  # a scale op keeps nothing for backward; a product with a tensor would keep the embeddings
         dtype = str(hidden.dtype).removeprefix("paddle.")
         hidden = paddle.scale(hidden, float(np.asarray(multiplier, _NUMPY_DTYPES[dtype]).astype(np.float32)))
     if positions is not None:
-        hidden = hidden + positions(paddle.arange(input_ids.shape[-1], dtype="int64").unsqueeze(0))
+        held = run.positions(input_ids.shape[-1])  # the positions of this rank's tokens under context parallelism
+        ids = paddle.arange(input_ids.shape[-1], dtype="int64") if held is None else paddle.to_tensor(held)
+        hidden = hidden + positions(ids.unsqueeze(0))
     return scatter_sequence(hidden, run)
 
 

@@ -16,6 +16,7 @@ import paddle
 from paddle.autograd import PyLayer
 
 from modeling.autocast import full_precision
+from modeling.context_parallel import local_positions
 
 ROPE_TYPES = ("default", "linear", "llama3")
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -60,22 +61,26 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> np
 
 
 @functools.lru_cache(maxsize=8)
-def _tables(head_dim: int, theta: float, scaling: tuple | None, seq_len: int,
-            seq_first: bool) -> tuple[paddle.Tensor, paddle.Tensor]:
+def _tables(head_dim: int, theta: float, scaling: tuple | None, seq_len: int, seq_first: bool,
+            cp: tuple[int, int]) -> tuple[paddle.Tensor, paddle.Tensor]:
     inv_freq = paddle.to_tensor(inverse_frequencies(head_dim, theta, dict(scaling) if scaling else None))
+    degree, rank = cp
+    positions = local_positions(seq_len * degree, degree, rank) if degree > 1 else np.arange(seq_len)
     with full_precision():  # O2 white-lists einsum: positions past 256 would round in bf16
-        freqs = paddle.einsum("i,j->ij", paddle.arange(seq_len, dtype="float32"), inv_freq)
+        freqs = paddle.einsum("i,j->ij", paddle.to_tensor(positions.astype(np.float32)), inv_freq)
         emb = paddle.concat([freqs, freqs], axis=-1)
         shape = [seq_len, 1, 1, head_dim] if seq_first else [1, seq_len, 1, head_dim]
         return emb.cos().reshape(shape), emb.sin().reshape(shape)
 
 
-def rotary_tables(config, seq_len: int, seq_first: bool = False) -> tuple[paddle.Tensor, paddle.Tensor]:
+def rotary_tables(config, seq_len: int, seq_first: bool = False,
+                  cp: tuple[int, int] = (1, 0)) -> tuple[paddle.Tensor, paddle.Tensor]:
     """cos and sin tables [1, seq, 1, head_dim] (or [seq, 1, 1, head_dim] for sequence-first
     activations) in the half-rotation layout PaddleNLP and transformers use, built once per length
-    (they are constants)."""
+    (they are constants), for the positions of `seq_len` tokens: 0.. without context parallelism,
+    the ones cp rank `cp[1]` of `cp[0]` holds with it."""
     scaling = tuple(sorted(config.rope_scaling.items())) if config.rope_scaling else None
-    return _tables(config.head_dim, float(config.rope_theta), scaling, seq_len, seq_first)
+    return _tables(config.head_dim, float(config.rope_theta), scaling, seq_len, seq_first, tuple(cp))
 
 
 def rotate_half(x):
@@ -103,12 +108,12 @@ class _Rotary(PyLayer):
         return dy * cos.expand(dy.shape) + paddle.concat([second, -first], axis=-1), None, None
 
 
-def rotate(q, k, config, seq_len: int, seq_first: bool, fused: bool):
+def rotate(q, k, config, seq_len: int, seq_first: bool, fused: bool, cp: tuple[int, int] = (1, 0)):
     """q and k rotated by position, the tables rounded once to their dtype. `fused` (a GPU run's
     --use_fused_rope) calls Paddle's `fused_rotary_position_embedding` as PaddleNLP's LLaMA does (the
     half-rotation layout: use_neox_rotary_style=False) with the same tables; it has no CPU kernel
     (untested here)."""
-    cos, sin = (table.astype(q.dtype) for table in rotary_tables(config, seq_len, seq_first))
+    cos, sin = (table.astype(q.dtype) for table in rotary_tables(config, seq_len, seq_first, cp))
     if fused:
         from paddle.incubate.nn.functional import fused_rotary_position_embedding
 

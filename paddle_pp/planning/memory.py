@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from modeling.context_parallel import ring_traffic_bytes
 from modeling.execution import GRANULARITIES, Execution, choose_execution
 from modeling.registry import execution_for, family_of, plan_of, validate_layout
 from paddle_pp.runtime.flags import flag
@@ -68,15 +69,30 @@ def decoder_activation_bytes(config, layout: Layout, workload: Workload, stage: 
     One micro-batch is alive without pp (each is backpropagated before the next); under 1F1B stage k
     holds min(pp - k, micro-batches), the interleaved schedule (vpp) 1 + (pp - 1) / (pp x vpp) times
     that (Megatron's count). Each layer keeps `kept` bytes per micro-batch in flight, and with
-    recompute one layer at a time rebuilds its `rebuilt` bytes. Embedding, head and loss are not included."""
+    recompute one layer at a time rebuilds its `rebuilt` bytes. Under context parallelism a rank
+    holds 1/cp of every sequence, and its ring core keeps what the blockwise core keeps for those
+    tokens. Embedding, head and loss are not included."""
     run = workload.execution(layout, compute_bytes, config.head_dim)
     layer = family_of(config).layer_activations(config, run, workload.per_device_train_batch_size,
-                                                workload.max_seq_length, compute_bytes)
+                                                workload.max_seq_length // layout.cp, compute_bytes)
     layers = config.num_hidden_layers // layout.pp
     in_flight = 1.0 if layout.pp == 1 else min(layout.pp - stage, workload.gradient_accumulation_steps)
     if layout.vpp > 1:
         in_flight *= 1 + (layout.pp - 1) / (layout.pp * layout.vpp)
     return int(layers * in_flight * layer.kept) + layer.rebuilt
+
+
+def ring_bytes_per_step(config, layout: Layout, workload: Workload, compute_bytes: int = 4) -> int:
+    """Bytes a rank sends around its context-parallel ring in one optimizer step: every attention call
+    of its stage's decoder layers, for every micro-batch (forward and backward; a recomputed core
+    runs its forward ring again)."""
+    if layout.cp == 1:
+        return 0
+    per_call = ring_traffic_bytes(workload.per_device_train_batch_size, workload.max_seq_length // layout.cp,
+                                  config.num_key_value_heads // layout.tp, config.head_dim, layout.cp, compute_bytes,
+                                  forward_passes=2 if workload.recompute else 1)
+    layers = config.num_hidden_layers // layout.pp
+    return layers * workload.gradient_accumulation_steps * per_call
 
 
 def plan_layout(config, layout: Layout, compute_bytes: int = 4, workload: Workload | None = None) -> list[RankShare]:

@@ -53,9 +53,22 @@ def wrap_for_layout(model: paddle.nn.Layer, optimizer: paddle.optimizer.Optimize
     align_ranks(topo)  # the wrappers start by broadcasting every parameter
     inner = fleet.distributed_model(model) if topo.layout.tp > 1 else model
     dp_group = topo.dp_group if topo.layout.dp > 1 else None
+    if topo.layout.cp > 1:  # the cp ranks then reduce with the dp ranks
+        dp_group = topo.hcg.get_dp_sep_parallel_group()
+        sum_over_context_parallel(model, topo.layout.cp)
     wrapped, optimizer, _ = group_sharded_parallel(inner, optimizer, level, group=topo.sharding_group,
                                                    dp_group=dp_group, segment_size=stage3_segment_size)
     return wrapped, optimizer
+
+
+def sum_over_context_parallel(model: paddle.nn.Layer, cp: int) -> None:
+    """Make a reduction that averages over dp x cp sum over cp: stage2/3 average their gradients over
+    their dp group (1 / its size), which under context parallelism is fleet's dp x cp group, while
+    each cp rank's gradient is only its part of its replica's (fleet's hybrid optimizer sums over
+    cp). Each gradient is multiplied by cp as backward produces it (exact when cp is a power of two)."""
+    for param in model.parameters():
+        if not param.stop_gradient:
+            param.register_hook(lambda grad: grad * cp)
 
 
 def optimizer_chain(optimizer: Any) -> Iterator[Any]:

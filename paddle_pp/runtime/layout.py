@@ -33,7 +33,13 @@ class LayoutError(UserError, ValueError):
 
 @dataclass(frozen=True)
 class Layout:
-    """Degrees of the 4D layout; `dp` is derived as world / (tp * pp * sharding).
+    """Degrees of the layout; `dp` is derived as world / (tp * pp * sharding * cp).
+
+    Context parallelism (cp) rides on fleet's `sep` axis (PaddleNLP passes its
+    context_parallel_degree there too): cp ranks read the same samples and each holds its part of
+    every sequence, hold the same weights, and sum their gradients (fleet all-reduces over dp x sep,
+    averaging over dp only). So a data replica (what the sampler slices) is dp x sharding, while a
+    weight replica (what the checkpoint and the replica check see) is dp x sharding x cp.
 
     `sharding_parallel_degree=-1` means "all data-parallel ranks that tp and pp leave", as in
     PaddleNLP; it is resolved in `__post_init__`, so every other field is concrete. Where PaddleNLP
@@ -50,6 +56,7 @@ class Layout:
     hybrid_parallel_topo_order: str = "pp_first"
     device: str = "cpu"
     sequence_parallel: bool = False
+    context_parallel_degree: int = 1
     dp: int = field(init=False)
     notes: tuple[str, ...] = field(init=False, default=())
 
@@ -65,7 +72,7 @@ class Layout:
                 f"--sharding {self.sharding!r}: options after the stage ({' '.join(self.sharding.split()[1:])}) "
                 f"are not supported (no CPU offload is implemented); pass --sharding {stage} alone.")
         if self.sharding_parallel_degree == -1:
-            rest = self.world_size // (self.tensor_parallel_degree * self.pipeline_parallel_degree)
+            rest = self.world_size // (self.tensor_parallel_degree * self.pipeline_parallel_degree * self.cp)
             object.__setattr__(self, "sharding_parallel_degree", max(rest, 1) if stage else 1)
         if stage in GROUP_SHARDED_LEVELS and self.sharding_parallel_degree == 1:
             object.__setattr__(self, "sharding", "")
@@ -78,11 +85,12 @@ class Layout:
                 f"--sharding_parallel_degree {self.sharding_parallel_degree} needs --sharding stage1 "
                 "(or stage2/stage3); without it the ranks would silently run plain data parallel."
             )
-        product = self.tensor_parallel_degree * self.pipeline_parallel_degree * self.sharding_parallel_degree
+        product = self.tensor_parallel_degree * self.pipeline_parallel_degree * self.sharding_parallel_degree * self.cp
         if self.world_size % product:
+            context = f" x --context_parallel_degree {self.cp}" if self.cp > 1 else ""
             raise LayoutError(
                 f"--tensor_parallel_degree {self.tensor_parallel_degree} x --pipeline_parallel_degree "
-                f"{self.pipeline_parallel_degree} x --sharding_parallel_degree {self.sharding_parallel_degree} "
+                f"{self.pipeline_parallel_degree} x --sharding_parallel_degree {self.sharding_parallel_degree}{context} "
                 f"= {product} does not divide the world size {self.world_size}; launch a multiple of "
                 f"{product} processes (python -m paddle.distributed.launch --nproc_per_node {product} ...) or "
                 "lower a degree."
@@ -127,6 +135,7 @@ class Layout:
             "--tensor_parallel_degree": self.tensor_parallel_degree,
             "--pipeline_parallel_degree": self.pipeline_parallel_degree,
             "--virtual_pp_degree": self.virtual_pp_degree,
+            "--context_parallel_degree": self.context_parallel_degree,
         }
         for name, value in degrees.items():
             if value < 1:
@@ -150,6 +159,10 @@ class Layout:
         return self.virtual_pp_degree
 
     @property
+    def cp(self) -> int:
+        return self.context_parallel_degree
+
+    @property
     def sharding_degree(self) -> int:
         return self.sharding_parallel_degree
 
@@ -166,22 +179,33 @@ class Layout:
 
     @property
     def data_replicas(self) -> int:
-        """How many distinct batches one step reads: every dp and sharding rank sees its own data."""
+        """How many distinct batches one step reads: every dp and sharding rank sees its own data (the cp
+        ranks of a data replica read the same samples)."""
         return self.dp * self.sharding_degree
+
+    @property
+    def weight_replicas(self) -> int:
+        """How many ranks of a (stage, tp rank) hold the same weights: every dp, sharding and cp rank."""
+        return self.data_replicas * self.cp
 
     @property
     def order(self) -> list[str]:
         return list(TOPO_ORDERS[self.hybrid_parallel_topo_order])
 
     def rank_slots(self) -> list[tuple[int, int, int]]:
-        """(pipeline stage, data replica, tp rank) of each global rank: fleet numbers ranks row-major
-        over `order` (the data replica is dp rank x sharding degree + sharding rank, as the trainer reads)."""
-        sizes = {"dp": self.dp, "pp": self.pp, "sharding": self.sharding_degree, "sep": 1, "mp": self.tp}
+        """(pipeline stage, weight replica, tp rank) of each global rank: fleet numbers ranks row-major
+        over `order`; the weight replica is `weight_replica(dp, sharding, cp rank)`."""
+        sizes = {"dp": self.dp, "pp": self.pp, "sharding": self.sharding_degree, "sep": self.cp, "mp": self.tp}
         slots = []
         for index in itertools.product(*(range(sizes[dim]) for dim in self.order)):
             at = dict(zip(self.order, index))
-            slots.append((at["pp"], at["dp"] * self.sharding_degree + at["sharding"], at["mp"]))
+            slots.append((at["pp"], self.weight_replica(at["dp"], at["sharding"], at["sep"]), at["mp"]))
         return slots
+
+    def weight_replica(self, dp_rank: int, sharding_rank: int, cp_rank: int) -> int:
+        """The index of a rank's copy of its stage's weights: cp outermost, so the sharding peers of a
+        copy (stage3 gathers among them) are the indices sharing `index // sharding degree`."""
+        return (cp_rank * self.dp + dp_rank) * self.sharding_degree + sharding_rank
 
     def hybrid_configs(self) -> dict:
         """Fleet's `strategy.hybrid_configs` for this layout."""
@@ -190,6 +214,7 @@ class Layout:
             "mp_degree": self.tp,
             "pp_degree": self.pp,
             "sharding_degree": self.sharding_degree,
+            "sep_degree": self.cp,
             "order": self.order,
         }
 
@@ -198,7 +223,8 @@ class Layout:
         return {"describe": self.describe(), "world_size": self.world_size, "tensor_parallel_degree": self.tp,
                 "pipeline_parallel_degree": self.pp, "sharding_parallel_degree": self.sharding_degree,
                 "data_parallel_degree": self.dp, "virtual_pp_degree": self.vpp,
-                "sharding": self.sharding_stage, "sequence_parallel": self.sequence_parallel}
+                "sharding": self.sharding_stage, "sequence_parallel": self.sequence_parallel,
+                "context_parallel_degree": self.cp}
 
     def describe(self) -> str:
         text = f"dp{self.dp} x sharding{self.sharding_degree} x tp{self.tp} x pp{self.pp}"
@@ -206,19 +232,34 @@ class Layout:
             text += f" ({self.sharding_stage})"
         if self.vpp > 1:
             text += f" (vpp{self.vpp})"
+        if self.cp > 1:
+            text += f" x cp{self.cp}"
         if self.sequence_parallel:
             text += " + SP"
         return text
 
     def check_sequence_length(self, seq_len: int) -> None:
-        """Sequence parallelism cuts every sequence into tp equal runs of positions."""
-        if self.sequence_parallel and seq_len % self.tp:
+        """Context parallelism cuts every sequence into 2 x cp equal chunks, and sequence parallelism
+        a rank's tokens into tp equal runs of positions."""
+        if self.cp > 1:
+            pieces = 2 * self.cp * (self.tp if self.sequence_parallel else 1)
+            if seq_len % pieces:
+                with_sp = f" x --tensor_parallel_degree {self.tp} (--sequence_parallel)" if self.sequence_parallel else ""
+                raise LayoutError(
+                    f"--max_seq_length {seq_len} is not divisible by 2 x --context_parallel_degree {self.cp}{with_sp} "
+                    f"= {pieces}: each sequence is cut into 2 x cp equal chunks; use a multiple of {pieces}.")
+        elif self.sequence_parallel and seq_len % self.tp:
             raise LayoutError(
                 f"--max_seq_length {seq_len} is not divisible by --tensor_parallel_degree {self.tp}, which "
                 f"--sequence_parallel splits it over; use a multiple of {self.tp} or drop --sequence_parallel.")
 
     @classmethod
     def from_args(cls, args: LayoutArguments | argparse.Namespace, world_size: int | None = None, device: str | None = None) -> "Layout":
+        if getattr(args, "sep_parallel_degree", 1) not in (1, -1):
+            raise LayoutError(
+                f"--sep_parallel_degree {args.sep_parallel_degree}: PaddleNLP's segment parallelism is not implemented "
+                "(PaddleNLP refuses it together with context parallelism); --context_parallel_degree cuts long "
+                "sequences over ranks with ring attention. Use it instead.")
         return cls(
             world_size=world_size if world_size is not None else launched_world_size(),
             tensor_parallel_degree=args.tensor_parallel_degree,
@@ -229,6 +270,7 @@ class Layout:
             hybrid_parallel_topo_order=args.hybrid_parallel_topo_order,
             device=device if device is not None else launched_device(),
             sequence_parallel=args.sequence_parallel,
+            context_parallel_degree=args.context_parallel_degree,
         )
 
 
@@ -266,14 +308,19 @@ class LayoutArguments:
     sequence_parallel: bool = flag(
         False, "with tp: split the norm and residual activations along the sequence over the tp ranks "
         "(reduce-scatter / all-gather in place of TP's all-reduce); the sequence length must divide by tp")
+    context_parallel_degree: int = flag(
+        1, "ranks each sequence is cut over (ring attention; each rank holds 2 of 2 x cp chunks): for sequences "
+        "longer than one rank holds; the sequence length must divide by 2 x cp (x tp with --sequence_parallel)")
+    sep_parallel_degree: int = flag(1, "PaddleNLP's segment parallelism (all-to-all of heads and sequence): not "
+                                       "implemented; use --context_parallel_degree")
     hybrid_parallel_topo_order: str = flag(
-        "pp_first", "rank order: pp_first = dp,pp,sharding,mp; sharding_first = dp,sharding,pp,mp",
+        "pp_first", "rank order: pp_first = dp,pp,sharding,sep(cp),mp; sharding_first = dp,sharding,pp,sep(cp),mp",
         choices=sorted(TOPO_ORDERS))
 
 
 def add_layout_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Register the layout flags under their PaddleNLP names."""
-    return add_flags(parser, LayoutArguments, "parallel layout (dp is derived: world / (tp * pp * sharding))")
+    return add_flags(parser, LayoutArguments, "parallel layout (dp is derived: world / (tp * pp * sharding * cp))")
 
 
 def parse_layout(argv: Sequence[str] | None = None, world_size: int | None = None, device: str | None = None) -> Layout:

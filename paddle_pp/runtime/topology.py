@@ -12,6 +12,7 @@ from paddle.distributed import fleet
 
 from paddle_pp.runtime.errors import UserError
 from paddle_pp.runtime.layout import Layout, launched_world_size
+from paddle_pp.runtime.ring import build_ring
 
 T = TypeVar("T")
 
@@ -27,6 +28,8 @@ class Topology:
     sharding_rank: int
     tp_rank: int
     pp_rank: int
+    cp_rank: int = 0
+    ring: Any = None  # the cp ranks' `runtime.ring.Ring` when cp > 1
 
     @property
     def is_first_stage(self) -> bool:
@@ -46,6 +49,12 @@ class Topology:
         return self.layout.data_replicas
 
     @property
+    def weight_replica_index(self) -> int:
+        """Which copy of its (stage, tp rank)'s weights this rank holds: dp, sharding and cp ranks are
+        copies (`Layout.weight_replica`), what the checkpoint's writers and replica check see."""
+        return self.layout.weight_replica(self.dp_rank, self.sharding_rank, self.cp_rank)
+
+    @property
     def tp_group(self) -> Any:
         return self.hcg.get_model_parallel_group()
 
@@ -61,8 +70,13 @@ class Topology:
     def sharding_group(self) -> Any:
         return self.hcg.get_sharding_parallel_group()
 
+    @property
+    def cp_group(self) -> Any:
+        return self.hcg.get_sep_parallel_group()
+
     def coordinates(self) -> dict[str, int]:
-        return {"dp": self.dp_rank, "sharding": self.sharding_rank, "tp": self.tp_rank, "pp": self.pp_rank}
+        return {"dp": self.dp_rank, "sharding": self.sharding_rank, "tp": self.tp_rank, "pp": self.pp_rank,
+                "cp": self.cp_rank}
 
 
 # Parameters fleet keeps identical across TP ranks on GPU (matched in their internal names): its
@@ -83,6 +97,8 @@ def build_strategy(layout: Layout, micro_batch_size: int = 1, accumulate_steps: 
     hybrid = layout.hybrid_configs()
     if layout.device != "cpu" and layout.tp > 1:
         hybrid["mp_configs"] = {"sync_param": True, "sync_grad": True, "sync_param_name": list(TP_SYNCED_PARAMETERS)}
+    if layout.cp > 1:  # the global norm's tp sum over the tp then pp groups; its default "check" group spans cp too
+        hybrid["split_norm_comm"] = True
     strategy.hybrid_configs = hybrid
     strategy.pipeline_configs = {
         "micro_batch_size": micro_batch_size,
@@ -121,6 +137,8 @@ def init_distributed(layout: Layout, micro_batch_size: int = 1, accumulate_steps
         sharding_rank=hcg.get_sharding_parallel_rank(),
         tp_rank=hcg.get_model_parallel_rank(),
         pp_rank=hcg.get_stage_id(),
+        cp_rank=hcg.get_sep_parallel_rank() if layout.cp > 1 else 0,
+        ring=build_ring(hcg, layout.device) if layout.cp > 1 else None,
     )
 
 

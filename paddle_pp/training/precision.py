@@ -37,6 +37,11 @@ def compute_dtype(bf16: bool, fp16: bool, amp_master_grad: bool, layout: Layout)
         raise PrecisionError("--bf16 and --fp16 are exclusive; pick one")
     if amp_master_grad and not (bf16 or fp16):
         raise PrecisionError("--amp_master_grad needs --bf16 or --fp16")
+    if amp_master_grad and layout.cp > 1 and layout.group_sharded_level is not None:
+        raise PrecisionError(
+            f"--amp_master_grad with --context_parallel_degree {layout.cp} and --sharding {layout.sharding_stage} is "
+            "not supported: the cp ranks' gradients are scaled as backward produces them, before they reach the "
+            "fp32 main_grad (untested order); use --sharding stage1 with context parallelism, or drop one.")
     if amp_master_grad and layout.sharding_stage == "stage3":
         raise PrecisionError(
             "--amp_master_grad with --sharding stage3 is not supported: Paddle's stage3 reduces and slices each "

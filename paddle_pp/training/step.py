@@ -25,8 +25,11 @@ def replica_slice(batch_size: int, topo: Topology) -> slice:
 
 
 def mean_over_replicas(value: paddle.Tensor, topo: Topology) -> float:
-    """Average a replica-local scalar over dp and sharding ranks, so every rank reports the global value."""
+    """Average a replica-local scalar over dp and sharding ranks, so every rank reports the global
+    value; under context parallelism each cp rank's loss is its part of its replica's, summed first."""
     value = value.detach().astype("float32").reshape([])
+    if topo.ring is not None:
+        value = topo.ring.all_reduce(value)
     for group, size in (("dp_group", topo.layout.dp), ("sharding_group", topo.layout.sharding_degree)):
         if size > 1:  # a group of one is never looked up: a single card may run without fleet
             value = value.clone()

@@ -22,6 +22,7 @@ from checkpoint.load import check_compatible, load_checkpoint
 from checkpoint.save import PendingSave, save_checkpoint
 from checkpoint.single_card_state import init_single_card_weights
 from modeling import tp_gradients
+from modeling.context_parallel import split_sequence
 from modeling.execution import Execution, choose_execution
 from modeling.registry import build_causal_lm, plan_of, validate_layout
 from paddle_pp.data.sampler import SequentialBatches
@@ -81,6 +82,11 @@ def run_execution(args: ModelArguments, layout: Layout, compute_dtype: str | Non
                   head_dim: int) -> tuple[Execution, list[str]]:
     """The run's attention core, recompute and fused kernels from the model flags (`choose_execution`),
     and notes on what was asked for and not taken on this device."""
+    if layout.cp > 1 and not args.use_flash_attention:
+        raise TrainingConfigError(
+            f"--context_parallel_degree {layout.cp} with --no-use_flash_attention: the dense attention core keeps no "
+            "log-sum-exp, which ring attention merges partial results by; drop --no-use_flash_attention (context "
+            "parallelism runs the blockwise kernel around the ring)")
     if args.recompute and args.pp_recompute_interval > 1:
         raise TrainingConfigError(
             f"--pp_recompute_interval {args.pp_recompute_interval}: recompute runs one decoder layer per segment "
@@ -243,11 +249,15 @@ class Pretrainer:
         return self.topo.is_first_stage or self.topo.is_last_stage
 
     def batch_tensors(self, dataset, indices):
-        """(inputs, labels) of the samples at `indices`: each sample's first and last seq_length ids."""
+        """(inputs, labels) of the samples at `indices`: each sample's first and last seq_length ids
+        (under context parallelism this rank's chunks of them)."""
         if dataset is None:
             return None, None
         rows = np.stack([dataset[int(i)] for i in indices])
-        return paddle.to_tensor(rows[:, :-1]), paddle.to_tensor(rows[:, 1:])
+        inputs, labels = rows[:, :-1], rows[:, 1:]
+        if self.topo.ring is not None:
+            inputs, labels = (split_sequence(x, self.topo.ring.degree, self.topo.ring.rank) for x in (inputs, labels))
+        return paddle.to_tensor(inputs), paddle.to_tensor(labels)
 
     def skip_one_step(self) -> dict:
         """Advance step, data position and schedule past a skipped step's global batch, unread."""

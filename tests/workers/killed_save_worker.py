@@ -1,7 +1,9 @@
-"""run_pretrain.py (its `main`) whose process SIGKILLs itself in the middle of its second checkpoint save.
+"""run_pretrain.py (its `main`) whose processes SIGKILL themselves in the middle of their second
+checkpoint save.
 
-The first shard of the second save is written, then the process dies before the save commits:
-exactly a node lost mid-save. Fault injection wraps the shard writer; nothing in the library knows.
+A rank writes its first shard of the second save, then dies before the save commits: exactly a node
+lost mid-save (under a launch, the launcher then ends the other ranks). Fault injection wraps the
+shard writer; nothing in the library knows.
 """
 
 from __future__ import annotations
@@ -13,14 +15,15 @@ import sys
 import checkpoint.save as save
 from paddle_pp.training import cli
 
-calls = {"count": 0}
+saves_seen: list[str] = []
 write_shard = save.write_shard
 
 
-def write_then_die(*args, **kwargs):
-    result = write_shard(*args, **kwargs)
-    calls["count"] += 1
-    if calls["count"] == 3:  # save 1 wrote model + optimizer shards; save 2 dies after its model shard
+def write_then_die(path, *args, **kwargs):
+    result = write_shard(path, *args, **kwargs)
+    if path.parent.name not in saves_seen:
+        saves_seen.append(path.parent.name)
+    if len(saves_seen) == 2:  # the first shard this rank writes into its second save
         os.kill(os.getpid(), signal.SIGKILL)
     return result
 

@@ -14,7 +14,7 @@ import sys
 import types
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 import paddle
 import paddle.distributed as dist
@@ -252,7 +252,7 @@ def _patch_input_broadcast() -> None:
 # ---------------------------------------------------------------- pipeline p2p
 
 _edge_groups: dict[tuple[int, int, str], Any] = {}  # (src, dst, "fwd" | "bwd") -> 2-rank gloo group
-_p2p_threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="paddle_pp_p2p")  # one per edge direction
+_p2p_threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="paddle_pp_p2p")  # one per edge direction (and ring stream)
 
 
 def create_pipeline_edge_groups(hcg, wrap_around: bool) -> None:
@@ -274,13 +274,42 @@ def create_pipeline_edge_groups(hcg, wrap_around: bool) -> None:
             _edge_groups[(b, a, "bwd")] = dist.new_group([a, b])
 
 
+RING_STREAMS = ("kv", "grad")  # ring attention's two streams, in flight at once in backward
+
+
+def create_ring_edge_groups(hcg) -> None:
+    """One 2-rank gloo group per edge of every context-parallel ring (fleet's `sep` groups) and
+    stream, for the same reason as the pipeline's: on one shared group gloo would pair a rank's i-th
+    send with a peer's receive of another round, and the k/v and gradient streams overlap. Every
+    rank creates all of them, in one order."""
+    for ranks in hcg.topology().get_comm_list("sep"):
+        for i in range(len(ranks)):
+            a, b = ranks[i], ranks[(i + 1) % len(ranks)]
+            for stream in RING_STREAMS:
+                _edge_groups[(a, b, f"ring_{stream}")] = dist.new_group([a, b])
+
+
+def start_ring_shift(sent, received, me: int, nxt: int, prev: int, stream: str) -> Callable[[], None]:
+    """Start one step along a context-parallel ring: `sent` to the next rank, `received` from the
+    previous, one thread per edge direction (gloo's send blocks until the peer receives); returns
+    the wait. Replaces `batch_isend_irecv` on the cp group, which gloo's calc-stream p2p cannot run."""
+    futures = [_p2p_threads.submit(_transfer, sent, _edge(me, nxt, f"ring_{stream}"), nxt, True),
+               _p2p_threads.submit(_transfer, received, _edge(prev, me, f"ring_{stream}"), prev, False)]
+
+    def wait() -> None:
+        for future in futures:
+            future.result()
+
+    return wait
+
+
 def _edge(src: int, dst: int, direction: str) -> Any:
     try:
         return _edge_groups[(src, dst, direction)]
     except KeyError:
         raise CPUBackendError(
-            f"no pipeline p2p group {src}->{dst} ({direction}); paddle_pp.topology.init_distributed creates "
-            "them (with wrap-around edges only when --virtual_pp_degree > 1)") from None
+            f"no p2p group {src}->{dst} ({direction}); paddle_pp.topology.init_distributed creates the pipeline's "
+            "(with wrap-around edges only when --virtual_pp_degree > 1) and the context-parallel rings'") from None
 
 
 def _transfer(tensors, group, peer: int, send: bool) -> None:
