@@ -146,7 +146,7 @@ def main() -> None:
     parser.add_argument("--max_gb", type=float, default=12.0, help="skip a run whose model keeps more than this")
     args = parser.parse_args()
     out = {**machine(), "measured": time.strftime("%Y-%m-%d"), "core_shape": [1, "seq", HEADS, KV_HEADS, HEAD_DIM],
-           "planner": planner(), "cores": core_runs(args.lengths, args.max_gb),
+           "planner": planner(), "core_runs": core_runs(args.lengths, args.max_gb),
            "trainer": trainer_runs(args.trainer_lengths, args.steps, args.max_gb)}
     (REPO / "bench" / "results" / "attention_cores.json").write_text(json.dumps(out, indent=1))
 

@@ -9,7 +9,7 @@ and 128k tokens on 64 GPUs.
    each rank's ring shifted per step (counted in `Ring.start_shift`) against `ring_bytes_per_step`.
 2. Planner (tools/reshard.py plan's model, bf16 on GPU, flash core, with and without full
    recompute): Llama-3-8B on 64 ranks as tp8 + SP x cp x sharding (stage1 over what is left),
-   micro-batch 1, at 32,768 and 131,072 tokens: per-rank decoder activations (the head's logits are
+   micro-batch 1 and one micro-batch per step, at 32,768 and 131,072 tokens: per-rank decoder activations (the head's logits are
    not in the planner's model), total and ring bytes per step for cp 1, 2, 4, 8.
 Writes bench/results/context_parallel.json.
 
@@ -83,7 +83,8 @@ def trainer_runs(seq: int, steps: int, degrees: list[int]) -> dict:
                              work_dir=Path(tmp) / f"job{cp}", timeout=7200)
             config = config_from_dict(dict(MODEL, vocab_size=4096, max_position_embeddings=seq))
             formula = ring_bytes_per_step(config, Layout(world_size=cp, context_parallel_degree=cp),
-                                          Workload(per_device_train_batch_size=1, max_seq_length=seq))
+                                          Workload(per_device_train_batch_size=1, max_seq_length=seq,
+                                                   gradient_accumulation_steps=1))
             out[f"cp{cp}"] = {"tokens_per_sec": statistics.median(results[0]["tokens_per_sec"][1:]),
                               "peak_host_bytes_worst_rank": max(r["peak_host_bytes"] for r in results),
                               "ring_bytes_per_step": max(r["ring_bytes_per_step"] for r in results),
@@ -106,8 +107,8 @@ def planner(degrees: tuple[int, ...] = (1, 2, 4, 8)) -> dict:
         sharding = 64 // (8 * cp)
         layout = Layout(world_size=64, tensor_parallel_degree=8, context_parallel_degree=cp, sequence_parallel=True,
                         sharding_parallel_degree=sharding, sharding="stage1" if sharding > 1 else "", device="gpu")
-        workload = Workload(per_device_train_batch_size=1, max_seq_length=seq, use_flash_attention=True,
-                            recompute=recompute)
+        workload = Workload(per_device_train_batch_size=1, max_seq_length=seq, gradient_accumulation_steps=1,
+                            use_flash_attention=True, recompute=recompute)
         worst = max(plan_layout(config, layout, 2, workload), key=lambda share: share.total_bytes)
         row = {"layout": layout.describe(), "activations_gb": worst.activation_bytes / 1e9,
                "total_gb": worst.total_bytes / 1e9,

@@ -40,7 +40,7 @@ class Skeleton:
         parts = [(self.tokens, VocabEmbedding(config.vocab_size, config.hidden_size), FIRST_AND_LAST if tied else FIRST)]
         if self.positions:
             parts.append((self.positions, Embedding(config.max_position_embeddings, config.hidden_size), FIRST))
-        parts += [(f"{self.layers}.{i}", self.decoder_layer, i) for i in range(config.num_hidden_layers)]
+        parts += [(f"{self.layers}.{i}", self.layer(config, i), i) for i in range(config.num_hidden_layers)]
         parts.append((self.norm, config.hidden_norm(), LAST))
         if not tied:
             parts.append((self.head, LMHead(config.hidden_size, config.vocab_size), LAST))
@@ -56,6 +56,14 @@ class Skeleton:
         """Names that denote one tensor, the stored one first: a tied head is the token embedding
         (PaddleNLP's and transformers' tied models also name it lm_head.weight)."""
         return ((f"{self.tokens}.weight", f"{self.head}.weight"),) if config.tie_word_embeddings else ()
+
+    def layer(self, config, index: int) -> type[Block]:
+        """Decoder layer `index`'s class (a mixture-of-experts family's dense and sparse layers differ)."""
+        return self.decoder_layer.for_layer(config, index)
+
+    def layer_kinds(self, config) -> list[type[Block]]:
+        """The distinct decoder layer classes of the model, in order of first use."""
+        return list(dict.fromkeys(self.layer(config, i).kind() for i in range(config.num_hidden_layers)))
 
     @property
     def base_prefix(self) -> str:

@@ -42,6 +42,13 @@ class CausalLMConfig(PretrainedConfig):
     def validate(self) -> None:
         """Shapes that must fit together, checked before any weight exists."""
 
+    def tensor_parallel_refusal(self) -> str | None:
+        """Why this model cannot be split over tp ranks, with the fix (None: it can)."""
+        if getattr(self, "qk_norm", None) == "projection":
+            return ("its q/k norms normalise the whole q and k projections, which tp splits by heads (not "
+                    "modelled); train it with --tensor_parallel_degree 1")
+        return None
+
     def check_sequence_length(self, seq_len: int) -> None:
         """Fail when training on `seq_len` tokens would need what the model does not do."""
         if seq_len > self.max_position_embeddings:
@@ -54,7 +61,7 @@ class DecoderConfig(CausalLMConfig):
     `head_dim` None means hidden_size / num_attention_heads."""
 
     model_type = "llama"
-    qk_norm = False  # Qwen3: RMSNorm over each q and k head, before rotary
+    qk_norm: str | None = None  # "head" (Qwen3): RMSNorm over each q and k head; "projection" (OLMoE): over q and k
     norm_offset = False  # Gemma: norms scale by 1 + weight
     scales_embeddings = False  # Gemma: embeddings times sqrt(hidden_size)
     rotary = True

@@ -74,3 +74,7 @@ def as_transformers4(raw: dict) -> dict:
     if kind is not None:
         values["rope_scaling"] = {"rope_type": kind, "factor": factor}
     return values
+
+# Read and dropped in every mixture-of-experts family: transformers adds its pooled aux loss to the loss
+# it returns when set; paddle-pp always trains with the per-layer aux loss (README, "Mixture of experts")
+MOE_ACCEPTED: dict[str, Check] = {"output_router_logits": any_value}

@@ -19,6 +19,7 @@ from paddle.distributed.fleet.utils import recompute as fleet_recompute
 
 from modeling.attention_core import CORES, AttentionCore, choose_core
 from modeling.context_parallel import Ring, local_positions
+from modeling.router_stats import RouterStats
 
 GRANULARITIES = ("full", "full_attn", "core_attn")  # PaddleNLP's recompute_granularity values
 
@@ -66,6 +67,8 @@ class Execution:
     attention: AttentionCore = field(default_factory=lambda: CORES["dense"])
     recompute: Recompute = field(default_factory=Recompute)
     kernels: Kernels = field(default_factory=Kernels)
+    accumulate_steps: int = 1  # micro-batches per step: a loss injected inside the model is scaled by its inverse
+    router_stats: RouterStats = field(default_factory=RouterStats, compare=False)  # MoE layers' routing, for metrics
 
     def positions(self, local_len: int) -> np.ndarray | None:
         """The sequence positions of this rank's `local_len` tokens under context parallelism (None

@@ -14,7 +14,7 @@ from modeling.blocks.decoder import LayerActivations, layer_activations
 from modeling.causal_lm import CausalLM, Skeleton
 from modeling.execution import Execution
 from modeling.pipeline import CausalLMPipe
-from modeling.tp_plan import ModelPlan, check_divisible, local_shape
+from modeling.tp_plan import ModelPlan, TPPlanError, check_divisible, local_shape
 from modeling.transformers_adapter import TransformersAdapter
 
 
@@ -56,21 +56,32 @@ class ModelFamily:
 
     def check_tensor_parallel(self, config, tp: int) -> None:
         """Fail before any weight is built when the vocabulary or a unit TP splits (heads, kv heads,
-        MLP width) does not divide by `tp`."""
-        fields = ("vocab_size",) + self.skeleton.decoder_layer.all_tp_fields(config)
+        MLP width) does not divide by `tp`, or the config computes what tp cannot split."""
+        fields = ("vocab_size",) + sum((kind.all_tp_fields(config) for kind in self.skeleton.layer_kinds(config)), ())
         check_divisible(self.architecture, config, fields, tp)
+        problem = config.tensor_parallel_refusal() if tp > 1 else None
+        if problem:
+            raise TPPlanError(f"{self.architecture} under --tensor_parallel_degree {tp}: {problem}")
 
     def layer_saved_bytes(self, config, run: Execution, batch: int, seq_len: int,
                           dtype_bytes: int = 4) -> dict[str, int]:
-        """What one decoder layer keeps for backward on a rank with nothing recomputed, by sublayer (those
-        that keep something)."""
-        saved = self.skeleton.decoder_layer.saved_bytes(config, run, batch, seq_len, dtype_bytes)
+        """What one decoder layer (the one keeping most, where layers differ) keeps for backward on a rank
+        with nothing recomputed, by sublayer (those that keep something)."""
+        saved = self.heaviest_layer(config, run, batch, seq_len, dtype_bytes).saved_bytes(
+            config, run, batch, seq_len, dtype_bytes)
         return {name: size for name, size in saved.items() if size}
 
     def layer_activations(self, config, run: Execution, batch: int, seq_len: int,
                           dtype_bytes: int = 4) -> LayerActivations:
-        """One decoder layer's activations on a rank under the run's recompute (the planner's model)."""
-        return layer_activations(self.skeleton.decoder_layer, config, run, batch, seq_len, dtype_bytes)
+        """One decoder layer's activations (the one keeping most) on a rank under the run's recompute (the
+        planner's model)."""
+        return layer_activations(self.heaviest_layer(config, run, batch, seq_len, dtype_bytes), config, run, batch,
+                                 seq_len, dtype_bytes)
+
+    def heaviest_layer(self, config, run: Execution, batch: int, seq_len: int, dtype_bytes: int) -> type:
+        """The decoder layer class that keeps most for backward (every layer where all are alike)."""
+        return max(self.skeleton.layer_kinds(config),
+                   key=lambda kind: sum(kind.saved_bytes(config, run, batch, seq_len, dtype_bytes).values()))
 
     def check_built(self, model, config, run: Execution, pp: int, stage: int) -> None:
         """The built model holds exactly the plan's tensors for its stage, in the plan's per-rank

@@ -25,6 +25,8 @@ from modeling.loss import CausalLMCriterion
 from modeling.tp_plan import FIRST, FIRST_AND_LAST
 from paddle_pp.runtime.errors import UserError
 
+DECODER_LAYERS = "DecoderLayer"  # fleet's segment pattern (a regex search): every decoder layer class's name has it
+
 
 class PipelineSplitError(UserError, ValueError):
     """Decoder layers that cannot be spread over the requested pipeline chunks without loss."""
@@ -123,7 +125,7 @@ class CausalLMPipe(PipelinePretrainedModel, PipelineLayer):
             SharedLayerDesc(tied_key, EmbeddingSection, shared_weight_attr="embedding_weight", **embedding) if tied
             else LayerDesc(EmbeddingSection, **embedding), prefix)
         for i in range(config.num_hidden_layers):
-            self.add_sequential_layer(LayerDesc(skeleton.decoder_layer, config=config, run=run),
+            self.add_sequential_layer(LayerDesc(skeleton.layer(config, i), config=config, run=run),
                                       f"{skeleton.layers}.{i}")
         norm_prefix, norm_name = _split(skeleton.norm)
         self.add_sequential_layer(LayerDesc(NormSection, config=config, run=run, name=norm_name,
@@ -149,8 +151,7 @@ class CausalLMPipe(PipelinePretrainedModel, PipelineLayer):
             layers=self.get_sequential_layers(),
             loss_fn=loss_fn,
             topology=hcg.topology(),
-            seg_method=stage_segments(self.config.num_hidden_layers, pp, vpp,
-                                      self.family.skeleton.decoder_layer.__name__),
+            seg_method=stage_segments(self.config.num_hidden_layers, pp, vpp, DECODER_LAYERS),
             num_virtual_pipeline_stages=vpp,
         )
         self.apply(self._init_weights)

@@ -74,6 +74,7 @@ class TransformersAdapter:
     architecture: str  # transformers' class
     locate: Callable[[str, TensorPlan], Stored]  # (our name, its placement) -> where transformers stores it
     renamed: dict[str, str] = field(default_factory=dict)  # their config field -> ours
+    aliases: dict[str, str] = field(default_factory=dict)  # another spelling of one of ours, read but never written
     fixed: dict[str, Any] = field(default_factory=dict)  # fields we do not model: the only value read, and written
     accepted: dict[str, Callable[[Any, dict], bool]] = field(default_factory=dict)  # read, checked, dropped
     buffers: tuple[str, ...] = ()  # name suffixes of non-parameter tensors some folders store (recomputed here)
@@ -85,7 +86,7 @@ class TransformersAdapter:
         modelled = model_fields(config_class)
         ours, problems = {}, []
         for key, value in values.items():
-            name = self.renamed.get(key, key)
+            name = self.renamed.get(key) or self.aliases.get(key, key)
             if name in modelled:
                 ours[name] = value
             elif key in self.fixed:

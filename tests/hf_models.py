@@ -45,6 +45,18 @@ KINDS = {
                                                    n_inner=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
 }
 
+MOE = dict(SHAPE, num_key_value_heads=2, num_experts_per_tok=2)
+# mixture-of-experts kinds (4 experts, top-2; kept apart from KINDS, which every family test walks)
+MOE_KINDS = {
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(MOE, head_dim=32, num_experts=4, moe_intermediate_size=32,
+                                                                norm_topk_prob=True)),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(MOE, num_experts=4, moe_intermediate_size=32,
+                                                                shared_expert_intermediate_size=48, mlp_only_layers=[1])),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(MOE, num_local_experts=4)),
+    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(MOE, num_experts=4)),
+}
+ROUTER_SCALE = 30.0  # router weights times this: scores spread, so test tokens sit far from top-k ties
+SEEDS = {"qwen2_moe": 1}  # kinds whose seed-0 weights route some token of the layout runs within 1e-4 of a tie
 
 # the hub tokenizer a kind's folder ships (the others ship the repo's SentencePiece tokenizer.model)
 KIND_TOKENIZERS = {"llama3": "llama3", "qwen2": "qwen2", "llama_tied": "smollm"}
@@ -77,13 +89,15 @@ def make(kind: str, folder: Path, seed: int = 0) -> Path:
     import torch
     import transformers
 
-    model_class, config_class, fields = KINDS[kind]
+    model_class, config_class, fields = {**KINDS, **MOE_KINDS}[kind]
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(getattr(transformers, config_class)(**fields))
     with torch.no_grad():
-        for param in model.parameters():
+        for name, param in model.named_parameters():
             if param.dim() == 1:
                 param.add_(0.1 * torch.randn_like(param))
+            elif name.endswith("gate.weight") and kind in MOE_KINDS:
+                param.mul_(ROUTER_SCALE)
     model.save_pretrained(folder, safe_serialization=True)
     return Path(folder)
 
@@ -116,7 +130,7 @@ def make_with_answers(root: Path, rows: np.ndarray, ids: np.ndarray, kinds: list
 
     answers = {}
     for kind in kinds:
-        folder = make(kind, root / kind)
+        folder = make(kind, root / kind, SEEDS.get(kind, 0))
         answers[kind] = {"loss": loss(folder, rows), "version": transformers.__version__}
         (root / f"{kind}.json").write_text(json.dumps(answers[kind]))
         np.save(root / f"{kind}.npy", logits(folder, ids))

@@ -26,7 +26,6 @@ BLOCKWISE = ("--attention", "blockwise", "--block", "6")
 LAYOUTS = {
     "tp2": (2, TP2),
     "pp2": (2, PP2),
-    "tp2pp2": (4, TP2 + PP2),
     "dp2": (2, ()),
     "sharding2": (2, SHARDING2),
     "pp2_vpp2": (2, PP2 + ("--virtual_pp_degree", "2", "--accumulate_steps", "4")),
@@ -57,11 +56,12 @@ def test_llama_layout_matches_single_card(llama_run, name):
     assert_matches(name, llama_run(name), llama_run("single"))
 
 
-def test_tp2pp2_weights_load_into_paddlenlp_llama(llama_run):
-    """Weights gathered from tp2 x pp2 load by name into PaddleNLP's LlamaForCausalLM; logits match ours."""
+def test_tp2_weights_load_into_paddlenlp_llama(llama_run):
+    """Weights gathered from tp2 load by name into PaddleNLP's LlamaForCausalLM; logits match ours
+    (tp2 x pp2 of the trainer: tests/test_trainer.py)."""
     import paddlenlp.transformers as nlp
 
-    _, params = llama_run("tp2pp2")
+    _, params = llama_run("tp2")
     ours = LlamaForCausalLM(LlamaConfig(**CONFIG))
     ours.set_state_dict({k: paddle.to_tensor(v) for k, v in params.items()})
     theirs = nlp.LlamaForCausalLM(nlp.LlamaConfig(**CONFIG))

@@ -67,7 +67,7 @@ REFUSED = {  # kind, config.json fields, what the refusal names
     # PaddleNLP's Mistral has no fused projections: a folder saying so has an unknown layout
     "fused_paddlenlp_weights": ("mistral", {"fuse_attention_qkv": True},
                                 "sets fuse_attention_qkv, which PaddleNLP's MistralForCausalLM does not have"),
-    "other_architecture": ("llama", {"model_type": "mixtral"}, "model_type 'mixtral' is not one of"),
+    "other_architecture": ("llama", {"model_type": "deepseek_v3"}, "model_type 'deepseek_v3' is not one of .*MLA"),
 }
 
 

@@ -23,6 +23,12 @@ CONFIGS = {  # each family with what sets it apart: GQA, tied embeddings, biases
     "qwen3": dict(SHAPE, num_key_value_heads=2, head_dim=12),
     "gemma": dict(SHAPE, num_key_value_heads=2, head_dim=12),
     "gpt": dict(SHAPE),
+    "qwen3_moe": dict(SHAPE, num_key_value_heads=2, head_dim=12, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=16, decoder_sparse_step=2),
+    "qwen2_moe": dict(SHAPE, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=24, mlp_only_layers=[1]),
+    "mixtral": dict(SHAPE, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2),
+    "olmoe": dict(SHAPE, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2),
 }
 
 
@@ -55,13 +61,16 @@ def test_every_split_divides_and_reassembles_at_every_allowed_tp(built):
                 assert local == row.shape, name
             else:
                 assert local[row.tp_axis] * tp == row.shape[row.tp_axis], (name, tp)
-    assert allowed[:2] == [1, 2]
+    assert allowed[:2] == ([1] if config.tensor_parallel_refusal() else [1, 2])  # OLMoE: whole-projection q/k norms
 
 
 def test_linears_split_by_column_or_row_and_every_layer_sits_on_one_stage(built):
     family, config, _ = built
     plan = family.tensor_plan(config)
-    assert all(row.tp_axis in (COLUMN, ROW) for row in plan.values() if row.linear and len(row.shape) == 2)
+    routers = {name for name in plan if name.endswith((".gate.weight", ".shared_expert_gate.weight"))}
+    assert all(plan[name].tp_axis is None for name in routers), "every tp rank routes the same tokens"
+    assert all(row.tp_axis in (COLUMN, ROW) for name, row in plan.items()
+               if row.linear and len(row.shape) == 2 and name not in routers)
     for pp, vpp in ((2, 1), (2, 2), (4, 1)):
         stages = {name: stages_holding(row, config.num_hidden_layers, pp, vpp) for name, row in plan.items()}
         assert all(len(held) == 1 for name, held in stages.items() if isinstance(plan[name].place, int))

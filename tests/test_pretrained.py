@@ -136,7 +136,7 @@ BAD_FOLDERS = {
     "unexpected_tensor": (lambda f: _rewrite(f, lambda t: t | {"model.extra.bias": np.ones(4, np.float32)}),
                           "model.extra.bias: not a tensor of LlamaForCausalLM"),
     "rope_scaling": (lambda f: _edit_config(f, rope_scaling={"type": "yarn", "factor": 2.0}), "rope_type 'yarn'"),
-    "architecture": (lambda f: _edit_config(f, model_type="mixtral"), "model_type 'mixtral'"),
+    "architecture": (lambda f: _edit_config(f, model_type="deepseek_v3"), "model_type 'deepseek_v3'"),
     "no_config": (lambda f: (f / "config.json").unlink() or f, "no config.json"),
     "no_weights": (lambda f: (f / "model.safetensors").unlink() or f, "no weights found"),
 }

@@ -1,5 +1,5 @@
 """Self-attention: q/k/v/o projections (optional biases), grouped-query heads with a `head_dim`
-independent of hidden / heads, optional per-head q/k norms (Qwen3), rotary positions (or none, for
+independent of hidden / heads, optional q/k norms per head (Qwen3) or over the whole projection (OLMoE), rotary positions (or none, for
 learned positions), and the run's attention core (`modeling.attention_core`) on this tp rank's heads."""
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ class SelfAttention(Block):
             "v_proj": ColumnLinear(c.hidden_size, kv_width, c.qkv_bias),
             c.attention_output: RowLinear(q_width, c.hidden_size, c.o_bias),
         }
-        if c.qk_norm:
+        if c.qk_norm == "head":
             parts |= {"q_norm": Norm(c.head_dim, c.rms_norm_eps, per_head=True),
                       "k_norm": Norm(c.head_dim, c.rms_norm_eps, per_head=True)}
+        elif c.qk_norm == "projection":  # whole on one card only (the family refuses tp)
+            parts |= {"q_norm": Norm(q_width, c.rms_norm_eps), "k_norm": Norm(kv_width, c.rms_norm_eps)}
         return parts
 
     @classmethod
@@ -43,10 +45,13 @@ class SelfAttention(Block):
         hidden = gather_tokens(hidden, run)
         seq_first = run.sequence_first
         lead = hidden.shape[:2]  # [batch, seq], or [seq, batch] under sequence parallelism
-        q = self.q_proj(hidden).reshape(lead + [self.local_heads, c.head_dim])
-        k = self.k_proj(hidden).reshape(lead + [self.local_kv_heads, c.head_dim])
+        q, k = self.q_proj(hidden), self.k_proj(hidden)
+        if c.qk_norm == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.reshape(lead + [self.local_heads, c.head_dim])
+        k = k.reshape(lead + [self.local_kv_heads, c.head_dim])
         v = self.v_proj(hidden).reshape(lead + [self.local_kv_heads, c.head_dim])
-        if c.qk_norm:
+        if c.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         if c.rotary:
             q, k = rotate(q, k, c, lead[0] if seq_first else lead[1], seq_first, run.kernels.fused_rope, run.cp)
@@ -73,8 +78,11 @@ class SelfAttention(Block):
         rotary = 2 * seq_len * c.head_dim * dtype_bytes if c.rotary and dtype_bytes < FP32_BYTES else 0
         saved = {"q_proj": tokens * c.hidden_size * dtype_bytes, "": kept + rotary,
                  c.attention_output: 0 if run.attention.keeps_output(run.sequence_first) else output}
-        if c.qk_norm:
+        kv_heads = c.num_key_value_heads // run.tp
+        if c.qk_norm == "head":
             saved |= {"q_norm": rms_norm_saved_bytes(tokens, c.head_dim, dtype_bytes, False, heads),
-                      "k_norm": rms_norm_saved_bytes(tokens, c.head_dim, dtype_bytes, False,
-                                                     c.num_key_value_heads // run.tp)}
+                      "k_norm": rms_norm_saved_bytes(tokens, c.head_dim, dtype_bytes, False, kv_heads)}
+        elif c.qk_norm == "projection":
+            saved |= {"q_norm": rms_norm_saved_bytes(tokens, heads * c.head_dim, dtype_bytes, False),
+                      "k_norm": rms_norm_saved_bytes(tokens, kv_heads * c.head_dim, dtype_bytes, False)}
         return saved

@@ -5,9 +5,11 @@ granularity (the planner's model)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from modeling.blocks.attention import SelfAttention
 from modeling.blocks.mlp import GatedMLP
+from modeling.blocks.moe import SparseMoE, is_sparse, moe_saved_bytes
 from modeling.blocks.norms import rms_norm_saved_bytes
 from modeling.blocks.parts import Block, Part
 from modeling.execution import Execution
@@ -50,21 +52,23 @@ def layer_activations(layer: type[Block], c, run: Execution, batch: int, seq_len
 
 
 class DecoderLayer(Block):
+    feed_forward = "mlp"  # the feed-forward part's name
+
     @classmethod
     def declare(cls, c) -> dict[str, Part]:
-        return {"self_attn": SelfAttention, "mlp": GatedMLP, "input_layernorm": c.hidden_norm(),
+        return {"self_attn": SelfAttention, cls.feed_forward: GatedMLP, "input_layernorm": c.hidden_norm(),
                 "post_attention_layernorm": c.hidden_norm()}
 
     def _block(self, hidden):
         normed = self.input_layernorm(hidden)
         hidden = hidden + self.run.recompute("full_attn", self.self_attn, normed, training=self.training)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden + getattr(self, self.feed_forward)(self.post_attention_layernorm(hidden))
 
     def forward(self, hidden):
         return self.run.recompute("full", self._block, hidden, training=self.training)
 
-    @staticmethod
-    def saved_bytes(c, run: Execution, batch: int, seq_len: int, dtype_bytes: int) -> dict[str, int]:
+    @classmethod
+    def saved_bytes(cls, c, run: Execution, batch: int, seq_len: int, dtype_bytes: int) -> dict[str, int]:
         """What the layer keeps for backward on a tp rank with nothing recomputed, by sublayer: equal
         byte for byte to what `paddle_pp.training.activations` measures in fp32 (tested). The norms
         are the only activations TP leaves whole and SP splits (over tp ranks)."""
@@ -73,4 +77,50 @@ class DecoderLayer(Block):
                                     dtype_bytes, c.norm_offset, fused=run.kernels.fused_rms_norm)
         return {"input_layernorm": norm, "post_attention_layernorm": norm,
                 **prefixed("self_attn", SelfAttention.saved_bytes(c, run, batch, seq_len, dtype_bytes)),
-                **prefixed("mlp", GatedMLP.saved_bytes(c, run, tokens, dtype_bytes))}
+                **prefixed(cls.feed_forward, cls.feed_forward_bytes(c, run, tokens, dtype_bytes))}
+
+    @classmethod
+    def feed_forward_bytes(cls, c, run: Execution, tokens: int, dtype_bytes: int) -> dict[str, int]:
+        return GatedMLP.saved_bytes(c, run, tokens, dtype_bytes)
+
+
+class SparseDecoderLayer(DecoderLayer):
+    """A mixture-of-experts family's decoder layer: the MoE block (`moe_block`: "mlp", Mixtral's
+    "block_sparse_moe") where `is_sparse` says so, else the dense gated MLP; `index` is its place."""
+
+    index = 0
+
+    @classmethod
+    def for_layer(cls, config, index: int) -> type[Block]:
+        if not is_sparse(config, index):
+            return DecoderLayer
+        return _placed(cls, index)
+
+    @classmethod
+    def kind(cls) -> type[Block]:
+        return SparseDecoderLayer
+
+    @classmethod
+    def declare(cls, c) -> dict[str, Part]:
+        parts = super().declare(c)
+        del parts[DecoderLayer.feed_forward]
+        return parts | {c.moe_block: SparseMoE}
+
+    def __init__(self, config, run: Execution):
+        super().__init__(config, run)
+        self.feed_forward = config.moe_block
+        getattr(self, self.feed_forward).layer_index = self.index
+
+    @classmethod
+    def saved_bytes(cls, c, run: Execution, batch: int, seq_len: int, dtype_bytes: int) -> dict[str, int]:
+        saved = DecoderLayer.saved_bytes(c, run, batch, seq_len, dtype_bytes)
+        dense = {f"{DecoderLayer.feed_forward}.{key}".rstrip(".") for key in
+                 DecoderLayer.feed_forward_bytes(c, run, batch * seq_len, dtype_bytes)}
+        return {key: value for key, value in saved.items() if key not in dense} | \
+            prefixed(c.moe_block, moe_saved_bytes(c, run, batch * seq_len, dtype_bytes))
+
+
+@lru_cache(maxsize=None)
+def _placed(layer: type[SparseDecoderLayer], index: int) -> type[SparseDecoderLayer]:
+    """`layer` built for place `index` (its name keeps "DecoderLayer": the pipeline's segment pattern)."""
+    return type(f"{layer.__name__}{index}", (layer,), {"index": index, "__module__": __name__})

@@ -53,6 +53,17 @@ class Block(nn.Layer):
         """Config fields whose units tensor parallelism splits (heads, MLP width): each must divide by tp."""
         return ()
 
+    @classmethod
+    def for_layer(cls, config, index: int) -> type["Block"]:
+        """The class decoder layer `index` is built from (a layer whose parts depend on its place
+        returns a subclass that knows it)."""
+        return cls
+
+    @classmethod
+    def kind(cls) -> type["Block"]:
+        """The class whose parts this one declares (itself, unless it only adds a place)."""
+        return cls
+
     def __init__(self, config, run: Execution):
         super().__init__()
         self.config, self.run = config, run

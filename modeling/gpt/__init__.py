@@ -28,7 +28,7 @@ class GPTConfig(CausalLMConfig):
     attention_output = "out_proj"
     has_dropout = True
     qkv_bias = o_bias = True
-    qk_norm = rotary = False
+    qk_norm, rotary = None, False
 
     def __init__(self, vocab_size: int = 50304, hidden_size: int = 768, num_hidden_layers: int = 12,
                  num_attention_heads: int = 12, intermediate_size: int | None = None,

@@ -9,7 +9,7 @@ from modeling.qwen2 import QwenWindows
 
 class Qwen3Config(QwenWindows):
     model_type = "qwen3"
-    qk_norm = True
+    qk_norm = "head"
 
     def __init__(self, vocab_size: int = 151936, intermediate_size: int = 22016, num_key_value_heads: int | None = 32, head_dim: int | None = 128,
                  max_position_embeddings: int = 32768, attention_bias: bool = False, **kwargs):

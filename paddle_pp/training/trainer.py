@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -42,6 +42,7 @@ from paddle_pp.training.model_config import check_dropout, model_config, tokeniz
 from paddle_pp.training.output_lock import acquire, release
 from paddle_pp.training.replicated_sync import needs_replicated_sync, sync_replicated
 from paddle_pp.training.report import MetricsLog, VisualDLLog, plot_loss, training_bar
+from paddle_pp.training.router_metrics import router_metrics
 from paddle_pp.training.schedule import WarmupCosine
 from paddle_pp.training.skips import merge, parse_intervals, skipped
 from paddle_pp.training.step import eval_loss, train_step
@@ -130,8 +131,12 @@ class Pretrainer:
         self.config = model_config(args.model, data.max_seq_length, self.tokenizer.vocab_size, self.pretrained,
                                    args.given)
         check_dropout(args.model, self.config)
+        if self.compute_dtype == "float16" and getattr(self.config, "num_experts", 0):
+            raise TrainingConfigError("--fp16 with a mixture-of-experts model: the aux loss's gradient is injected at "
+                                      "each layer without the fp16 loss scale (not implemented); train with --bf16")
         validate_layout(self.config, self.layout)
         self.execution, notes = run_execution(args.model, self.layout, self.compute_dtype, self.config.head_dim)
+        self.execution = replace(self.execution, accumulate_steps=self.batches.accumulate_steps)
         if launched_rank() == 0:
             for note in (*self.layout.notes, *notes):
                 print(f"note: {note}", file=sys.stderr)
@@ -292,7 +297,7 @@ class Pretrainer:
         seconds = time.perf_counter() - started
         record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": self.clip.pop_norm(),
                   "tokens_per_sec": self.batches.global_batch * self.args.data.max_seq_length / seconds,
-                  "consumed_samples": consumed}
+                  "consumed_samples": consumed, **router_metrics(self.execution.router_stats, self.config, self.topo)}
         return record if updated else {**record, "update_skipped": True}
 
     def evaluate(self) -> float:

@@ -41,6 +41,9 @@ def main(argv: list[str]) -> int:
         write_result({"rank": trainer.topo.global_rank, "losses": [r["loss"] for r in trained],
                       "trained_steps": [r["step"] for r in trained], "grad_norms": [r["grad_norm"] for r in trained],
                       "tokens_per_sec": [r["tokens_per_sec"] for r in trained],
+                      "aux_losses": [r.get("aux_loss") for r in trained],
+                      "router_margins": [r.get("router_margin") for r in trained],
+                      "expert_load": trained[-1].get("expert_load") if trained else None,
                       "eval_loss": history[-1].get("eval_loss") if history else None,
                       "dataset_built": trainer.train_data is not None, "stage": trainer.topo.pp_rank,
                       "held_elements": held})

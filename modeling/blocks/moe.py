@@ -1,0 +1,154 @@
+"""The mixture-of-experts feed-forward block (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE) and its
+load-balancing loss.
+
+Routing as transformers computes it: router logits in fp32, softmax, top-k, renormalised iff the
+family says so (`renormalize_topk`), the weights cast back to the activations' dtype; each expert
+is a gated MLP run on the tokens routed to it, its output times the token's weight added in expert
+order. Dropless: every token reaches its k experts. Every expert runs every micro-batch, on one
+zero row with weight zero when no token chose it, so its gradient is a zero, never missing (what
+Paddle's fused gradient buffers, the sharded reduction and the tp gradient hooks count on).
+
+The aux loss is the Switch form per layer, E * sum_e f_e * P_e times `router_aux_loss_coef`
+(f_e: the share of the micro-batch's k x tokens routed to e; P_e: e's mean probability), 1 x the
+coefficient at uniform routing. Its gradient is injected where the layer is (`_AddAuxLoss`), scaled
+like the main loss (1 / accumulation steps), so it works the same under pipeline parallelism; its
+value is kept in the run's `RouterStats` (`modeling/router_stats.py`) for the metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import paddle
+import paddle.nn.functional as F
+from paddle import nn
+from paddle.autograd import PyLayer
+
+from modeling.autocast import full_precision
+from modeling.blocks.mlp import gated_mlp
+from modeling.blocks.parts import Block, Part
+from modeling.execution import Execution
+from modeling.tp_plan import REPLICATED, TensorPlan
+
+
+@dataclass(frozen=True)
+class Router:
+    """A bias-free linear hidden -> `outputs` (router scores, or Qwen2-MoE's shared-expert gate),
+    whole on every tp rank: every tp rank routes the same tokens, so its gradient is the same too."""
+
+    hidden: int
+    outputs: int
+
+    def tensors(self) -> dict[str, TensorPlan]:
+        return {"weight": TensorPlan((self.hidden, self.outputs), REPLICATED, linear=True)}
+
+    def build(self, config, run: Execution) -> nn.Layer:
+        return nn.Linear(self.hidden, self.outputs, bias_attr=False)
+
+
+class Experts(Block):
+    """The experts, children "0" .. "E-1" under their global ids (transformers' on-disk names)."""
+
+    @classmethod
+    def declare(cls, c) -> dict[str, Part]:
+        expert = gated_mlp(c.expert_width, c.expert_names)
+        return {str(e): expert for e in range(c.num_experts)}
+
+
+class _AddAuxLoss(PyLayer):
+    """Identity on the hidden states whose backward also gives the (already scaled) aux loss the
+    gradient 1, as if it were added to the loss: the pipeline's loss lives on another stage."""
+
+    @staticmethod
+    def forward(ctx, hidden, aux):
+        ctx.aux_shape, ctx.aux_dtype = aux.shape, aux.dtype
+        return hidden.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, paddle.ones(ctx.aux_shape, ctx.aux_dtype)
+
+
+def switch_aux_loss(probs: paddle.Tensor, counts: paddle.Tensor, top_k: int) -> paddle.Tensor:
+    """E * sum_e f_e * P_e over one micro-batch's tokens (probs [tokens, E] fp32, counts [E])."""
+    tokens, experts = probs.shape
+    share = counts.astype("float32") / float(tokens * top_k)
+    return experts * (share * probs.mean(axis=0)).sum()
+
+
+class SparseMoE(Block):
+    """Router, experts and (Qwen2-MoE) a shared expert whose output is gated by sigmoid(gate(x))."""
+
+    @classmethod
+    def declare(cls, c) -> dict[str, Part]:
+        parts: dict[str, Part] = {"gate": Router(c.hidden_size, c.num_experts), "experts": Experts}
+        if getattr(c, "shared_expert_intermediate_size", 0):
+            parts |= {"shared_expert": gated_mlp("shared_expert_intermediate_size"),
+                      "shared_expert_gate": Router(c.hidden_size, 1)}
+        return parts
+
+    layer_index = 0  # its decoder layer's, for the metrics (set by the layer)
+
+    def route(self, flat: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor, paddle.Tensor]:
+        """(fp32 probabilities [tokens, E], chosen experts [tokens, k], their weights [tokens, k], the
+        least gap between a token's k-th and (k+1)-th router logit: how far routing is from a tie)."""
+        c, k = self.config, self.config.num_experts_per_tok
+        with full_precision():
+            logits = paddle.matmul(flat.astype("float32"), self.gate.weight.astype("float32"))
+            probs = F.softmax(logits, axis=-1)
+            weights, chosen = paddle.topk(probs, k, axis=-1)
+            if c.renormalize_topk:
+                weights = weights / weights.sum(axis=-1, keepdim=True)
+            if k < c.num_experts:
+                top = paddle.topk(logits.detach(), k + 1, axis=-1)[0]
+                margin = (top[:, k - 1] - top[:, k]).min()
+            else:  # every expert chosen: no tie can move a token
+                margin = paddle.full([], float("inf"))
+        return probs, chosen, weights.astype(flat.dtype), margin
+
+    def forward(self, hidden):
+        c = self.config
+        flat = hidden.reshape([-1, c.hidden_size])
+        probs, chosen, weights, margin = self.route(flat)
+        out = paddle.zeros_like(flat)
+        counts = []
+        for e, expert in enumerate(self.experts.children()):
+            hit = chosen == e
+            token = paddle.nonzero(hit)[:, 0]
+            counts.append(token.shape[0])
+            if token.shape[0]:
+                routed, weight = paddle.gather(flat, token), paddle.masked_select(weights, hit).unsqueeze(-1)
+            else:  # no token chose it: a zero row with weight zero keeps its gradient a zero
+                token = paddle.zeros([1], "int64")
+                routed, weight = paddle.zeros([1, c.hidden_size], flat.dtype), paddle.zeros([1, 1], flat.dtype)
+            out = paddle.index_add(out, token, 0, expert(routed) * weight)
+        if hasattr(self, "shared_expert"):
+            out = out + F.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        out = out.reshape(hidden.shape)
+        if self.training and paddle.is_grad_enabled():  # not in evaluation (under no_grad, in train mode too)
+            counts = paddle.to_tensor(counts, "int64")
+            aux = switch_aux_loss(probs, counts, c.num_experts_per_tok) * c.router_aux_loss_coef
+            self.run.router_stats.record(self.layer_index, aux, counts, margin)
+            if c.router_aux_loss_coef:
+                out = _AddAuxLoss.apply(out, aux / self.run.accumulate_steps)
+        return out
+
+
+def is_sparse(c, index: int) -> bool:
+    """transformers' rule: layer `index` is MoE unless listed in `mlp_only_layers`, every
+    `decoder_sparse_step`-th layer (Mixtral and OLMoE: every layer)."""
+    return c.num_experts > 0 and index not in (c.mlp_only_layers or ()) and (index + 1) % c.decoder_sparse_step == 0
+
+
+def moe_saved_bytes(c, run: Execution, tokens: int, dtype_bytes: int) -> dict[str, int]:
+    """What an MoE block keeps for backward with balanced routing (each expert gets tokens x k / E):
+    the router's input and fp32 probabilities, each expert's gated-MLP activations on its tokens, the
+    gathered rows and the weighted outputs (the planner's model; not measured)."""
+    routed = tokens * c.num_experts_per_tok
+    expert = gated_mlp(c.expert_width, c.expert_names).saved_bytes(c, run, routed, dtype_bytes)
+    saved = {"gate": tokens * c.hidden_size * dtype_bytes + tokens * c.num_experts * 4,
+             "experts": sum(expert.values()) + 2 * routed * c.hidden_size * dtype_bytes}
+    if getattr(c, "shared_expert_intermediate_size", 0):
+        shared = gated_mlp("shared_expert_intermediate_size").saved_bytes(c, run, tokens, dtype_bytes)
+        saved["shared_expert"] = sum(shared.values()) + 2 * tokens * c.hidden_size * dtype_bytes
+    return saved
