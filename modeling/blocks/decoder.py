@@ -52,17 +52,21 @@ def layer_activations(layer: type[Block], c, run: Execution, batch: int, seq_len
 
 
 class DecoderLayer(Block):
-    feed_forward = "mlp"  # the feed-forward part's name
+    @classmethod
+    def feed_forward(cls, c) -> tuple[str, Part]:
+        """The feed-forward part's name and part."""
+        return "mlp", GatedMLP
 
     @classmethod
     def declare(cls, c) -> dict[str, Part]:
-        return {"self_attn": SelfAttention, cls.feed_forward: GatedMLP, "input_layernorm": c.hidden_norm(),
+        name, part = cls.feed_forward(c)
+        return {"self_attn": SelfAttention, name: part, "input_layernorm": c.hidden_norm(),
                 "post_attention_layernorm": c.hidden_norm()}
 
     def _block(self, hidden):
         normed = self.input_layernorm(hidden)
         hidden = hidden + self.run.recompute("full_attn", self.self_attn, normed, training=self.training)
-        return hidden + getattr(self, self.feed_forward)(self.post_attention_layernorm(hidden))
+        return hidden + getattr(self, self.feed_forward(self.config)[0])(self.post_attention_layernorm(hidden))
 
     def forward(self, hidden):
         return self.run.recompute("full", self._block, hidden, training=self.training)
@@ -77,7 +81,7 @@ class DecoderLayer(Block):
                                     dtype_bytes, c.norm_offset, fused=run.kernels.fused_rms_norm)
         return {"input_layernorm": norm, "post_attention_layernorm": norm,
                 **prefixed("self_attn", SelfAttention.saved_bytes(c, run, batch, seq_len, dtype_bytes)),
-                **prefixed(cls.feed_forward, cls.feed_forward_bytes(c, run, tokens, dtype_bytes))}
+                **prefixed(cls.feed_forward(c)[0], cls.feed_forward_bytes(c, run, tokens, dtype_bytes))}
 
     @classmethod
     def feed_forward_bytes(cls, c, run: Execution, tokens: int, dtype_bytes: int) -> dict[str, int]:
@@ -85,8 +89,8 @@ class DecoderLayer(Block):
 
 
 class SparseDecoderLayer(DecoderLayer):
-    """A mixture-of-experts family's decoder layer: the MoE block (`moe_block`: "mlp", Mixtral's
-    "block_sparse_moe") where `is_sparse` says so, else the dense gated MLP; `index` is its place."""
+    """A mixture-of-experts family's decoder layer: the MoE block (named `moe_block`: "mlp", Mixtral's
+    "block_sparse_moe") where `is_sparse` says so, else the dense layer; `index` is its place."""
 
     index = 0
 
@@ -101,23 +105,16 @@ class SparseDecoderLayer(DecoderLayer):
         return SparseDecoderLayer
 
     @classmethod
-    def declare(cls, c) -> dict[str, Part]:
-        parts = super().declare(c)
-        del parts[DecoderLayer.feed_forward]
-        return parts | {c.moe_block: SparseMoE}
+    def feed_forward(cls, c) -> tuple[str, Part]:
+        return c.moe_block, SparseMoE
+
+    @classmethod
+    def feed_forward_bytes(cls, c, run: Execution, tokens: int, dtype_bytes: int) -> dict[str, int]:
+        return moe_saved_bytes(c, run, tokens, dtype_bytes)
 
     def __init__(self, config, run: Execution):
         super().__init__(config, run)
-        self.feed_forward = config.moe_block
-        getattr(self, self.feed_forward).layer_index = self.index
-
-    @classmethod
-    def saved_bytes(cls, c, run: Execution, batch: int, seq_len: int, dtype_bytes: int) -> dict[str, int]:
-        saved = DecoderLayer.saved_bytes(c, run, batch, seq_len, dtype_bytes)
-        dense = {f"{DecoderLayer.feed_forward}.{key}".rstrip(".") for key in
-                 DecoderLayer.feed_forward_bytes(c, run, batch * seq_len, dtype_bytes)}
-        return {key: value for key, value in saved.items() if key not in dense} | \
-            prefixed(c.moe_block, moe_saved_bytes(c, run, batch * seq_len, dtype_bytes))
+        getattr(self, config.moe_block).layer_index = self.index
 
 
 @lru_cache(maxsize=None)

@@ -89,27 +89,20 @@ class SparseMoE(Block):
 
     layer_index = 0  # its decoder layer's, for the metrics (set by the layer)
 
-    def route(self, flat: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor, paddle.Tensor]:
-        """(fp32 probabilities [tokens, E], chosen experts [tokens, k], their weights [tokens, k], the
-        least gap between a token's k-th and (k+1)-th router logit: how far routing is from a tie)."""
-        c, k = self.config, self.config.num_experts_per_tok
+    def route(self, flat: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
+        """(fp32 probabilities [tokens, E], chosen experts [tokens, k], their weights [tokens, k])."""
+        c = self.config
         with full_precision():
-            logits = paddle.matmul(flat.astype("float32"), self.gate.weight.astype("float32"))
-            probs = F.softmax(logits, axis=-1)
-            weights, chosen = paddle.topk(probs, k, axis=-1)
+            probs = F.softmax(paddle.matmul(flat.astype("float32"), self.gate.weight.astype("float32")), axis=-1)
+            weights, chosen = paddle.topk(probs, c.num_experts_per_tok, axis=-1)
             if c.renormalize_topk:
                 weights = weights / weights.sum(axis=-1, keepdim=True)
-            if k < c.num_experts:
-                top = paddle.topk(logits.detach(), k + 1, axis=-1)[0]
-                margin = (top[:, k - 1] - top[:, k]).min()
-            else:  # every expert chosen: no tie can move a token
-                margin = paddle.full([], float("inf"))
-        return probs, chosen, weights.astype(flat.dtype), margin
+        return probs, chosen, weights.astype(flat.dtype)
 
     def forward(self, hidden):
         c = self.config
         flat = hidden.reshape([-1, c.hidden_size])
-        probs, chosen, weights, margin = self.route(flat)
+        probs, chosen, weights = self.route(flat)
         out = paddle.zeros_like(flat)
         counts = []
         for e, expert in enumerate(self.experts.children()):
@@ -128,10 +121,19 @@ class SparseMoE(Block):
         if self.training and paddle.is_grad_enabled():  # not in evaluation (under no_grad, in train mode too)
             counts = paddle.to_tensor(counts, "int64")
             aux = switch_aux_loss(probs, counts, c.num_experts_per_tok) * c.router_aux_loss_coef
-            self.run.router_stats.record(self.layer_index, aux, counts, margin)
+            self.run.router_stats.record(self.layer_index, aux, counts, tie_margin(probs, c.num_experts_per_tok))
             if c.router_aux_loss_coef:
                 out = _AddAuxLoss.apply(out, aux / self.run.accumulate_steps)
         return out
+
+
+def tie_margin(probs: paddle.Tensor, top_k: int) -> paddle.Tensor:
+    """The least gap between a token's k-th and (k+1)-th router logit (log of the probabilities'
+    ratio): how far routing is from a tie that fp32 noise could flip (inf when every expert is chosen)."""
+    if top_k == probs.shape[-1]:
+        return paddle.full([], float("inf"))
+    top = paddle.topk(probs.detach(), top_k + 1, axis=-1)[0]
+    return paddle.log(top[:, top_k - 1] / top[:, top_k]).min()
 
 
 def is_sparse(c, index: int) -> bool:
