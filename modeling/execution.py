@@ -20,6 +20,7 @@ from paddle.distributed.fleet.utils import recompute as fleet_recompute
 from modeling.attention_core import CORES, AttentionCore, choose_core
 from modeling.context_parallel import Ring, local_positions
 from modeling.router_stats import RouterStats
+from paddle_pp.runtime.experts import ExpertGroup
 
 GRANULARITIES = ("full", "full_attn", "core_attn")  # PaddleNLP's recompute_granularity values
 
@@ -64,6 +65,7 @@ class Execution:
     sequence_parallel: bool = False
     vpp: int = 1  # virtual pipeline chunks per stage (the stage split reads it)
     ring: Ring | None = None  # context parallelism: the cp ranks sharing each sequence
+    experts: ExpertGroup | None = None  # expert parallelism: which experts this rank holds, and the exchange
     attention: AttentionCore = field(default_factory=lambda: CORES["dense"])
     recompute: Recompute = field(default_factory=Recompute)
     kernels: Kernels = field(default_factory=Kernels)

@@ -88,7 +88,7 @@ class ModelFamily:
         shapes. Run on every rank of every job, so a declaration that drifts from the model code
         fails at start-up instead of saving a checkpoint that another layout reads wrong."""
         plan, tp = self.tensor_plan(config), run.tp
-        expected = plan.stage_names(stage, pp, run.vpp)
+        expected = plan.rank_names(stage, pp, run.vpp, run.experts.local(plan.num_experts) if run.experts else None)
         held = {name: tuple(param.shape) for name, param in model.state_dict().items()}
         problems = [f"{name}: held but not planned for stage {stage}" for name in sorted(set(held) - expected)]
         problems += [f"{name}: planned for stage {stage} but not held" for name in sorted(expected - set(held))]

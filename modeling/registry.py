@@ -27,6 +27,7 @@ from modeling.qwen3 import QWEN3
 from modeling.qwen3_moe import QWEN3_MOE
 from modeling.tp_plan import ALWAYS, ModelPlan
 from paddle_pp.runtime.errors import UserError
+from paddle_pp.runtime.experts import ExpertGroup
 
 if TYPE_CHECKING:
     from paddle_pp.runtime.layout import Layout
@@ -95,6 +96,9 @@ def validate_layout(config, layout: Layout) -> None:
         stage_segments(config.num_hidden_layers, layout.pp, layout.vpp, "decoder")
     if getattr(config, "num_experts", 0):
         _check_moe_layout(config, layout)
+    elif layout.ep > 1:
+        raise LayoutModelError(f"--expert_parallel_degree {layout.ep} with {family_of(config).architecture}, which has "
+                               "no experts; drop --expert_parallel_degree")
     if layout.tp > 1 and layout.group_sharded_level and any(
             row.tp_partial_grad == ALWAYS for row in plan_of(config).values()):
         raise LayoutModelError(
@@ -106,24 +110,23 @@ def validate_layout(config, layout: Layout) -> None:
 def _check_moe_layout(config, layout: Layout) -> None:
     """The axes a mixture-of-experts model does not train under yet, refused by name."""
     name = family_of(config).architecture
-    if layout.sequence_parallel and layout.tp > 1:
-        raise LayoutModelError(f"{name} with --sequence_parallel: the MoE block routes whole sequences on every tp "
-                               "rank and its experts' linears are not the sequence-parallel ones (not implemented); "
-                               "drop --sequence_parallel")
+    if config.num_experts % layout.ep:
+        raise LayoutModelError(f"{name} has {config.num_experts} experts per layer, which do not split over "
+                               f"--expert_parallel_degree {layout.ep}; choose an ep that divides {config.num_experts}")
     if layout.cp > 1:
         raise LayoutModelError(f"{name} with --context_parallel_degree {layout.cp}: the aux loss's statistic is not "
                                "yet pooled over the cp ranks of a sequence (not implemented); use "
                                "--context_parallel_degree 1")
 
 
-def execution_for(layout: Layout, tp_rank: int, choices: Execution = Execution(), ring: Ring | None = None
-                  ) -> Execution:
+def execution_for(layout: Layout, tp_rank: int, choices: Execution = Execution(), ring: Ring | None = None,
+                  experts: ExpertGroup | None = None) -> Execution:
     """The run's `Execution` on a rank of `layout`: `choices` (attention core, recompute, kernels)
     with the layout's parallel degrees and this rank's place in them; under context parallelism its
     attention goes around `ring` with the chosen core's kernel (the dense core cannot: it has no
     log-sum-exp)."""
     run = replace(choices, tp=layout.tp, tp_rank=tp_rank, sequence_parallel=layout.sequence_parallel,
-                  vpp=layout.vpp)
+                  vpp=layout.vpp, experts=experts)
     if ring is None:
         return run
     if run.attention.name == "dense":
@@ -139,7 +142,7 @@ def build_causal_lm(config, topo: Topology, choices: Execution = Execution()):
     """The model form the layout needs (`*ForCausalLMPipe` when pp > 1, else `*ForCausalLM` with
     TP inside) for the run's `choices`, checked against its family's declaration."""
     model_family = family_of(config)
-    run = execution_for(topo.layout, topo.tp_rank, choices, topo.ring)
+    run = execution_for(topo.layout, topo.tp_rank, choices, topo.ring, topo.experts)
     model = model_family.pipe(config, run) if topo.layout.pp > 1 else model_family.causal_lm(config, run)
     model_family.check_built(model, config, run, topo.layout.pp, topo.pp_rank)
     return model

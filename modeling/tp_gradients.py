@@ -8,12 +8,14 @@ the copies drift apart, and the replica check aborts the next save.
 
 from __future__ import annotations
 
+from typing import Any
+
 from paddle import nn
-from paddle.distributed import fleet
 from paddle.distributed.fleet.utils import sequence_parallel_utils as sp_utils
 from paddle.distributed.fleet.utils.hybrid_parallel_util import fused_allreduce_gradients_with_group
 
 from modeling.execution import Execution
+from paddle_pp.runtime.fleet_wrappers import reduce_first
 
 PARTIAL_OVER_HEADS = "tp_partial_over_heads"  # attribute marking a parameter that sees only this rank's heads
 
@@ -30,30 +32,26 @@ def mark(layer: nn.Layer, run: Execution, always: bool = False) -> nn.Layer:
     return layer
 
 
-def partial_parameters(model: nn.Layer) -> list:
-    return [p for p in model.parameters() if not p.stop_gradient
-            and (getattr(p, PARTIAL_OVER_HEADS, False) or sp_utils.is_sequence_parallel_parameter(p))]
+def is_partial(param) -> bool:
+    return getattr(param, PARTIAL_OVER_HEADS, False) or sp_utils.is_sequence_parallel_parameter(param)
 
 
-def register_gradient_allreduce(model: nn.Layer, accumulate_steps: int) -> None:
-    """Sum the gradients of marked parameters over tp once per optimizer step: after the last of
-    `accumulate_steps` backward passes has produced the last of them, in one fused all-reduce.
+def sum_before_update(optimizer: Any, model: nn.Layer, tp_group: Any) -> None:
+    """Have fleet's hybrid optimizer sum the marked parameters' gradients over tp at each update,
+    before it reduces them over the data ranks (`runtime.fleet_wrappers.reduce_first`). Marked
+    parameters exist only with tp > 1 and stage1 or no sharding (stage2/3 are refused with them)."""
+    if any(is_partial(p) for p in model.parameters()):
+        reduce_first(optimizer, lambda params: sum_partial_gradients(params, tp_group))
 
-    Paddle's `register_sequence_parallel_allreduce_hooks(..., fuse=True)` would do this under SP, but
-    its hook takes a gradient argument while `_register_backward_hook` calls hooks with none (Paddle
-    3.3.1): the TypeError it leaves pending surfaces as the next PyLayer's "Get backward function
-    failed". Its unfused variant works but issues one all-reduce per norm weight."""
-    params = partial_parameters(model)
-    if not params:
-        return
-    group = fleet.get_hybrid_communicate_group().get_model_parallel_group()
-    ready, expected = [0], accumulate_steps * len(params)
 
-    def allreduce_once_all_are_ready() -> None:
-        ready[0] += 1
-        if ready[0] == expected:
-            ready[0] = 0
-            fused_allreduce_gradients_with_group(params, group=group, scale=1.0)
+def sum_partial_gradients(parameters: list, tp_group: Any) -> None:
+    """Sum the gradients of the marked parameters among `parameters` over tp, in one fused
+    all-reduce.
 
-    for param in params:
-        param._register_backward_hook(allreduce_once_all_are_ready)
+    Paddle's `register_sequence_parallel_allreduce_hooks(..., fuse=True)` would sum them in backward
+    hooks, but its hook takes a gradient argument while `_register_backward_hook` calls hooks with
+    none (Paddle 3.3.1), and a hook that counts gradients to find the last one goes wrong the step a
+    marked parameter gets none. Summing at the update has neither problem."""
+    partial = [p for p in parameters if not p.stop_gradient and is_partial(p)]
+    if partial:
+        fused_allreduce_gradients_with_group(partial, group=tp_group, scale=1.0)

@@ -6,11 +6,10 @@ No family writes this table: each block declares its parts (`modeling/blocks/par
 it. Paddle linears store weights as [in, out]: a column-parallel linear splits axis 1 (and its
 bias), a row-parallel one axis 0; an embedding splits its vocabulary rows.
 
-A placement says how a tensor is cut over the mesh (today: over tp, along one axis) and which
-pipeline stage holds it. An expert axis (and later a context-parallel one) is one more field of
-`TensorPlan` with its own "which ranks hold which piece" rule in `holding_stages` and the per-rank
-shape functions below; the save plans its writers from the holdings every rank reports, so it
-needs no new code for a tensor held by fewer replicas.
+A placement says how a tensor is cut over the mesh (over tp, along one axis), which pipeline stage
+holds it, and, for an expert's tensor, its global expert id: under expert parallelism only the
+ranks holding that expert build it (`ModelPlan.rank_names`); the save plans its writers from the
+holdings every rank reports, so it needs no new code for a tensor held by fewer replicas.
 """
 
 from __future__ import annotations
@@ -51,6 +50,7 @@ class TensorPlan:
     linear: bool = False
     init: str = NORMAL
     tp_partial_grad: str | None = None
+    expert: int | None = None  # the global id of the MoE expert it belongs to (split over expert parallelism)
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,17 @@ class ModelPlan(Mapping):
     def stage_names(self, stage: int, pp: int, vpp: int) -> set[str]:
         """Single-card names pipeline stage `stage` holds."""
         return {name for name in self.tensors if stage in self.stages(name, pp, vpp)}
+
+    def rank_names(self, stage: int, pp: int, vpp: int, experts: range | None = None) -> set[str]:
+        """Single-card names a rank of pipeline stage `stage` holds: of the experts, only those in
+        `experts` (its share under expert parallelism; None: all)."""
+        return {name for name in self.stage_names(stage, pp, vpp)
+                if experts is None or self.tensors[name].expert is None or self.tensors[name].expert in experts}
+
+    @property
+    def num_experts(self) -> int:
+        """Experts per MoE layer (0 for a dense model)."""
+        return 1 + max((row.expert for row in self.tensors.values() if row.expert is not None), default=-1)
 
 
 def split_axes(plan: Mapping[str, TensorPlan]) -> dict[str, int | None]:

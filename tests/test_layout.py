@@ -36,6 +36,16 @@ INVALID = [
     (["--sequence_parallel"], 2, "cpu", ["--sequence_parallel needs --tensor_parallel_degree >= 2"]),
     (["--sequence_parallel", "--tensor_parallel_degree", "2", "--sharding", "stage2", "--sharding_parallel_degree",
       "2"], 4, "cpu", ["--sequence_parallel with --sharding stage2", "--sharding stage1"]),
+    # experts are split over dp ranks (any sharding degree beside), never across sharding ranks or under stage2/3
+    (["--expert_parallel_degree", "4"], 2, "cpu", ["--expert_parallel_degree 4 does not divide the data-parallel "
+                                                   "degree 2"]),
+    (["--expert_parallel_degree", "2", "--sharding", "stage1", "--sharding_parallel_degree", "2"], 2, "cpu",
+     ["does not divide the data-parallel degree 1", "experts across sharding ranks are not implemented"]),
+    (["--expert_parallel_degree", "2", "--sharding", "stage2", "--sharding_parallel_degree", "2"], 4, "cpu",
+     ["--expert_parallel_degree 2 with --sharding stage2", "use --sharding stage1"]),
+    (["--expert_parallel_degree", "2", "--context_parallel_degree", "2"], 8, "cpu",
+     ["--expert_parallel_degree 2 with --context_parallel_degree 2"]),
+    (["--expert_parallel_degree", "0"], 2, "cpu", ["--expert_parallel_degree 0", "positive"]),
 ]
 
 

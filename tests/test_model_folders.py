@@ -17,10 +17,10 @@ import pytest
 from conftest import IDS
 
 from checkpoint.format import CheckpointError
-from modeling.registry import FAMILIES, family_of
+from modeling.registry import FAMILIES, config_from_dict, family_of, plan_of
 from paddle_pp.data.preprocess import preprocess
 from paddle_pp.data.tokenizer import load_text_tokenizer
-from paddle_pp.interop.pretrained import PADDLENLP, TRANSFORMERS, open_pretrained
+from paddle_pp.interop.pretrained import PADDLENLP, TRANSFORMERS, load_pretrained, open_pretrained
 from paddle_pp.training.arguments import parse_args
 from paddle_pp.training.model_config import ModelSourceError, model_config
 
@@ -145,6 +145,38 @@ def test_a_paddlenlp_folder_gives_paddlenlps_logits(name, tmp_path):
         expected = theirs(paddle.to_tensor(IDS))[0].numpy()
     assert open_pretrained(tmp_path / name).kind == PADDLENLP
     np.testing.assert_allclose(our_logits(tmp_path / name, IDS), expected, atol=LOGITS_TOL, rtol=LOGITS_TOL)
+
+
+PADDLENLP_MOE = {"qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                               "shared_expert_intermediate_size": 48},
+                 "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2}}
+
+
+@pytest.mark.parametrize("name", list(PADDLENLP_MOE))
+def test_a_paddlenlp_moe_folder_loads_exactly_its_tensors(name, tmp_path):
+    """PaddleNLP 3.0.0b4's Qwen2-MoE and Mixtral (router stored [hidden, experts], as ours), saved by
+    its save_pretrained: every tensor lands in our model bit for bit, and nothing is left over. Their
+    logits cannot be the reference: both models fail their first forward on Paddle 3.3.1 (checked
+    here, so the day they run this test must compare logits instead)."""
+    import paddlenlp.transformers as nlp
+
+    family = FAMILIES[name]
+    paddle.seed(3)
+    theirs = getattr(nlp, family.architecture)(
+        getattr(nlp, family.architecture.replace("ForCausalLM", "Config"))(**NLP_SHAPE, **PADDLENLP_MOE[name]))
+    theirs.save_pretrained(tmp_path / name, safe_serialization=True)
+    pretrained = open_pretrained(tmp_path / name)
+    assert pretrained.kind == PADDLENLP
+    config = config_from_dict(pretrained.config)
+    ours = family.causal_lm(config)
+    load_pretrained(pretrained, ours, plan_of(config).axes(), None)
+    expected = {key: value.numpy() for key, value in theirs.state_dict().items()}
+    loaded = {key: value.numpy() for key, value in ours.state_dict().items()}
+    assert loaded.keys() == expected.keys()
+    assert all(np.array_equal(loaded[key], expected[key]) for key in expected)
+    theirs.eval()
+    with pytest.raises((TypeError, ValueError)), paddle.no_grad():
+        theirs(paddle.to_tensor(IDS))
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import paddle
 import pytest
 
@@ -87,6 +88,44 @@ def test_a_plan_that_disagrees_with_the_model_is_named(built, monkeypatch):
         monkeypatch.setattr(type(family), "tensor_plan", lambda self, _, t=tensors: dataclasses.replace(plan, tensors=t))
         with pytest.raises(PlanMismatchError, match=message):
             family.check_built(model, config, model.run, pp=1, stage=0)
+
+
+@pytest.mark.parametrize("kind", ["qwen2_moe", "mixtral"])
+def test_an_expert_parallel_rank_builds_only_its_experts_under_their_global_names(kind):
+    """Expert rank 1 of ep2 holds experts 2 and 3 (named as on one card) and everything dense;
+    `check_built` holds it to exactly that, and the planner counts the parameters it built."""
+    from modeling.execution import Execution
+    from paddle_pp.planning.memory import plan_layout
+    from paddle_pp.runtime.experts import ExpertGroup
+    from paddle_pp.runtime.layout import Layout
+
+    family, config = FAMILIES[kind], config_from_dict({"model_type": kind, **CONFIGS[kind]})
+    run = Execution(experts=ExpertGroup(2, 1, None, None, 2, "cpu"))
+    model = family.causal_lm(config, run)
+    family.check_built(model, config, run, pp=1, stage=0)
+    plan, held = family.tensor_plan(config), set(model.state_dict())
+    experts = {name for name, row in plan.items() if row.expert is not None}
+    assert held == set(plan) - {name for name in experts if plan[name].expert < 2}
+    assert {name.split(".experts.")[1].split(".")[0] for name in held & experts} == {"2", "3"}
+    assert all(getattr(p, "no_sync", False) == (name in experts) for name, p in model.state_dict().items())
+    whole, halved = (plan_layout(config, Layout(world_size=2, expert_parallel_degree=ep))[0].parameters
+                     for ep in (1, 2))
+    assert halved == sum(int(np.prod(p.shape)) for p in model.parameters())
+    assert whole - halved == sum(int(np.prod(plan[name].shape)) for name in experts) // 2
+    with pytest.raises(PlanMismatchError, match="experts.2.*held but not planned"):
+        family.check_built(model, config, Execution(experts=ExpertGroup(2, 0, None, None, 2, "cpu")), pp=1, stage=0)
+
+
+def test_expert_parallelism_is_refused_for_indivisible_experts_and_dense_models():
+    from modeling.registry import LayoutModelError, validate_layout
+    from paddle_pp.runtime.layout import Layout
+
+    moe = config_from_dict({"model_type": "mixtral", **CONFIGS["mixtral"]})
+    with pytest.raises(LayoutModelError, match="4 experts per layer, which do not split over --expert_parallel_degree 8"):
+        validate_layout(moe, Layout(world_size=8, expert_parallel_degree=8))
+    dense = config_from_dict({"model_type": "llama", **CONFIGS["llama"]})
+    with pytest.raises(LayoutModelError, match="--expert_parallel_degree 2 with LlamaForCausalLM, which has no experts"):
+        validate_layout(dense, Layout(world_size=2, expert_parallel_degree=2))
 
 
 def test_unknown_family_and_indivisible_tp_are_user_errors():

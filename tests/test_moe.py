@@ -22,13 +22,28 @@ import pytest
 from conftest import FOLDER_STEPS, IDS, first_batch
 
 from checkpoint.format import tokenizer_files
-from modeling.registry import config_from_dict, family_of, plan_of
+from checkpoint.verify import verify_checkpoint
+from modeling.expert_parallel import expert_order
+from modeling.registry import config_from_dict, family_of, plan_of, plan_of_folder
 from paddle_pp.interop.pretrained import TRANSFORMERS, load_pretrained, open_pretrained
 from paddle_pp.interop.transformers import export_hf
+from paddle_pp.runtime.launch import LaunchError, launch
 
 import hf_models
 from parity import our_logits
-from runs import PP2, RESUME_STEP, TOKENIZER, TP2, Run, assert_trains_like, history
+from runs import (
+    MODEL,
+    PP2,
+    RESUME_STEP,
+    TOKENIZER,
+    TP2,
+    TRAINER,
+    Run,
+    assert_trains_like,
+    history,
+    planned_writers,
+    written_by_rank,
+)
 
 LOGITS_TOL = 1e-5  # fp32, the same weights and routing (measured: at most 4.2e-7)
 EXPORT_TOL = 1e-4
@@ -176,26 +191,41 @@ def test_the_aux_loss_is_the_coefficient_at_uniform_routing_and_its_gradient_is_
         np.testing.assert_allclose(ours, reference, rtol=1e-5, atol=1e-9)
 
 
+def test_received_rows_are_regrouped_by_expert_then_source():
+    """Rank-local expert order of the rows an expert-parallel rank received: source 0 sent 1 row for
+    expert 0 and 2 for expert 1, source 1 sent 3 for expert 0 and none for expert 1."""
+    assert expert_order(np.array([[1, 2], [3, 0]])).tolist() == [0, 3, 4, 5, 1, 2]
+    assert expert_order(np.zeros([2, 2], np.int64)).tolist() == []
+
+
 def _start(kind: str, root) -> tuple[str, ...]:
     return ("--model_name_or_path", str(root / kind))
 
 
+EP2, EP4 = ("--expert_parallel_degree", "2"), ("--expert_parallel_degree", "4")
+DP2_TP2_PP2 = TP2 + PP2  # on 8 ranks: dp 2
+
+
 @pytest.fixture(scope="module")
 def moe_runs(moe_folders):
-    """Qwen2-MoE (a shared expert; layer 1 dense) from its transformers 4.55 folder: 20 steps on one
-    card, under tp2 x pp2 (saving at step 10), under dp2 x sharding2 stage2 with full recompute, and
-    the tp2 x pp2 step-10 checkpoint resumed on one card."""
+    """Qwen2-MoE (4 experts; a shared expert; layer 1 dense) from its transformers 4.55 folder: 20
+    steps on one card; under dp2 x tp2 x pp2 with its experts over ep2 (saving at step 10); under dp2 x
+    sharding2 stage1 over ep2 with full recompute; under dp2 x sharding2 stage2 without ep; and the
+    ep2 step-10 checkpoint resumed under ep4 (dp4, one expert per rank; an ep2 checkpoint resumed on
+    one card: the kill test below)."""
     start = _start("qwen2_moe", moe_folders["transformers4"])
     single = Run("qwen2_moe_single", 1, start + ("--save_steps", "20"))
-    hybrid = Run("qwen2_moe_tp2pp2", 4, start + TP2 + PP2 + ("--save_steps", str(RESUME_STEP)))
-    return {"single": single, "tp2pp2": hybrid,
+    hybrid = Run("qwen2_moe_ep2_tp2_pp2", 8, start + DP2_TP2_PP2 + EP2 + ("--save_steps", str(RESUME_STEP)))
+    return {"single": single, "ep2_tp2_pp2": hybrid,
+            "ep2_stage1": Run("qwen2_moe_ep2_stage1", 4, start + EP2 + (
+                "--sharding_parallel_degree", "2", "--sharding", "stage1", "--recompute", "--save_steps", "20")),
             "stage2": Run("qwen2_moe_dp2_stage2", 4, start + ("--sharding_parallel_degree", "2", "--sharding", "stage2",
                                                               "--recompute", "--save_steps", "20")),
-            "resumed": Run("qwen2_moe_resumed", 1, start, resume_from=hybrid)}
+            "resumed_ep4": Run("qwen2_moe_resumed_ep4", 4, start + EP4, resume_from=hybrid)}
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", ["tp2pp2", "stage2"])
+@pytest.mark.parametrize("layout", ["ep2_tp2_pp2", "ep2_stage1", "stage2"])
 def test_qwen2_moe_trains_like_single_card(layout, moe_runs, pretrain_run, moe_folders, data_cache):
     """Losses, evaluation, grad norms, aux losses and final weights on the single-card run's; step
     1 is transformers' loss on the same batch; some expert of some layer gets no token in a step and
@@ -212,27 +242,67 @@ def test_qwen2_moe_trains_like_single_card(layout, moe_runs, pretrain_run, moe_f
 
 
 @pytest.mark.multiproc
-def test_qwen2_moe_resumes_across_layouts_on_the_single_card_curve(moe_runs, pretrain_run):
+def test_qwen2_moe_resumes_across_expert_parallel_sizes_on_the_single_card_curve(moe_runs, pretrain_run):
+    """The ep2 checkpoint (each expert written by one of the ranks holding it, under its single-card
+    name) gives every rank of ep4 exactly its weights and Adam states before the first step, and
+    the run continues on the uninterrupted single-card curve."""
+    results, _ = pretrain_run(moe_runs["resumed_ep4"])
+    assert [r["resumed_exactly"] for r in results] == [True] * len(results)
     single = history(pretrain_run, moe_runs["single"])
-    np.testing.assert_allclose(history(pretrain_run, moe_runs["resumed"])["losses"], single["losses"][RESUME_STEP:],
+    np.testing.assert_allclose(history(pretrain_run, moe_runs["resumed_ep4"])["losses"],
+                               single["losses"][RESUME_STEP:], rtol=RESUME_RTOL)
+
+
+@pytest.mark.multiproc
+def test_an_expert_parallel_save_is_written_by_every_rank_as_the_planner_predicts(moe_runs, pretrain_run):
+    """Each expert's tensors come from one of the ranks holding it (the planner's writer for each),
+    every rank writes a share, and the checkpoint verifies."""
+    run = moe_runs["ep2_tp2_pp2"]
+    _, out = pretrain_run(run)
+    folder = out / f"checkpoint-{RESUME_STEP}"
+    written, writer = written_by_rank(folder)
+    assert sorted(written) == list(range(run.nproc))
+    assert writer == planned_writers(folder, run.flags, run.nproc)
+    assert verify_checkpoint(folder, plan_of_folder) == []
+
+
+@pytest.mark.multiproc
+def test_a_kill_during_an_expert_parallel_save_leaves_the_last_checkpoint_resumable(moe_runs, moe_folders, pretrain_run,
+                                                                                     data_cache, tmp_path):
+    """Both ranks of ep2 die while writing the step-4 save; checkpoint-2 resumes on one card with
+    exactly its weights and Adam states and continues on the single-card curve."""
+    out = tmp_path / "out"
+    common = [*MODEL, *_start("qwen2_moe", moe_folders["transformers4"]), "--save_steps", "2", "--data_cache",
+              str(data_cache), "--output_dir", str(out)]
+    with pytest.raises(LaunchError):
+        launch(TRAINER.parent / "killed_save_worker.py", 2, [*common, *EP2], work_dir=tmp_path / "killed", timeout=300)
+    assert (out / "latest").read_text().strip() == "checkpoint-2"
+    assert (out / ".tmp-checkpoint-4").is_dir() and not (out / "checkpoint-4").exists()
+    resumed = launch(TRAINER, 1, [*common, "--resume_from_checkpoint", "latest", "--exit_after_steps", "2"],
+                     work_dir=tmp_path / "resumed", timeout=300)
+    assert resumed[0]["resumed_exactly"] is True
+    np.testing.assert_allclose(resumed[0]["losses"], history(pretrain_run, moe_runs["single"])["losses"][2:4],
                                rtol=RESUME_RTOL)
 
 
-EXPERT_COUNT_FIELD = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts"}  # what each export writes
+EXPERT_COUNT_FIELD = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts", "olmoe": "num_experts"}
+# OLMoE refuses tp (its whole-projection q/k norms)
+FOLDER_LAYOUTS = {"qwen3_moe": EP2 + TP2 + ("--sequence_parallel",), "mixtral": EP2 + PP2, "olmoe": EP2 + PP2}
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("kind", list(EXPERT_COUNT_FIELD))
-def test_a_transformers_5_folder_starts_at_its_loss_and_exports_for_both_versions(kind, moe_folders, pretrain_run,
-                                                                                  tmp_path):
-    """Qwen3-MoE in transformers 5's spelling (`num_local_experts`, `rope_parameters`) and Mixtral
-    (block_sparse_moe, w1/w2/w3) start the trainer at transformers 5's loss; the export has the
-    folder's tensor names, the expert count under the name both versions read, and our logits in
+def test_a_transformers_5_folder_starts_under_expert_parallelism_at_its_loss_and_exports_for_both_versions(
+        kind, moe_folders, pretrain_run, tmp_path):
+    """Qwen3-MoE in transformers 5's spelling (`num_local_experts`, `rope_parameters`; its per-head q/k
+    norms under ep2 x tp2 + SP), Mixtral (block_sparse_moe, w1/w2/w3) and OLMoE (whole-projection q/k
+    norms; ep2 x pp2 both) start the trainer at transformers 5's loss; the export has the folder's
+    tensor names, the expert count under the name both versions read, and our logits in
     transformers 4.55 and 5.23."""
     from safetensors import safe_open
 
     root = moe_folders["transformers5"]
-    run = Run(f"{kind}_transformers5", 1, _start(kind, root) + (
+    run = Run(f"{kind}_transformers5", 4, _start(kind, root) + FOLDER_LAYOUTS[kind] + (
         "--max_steps", str(FOLDER_STEPS), "--eval_steps", "0", "--warmup_steps", "1", "--save_steps",
         str(FOLDER_STEPS)))
     results, out = pretrain_run(run)

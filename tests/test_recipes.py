@@ -60,16 +60,16 @@ def test_a_recipe_takes_paddlenlps_defaults_names_what_changes_nothing_and_refus
     assert flags["resume_from_checkpoint"] == "latest"  # run_pretrain.py resumes output_dir's newest checkpoint
     assert "fuse_attention_qkv (a kernel" in notes[0]
     for refused, words in (({"fancy_new_field": 1}, "fancy_new_field=1 (a field paddle-pp does not know"),
-                           ({"use_expert_parallel": True}, "use_expert_parallel=True"),
+                           ({"no_recompute_layers": [1]}, "no_recompute_layers=[1]"),
                            ({"fp16_opt_level": "O1"}, "fp16_opt_level='O1'"),
                            ({"tensor_parallel_config": "enable_mp_async_allreduce some_new_option"},
                             "tensor_parallel_config option(s) some_new_option")):
         with pytest.raises(RecipeError, match=re.escape(words)):
             read_recipe(_recipe(tmp_path, {"max_steps": 10, **refused}), KNOWN, set())
-    # context parallelism is modelled; PaddleNLP's all-to-all segment parallelism is refused by the layout
-    args = parse_args([str(_recipe(tmp_path, {"max_steps": 3, "context_parallel_degree": 2,
-                                              "sep_parallel_degree": 2}))])
-    assert args.layout.context_parallel_degree == 2
+    # context and expert parallelism are modelled; PaddleNLP's all-to-all segment parallelism is refused by the layout
+    args = parse_args([str(_recipe(tmp_path, {"max_steps": 3, "context_parallel_degree": 2, "sep_parallel_degree": 2,
+                                              "expert_parallel_degree": 2, "use_expert_parallel": True}))])
+    assert args.layout.context_parallel_degree == 2 and args.layout.expert_parallel_degree == 2
     with pytest.raises(LayoutError, match="--sep_parallel_degree 2: PaddleNLP's segment parallelism"):
         Layout.from_args(args.layout, world_size=4, device="cpu")
 

@@ -30,7 +30,7 @@ from modeling.registry import config_from_dict, load_config, plan_of, validate_l
 from paddle_pp.interop.fleet import merge_fleet
 from paddle_pp.interop.pickled import ALLOW_UNSAFE_PICKLE_HELP
 from paddle_pp.interop.transformers import export_paddlenlp_fused
-from paddle_pp.planning.memory import Workload, plan_layout, ring_bytes_per_step
+from paddle_pp.planning.memory import Workload, dispatch_bytes_per_step, plan_layout, ring_bytes_per_step
 from paddle_pp.runtime.errors import UserError
 from paddle_pp.runtime.flags import add_flags, read_flags
 from paddle_pp.runtime.layout import Layout, add_layout_args
@@ -60,6 +60,11 @@ def _plan(args) -> int:
     if layout.cp > 1:
         print(f"context parallel ring: each rank sends {ring_bytes_per_step(config, layout, workload, compute_bytes) / 2**20:.1f} "
               f"MB per step ({layout.cp} ranks per sequence, {workload.max_seq_length // layout.cp} tokens each)")
+    if layout.ep > 1:
+        balanced, worst = dispatch_bytes_per_step(config, layout, workload, compute_bytes)
+        print(f"expert dispatch: each rank sends {balanced / 2**20:.1f} MB per step with balanced routing, at most "
+              f"{worst / 2**20:.1f} MB ({layout.ep} ranks per expert group, {config.num_experts // layout.ep} experts "
+              "each)")
     slots = layout.rank_slots()
     writes = assign_writers(save_items(plan_of(config), layout, compute_bytes), layout.tp)
     if len(slots) <= args.max_rows:

@@ -4,9 +4,10 @@ load-balancing loss.
 Routing as transformers computes it: router logits in fp32, softmax, top-k, renormalised iff the
 family says so (`renormalize_topk`), the weights cast back to the activations' dtype; each expert
 is a gated MLP run on the tokens routed to it, its output times the token's weight added in expert
-order. Dropless: every token reaches its k experts. Every expert runs every micro-batch, on one
-zero row with weight zero when no token chose it, so its gradient is a zero, never missing (what
-Paddle's fused gradient buffers, the sharded reduction and the tp gradient hooks count on).
+order (under expert parallelism each rank holds 1/ep of the experts and the rows travel to them:
+`modeling/expert_parallel.py`). Dropless: every token reaches its k experts. Every expert runs
+every micro-batch, on one zero row with weight zero when no token chose it, so its gradient is a
+zero, never missing (what Paddle's fused gradient buffers and the sharded reduction count on).
 
 The aux loss is the Switch form per layer, E * sum_e f_e * P_e times `router_aux_loss_coef`
 (f_e: the share of the micro-batch's k x tokens routed to e; P_e: e's mean probability), 1 x the
@@ -17,18 +18,21 @@ value is kept in the run's `RouterStats` (`modeling/router_stats.py`) for the me
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import paddle
 import paddle.nn.functional as F
 from paddle import nn
 from paddle.autograd import PyLayer
+from paddle.distributed.fleet.utils import sequence_parallel_utils as sp_utils
 
 from modeling.autocast import full_precision
 from modeling.blocks.mlp import gated_mlp
 from modeling.blocks.parts import Block, Part
 from modeling.execution import Execution
+from modeling.expert_parallel import run_dispatched
 from modeling.tp_plan import REPLICATED, TensorPlan
+from paddle_pp.runtime.experts import mark_experts
 
 
 @dataclass(frozen=True)
@@ -47,12 +51,28 @@ class Router:
 
 
 class Experts(Block):
-    """The experts, children "0" .. "E-1" under their global ids (transformers' on-disk names)."""
+    """The experts, children "0" .. "E-1" under their global ids (transformers' on-disk names), each
+    tensor's placement naming its expert. Under expert parallelism a rank builds only its share,
+    under the same global names, so checkpoints keep single-card names whatever the ep."""
 
     @classmethod
     def declare(cls, c) -> dict[str, Part]:
         expert = gated_mlp(c.expert_width, c.expert_names)
         return {str(e): expert for e in range(c.num_experts)}
+
+    @classmethod
+    def tensors(cls, config) -> dict[str, TensorPlan]:
+        return {name: replace(row, expert=int(name.split(".")[0])) for name, row in super().tensors(config).items()}
+
+    @classmethod
+    def built_parts(cls, config, run: Execution) -> dict[str, Part]:
+        parts = cls.declare(config)
+        return parts if run.experts is None else {str(e): parts[str(e)] for e in run.experts.local(config.num_experts)}
+
+    def __init__(self, config, run: Execution):
+        super().__init__(config, run)
+        if run.experts is not None:
+            mark_experts(self)
 
 
 class _AddAuxLoss(PyLayer):
@@ -89,6 +109,12 @@ class SparseMoE(Block):
 
     layer_index = 0  # its decoder layer's, for the metrics (set by the layer)
 
+    def __init__(self, config, run: Execution):
+        """Its linears are plain tp ones even under sequence parallelism: the block gathers the
+        sequence first (see `forward`)."""
+        super().__init__(config, replace(run, sequence_parallel=False))
+        self.sequence_first = run.sequence_first
+
     def route(self, flat: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
         """(fp32 probabilities [tokens, E], chosen experts [tokens, k], their weights [tokens, k])."""
         c = self.config
@@ -100,21 +126,21 @@ class SparseMoE(Block):
         return probs, chosen, weights.astype(flat.dtype)
 
     def forward(self, hidden):
+        """Under sequence parallelism every tp rank gathers the whole sequence (backward: keeps its
+        positions' gradient, each rank computing the whole one), routes and computes it as plain tp
+        does (the experts' row linears all-reduce), then keeps its own positions (backward: gathers
+        the gradient). Dense layers reduce-scatter instead of all-reducing: MoE layers under SP move
+        a sequence's activations once more, for routing whole tokens without a second exchange."""
+        if self.sequence_first:
+            return sp_utils.ScatterOp.apply(self._forward(sp_utils.GatherOp.apply(hidden)))
+        return self._forward(hidden)
+
+    def _forward(self, hidden):
         c = self.config
         flat = hidden.reshape([-1, c.hidden_size])
         probs, chosen, weights = self.route(flat)
-        out = paddle.zeros_like(flat)
-        counts = []
-        for e, expert in enumerate(self.experts.children()):
-            hit = chosen == e
-            token = paddle.nonzero(hit)[:, 0]
-            counts.append(token.shape[0])
-            if token.shape[0]:
-                routed, weight = paddle.gather(flat, token), paddle.masked_select(weights, hit).unsqueeze(-1)
-            else:  # no token chose it: a zero row with weight zero keeps its gradient a zero
-                token = paddle.zeros([1], "int64")
-                routed, weight = paddle.zeros([1, c.hidden_size], flat.dtype), paddle.zeros([1, 1], flat.dtype)
-            out = paddle.index_add(out, token, 0, expert(routed) * weight)
+        out, counts = (self._local(flat, chosen, weights) if self.run.experts is None
+                       else run_dispatched(flat, chosen, weights, self.experts, self.run.experts, c.num_experts))
         if hasattr(self, "shared_expert"):
             out = out + F.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         out = out.reshape(hidden.shape)
@@ -126,6 +152,20 @@ class SparseMoE(Block):
                 out = _AddAuxLoss.apply(out, aux / self.run.accumulate_steps)
         return out
 
+    def _local(self, flat, chosen, weights) -> tuple[paddle.Tensor, list[int]]:
+        """Every expert on this rank: each runs on its tokens, its weighted output added in expert order."""
+        out, counts = paddle.zeros_like(flat), []
+        for e, expert in enumerate(self.experts.children()):
+            hit = chosen == e
+            token = paddle.nonzero(hit)[:, 0]
+            counts.append(token.shape[0])
+            if token.shape[0]:
+                routed, weight = paddle.gather(flat, token), paddle.masked_select(weights, hit).unsqueeze(-1)
+            else:  # no token chose it: a zero row with weight zero keeps its gradient a zero
+                token = paddle.zeros([1], "int64")
+                routed, weight = paddle.zeros([1, flat.shape[1]], flat.dtype), paddle.zeros([1, 1], flat.dtype)
+            out = paddle.index_add(out, token, 0, expert(routed) * weight)
+        return out, counts
 
 def tie_margin(probs: paddle.Tensor, top_k: int) -> paddle.Tensor:
     """The least gap between a token's k-th and (k+1)-th router logit (log of the probabilities'

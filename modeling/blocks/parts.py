@@ -64,10 +64,16 @@ class Block(nn.Layer):
         """The class whose parts this one declares (itself, unless it only adds a place)."""
         return cls
 
+    @classmethod
+    def built_parts(cls, config, run: Execution) -> dict[str, Part]:
+        """The declared parts this rank builds: all of them, unless the run holds only a share
+        (experts under expert parallelism)."""
+        return cls.declare(config)
+
     def __init__(self, config, run: Execution):
         super().__init__()
         self.config, self.run = config, run
-        for name, part in self.declare(config).items():
+        for name, part in self.built_parts(config, run).items():
             self.add_sublayer(name, part(config, run) if isinstance(part, type) else part.build(config, run))
 
     @classmethod

@@ -108,7 +108,7 @@ def plan_layout(config, layout: Layout, compute_bytes: int = 4, workload: Worklo
     plan = plan_of(config)
     counts = np.zeros([layout.pp, layout.tp], dtype=np.int64)
     for name, row in plan.items():
-        numel = int(np.prod(row.shape))
+        numel = int(np.prod(row.shape)) // (layout.ep if row.expert is not None else 1)  # a rank holds 1/ep of the experts
         for stage in plan.stages(name, layout.pp, layout.vpp):
             counts[stage] += numel // layout.tp if row.tp_axis is not None else numel
     state_bytes = ADAM_STATE_BYTES + (4 if compute_bytes < 4 else 0)
@@ -119,3 +119,26 @@ def plan_layout(config, layout: Layout, compute_bytes: int = 4, workload: Worklo
                       -(-int(n) * compute_bytes // grad_shards), -(-int(n) * state_bytes // shard),
                       decoder_activation_bytes(config, layout, workload, stage, compute_bytes) if workload else 0)
             for (stage, tp), n in np.ndenumerate(counts)]
+
+
+def dispatch_bytes_per_step(config, layout: Layout, workload: Workload, compute_bytes: int = 4) -> tuple[int, int]:
+    """Bytes a rank sends to the other ranks of its expert group in one optimizer step (the busiest
+    stage's MoE layers, every micro-batch): (with balanced routing, in the worst case). Each MoE layer
+    sends its tokens' k rows out and back in forward, their gradients in backward, and again in a
+    recomputed forward; balanced routing keeps 1/ep of the rows on their own rank, the worst case none.
+    Under sequence parallelism every tp rank exchanges the whole sequence's rows (`SparseMoE`)."""
+    from modeling.blocks.moe import is_sparse
+    from modeling.tp_plan import TensorPlan, stages_holding
+
+    if layout.ep == 1:
+        return 0, 0
+    per_stage = [0] * layout.pp
+    for index in range(config.num_hidden_layers):
+        if is_sparse(config, index):
+            for stage in stages_holding(TensorPlan((), None, place=index), config.num_hidden_layers, layout.pp,
+                                        layout.vpp):
+                per_stage[stage] += 1
+    exchanges = 4 + (2 if workload.recompute else 0)
+    rows = workload.per_device_train_batch_size * workload.max_seq_length * config.num_experts_per_tok
+    worst = max(per_stage) * workload.gradient_accumulation_steps * exchanges * rows * config.hidden_size * compute_bytes
+    return worst * (layout.ep - 1) // layout.ep, worst

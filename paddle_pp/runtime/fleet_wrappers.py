@@ -10,13 +10,14 @@ For that one case the model goes through `paddle.DataParallel` on the dp group i
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import paddle
 from paddle.distributed import fleet
 from paddle.distributed.fleet.base.topology import ParallelMode
 from paddle.distributed.fleet.meta_parallel import PipelineLayer
 
+from paddle_pp.runtime.experts import is_expert
 from paddle_pp.runtime.topology import Topology, align_ranks
 
 
@@ -47,7 +48,10 @@ def wrap_for_layout(model: paddle.nn.Layer, optimizer: paddle.optimizer.Optimize
     over the dp group; fleet's optimizer is not used there, as it would shard the states again."""
     level = topo.layout.group_sharded_level
     if level is None:
-        return wrap_model(model, topo), wrap_optimizer(optimizer)
+        wrapped = wrap_optimizer(optimizer)
+        if topo.experts is not None:
+            reduce_experts_apart(wrapped, topo)
+        return wrap_model(model, topo), wrapped
     from paddle.distributed.sharding import group_sharded_parallel
 
     align_ranks(topo)  # the wrappers start by broadcasting every parameter
@@ -59,6 +63,37 @@ def wrap_for_layout(model: paddle.nn.Layer, optimizer: paddle.optimizer.Optimize
     wrapped, optimizer, _ = group_sharded_parallel(inner, optimizer, level, group=topo.sharding_group,
                                                    dp_group=dp_group, segment_size=stage3_segment_size)
     return wrapped, optimizer
+
+
+def reduce_first(optimizer: Any, reduce: Callable[[list], None]) -> None:
+    """Replaces `HybridParallelOptimizer._hybrid_sync_grad` with `reduce(parameters)` then upstream: a
+    sum the gradients need before fleet reduces them over the sharding and dp groups (the tp sum of
+    `modeling.tp_gradients`). Once per step, whatever gradients backward produced."""
+    upstream = optimizer._hybrid_sync_grad
+
+    def sync(parameter_list: list) -> None:
+        reduce(parameter_list)
+        upstream(parameter_list)
+
+    optimizer._hybrid_sync_grad = sync
+
+
+def reduce_experts_apart(optimizer: Any, topo: Topology) -> None:
+    """Replaces `HybridParallelOptimizer._hybrid_sync_grad` for expert parallelism: upstream reduces
+    every gradient over the sharding then the dp group, which would mix different ranks' experts;
+    the dense gradients still go that way, the experts' over the sharding group (its ranks hold the
+    same experts) and then over their replicas only (`ExpertGroup.reduce_gradients`)."""
+    upstream, hcg = optimizer._hybrid_sync_grad, topo.hcg
+
+    def sync(parameter_list: list) -> None:
+        experts = [p for p in parameter_list if is_expert(p)]
+        upstream([p for p in parameter_list if not is_expert(p)])
+        if optimizer._sharding_enable:
+            optimizer._inner_opt.reduce_gradients(experts, hcg)
+            experts = optimizer._inner_opt.filter_parameters(experts, hcg)
+        topo.experts.reduce_gradients(experts)
+
+    optimizer._hybrid_sync_grad = sync
 
 
 def sum_over_context_parallel(model: paddle.nn.Layer, cp: int) -> None:

@@ -57,6 +57,7 @@ class Layout:
     device: str = "cpu"
     sequence_parallel: bool = False
     context_parallel_degree: int = 1
+    expert_parallel_degree: int = 1
     dp: int = field(init=False)
     notes: tuple[str, ...] = field(init=False, default=())
 
@@ -122,11 +123,34 @@ class Layout:
                 f"--sequence_parallel with --sharding {stage} is not supported yet (its tp gradient all-reduce and "
                 f"{stage}'s gradient reduction both hook the backward pass; their order is untested here); use "
                 "--sharding stage1 with --sequence_parallel, or drop one of them.")
+        self._check_experts(stage)
         if self.hybrid_parallel_topo_order not in TOPO_ORDERS:
             raise LayoutError(
                 f"--hybrid_parallel_topo_order {self.hybrid_parallel_topo_order!r} is unknown; "
                 f"use one of {', '.join(TOPO_ORDERS)}."
             )
+
+    def _check_experts(self, stage: str) -> None:
+        """Expert parallelism takes its ranks from dp (see `ep`): each expert group is ep dp ranks of one
+        (stage, tp rank, sharding rank), so the sharding peers of a rank hold the same experts and
+        stage1's partition of the optimizer states (identical parameter lists across the sharding
+        group) holds; experts spread over sharding ranks, and stage2/3's hooks, are not implemented."""
+        ep = self.ep
+        if ep == 1:
+            return
+        if self.dp % ep:
+            across = (f" (experts across sharding ranks are not implemented: with --sharding_parallel_degree "
+                      f"{self.sharding_degree} use dp ranks for them)") if self.sharding_degree > 1 else ""
+            raise LayoutError(
+                f"--expert_parallel_degree {ep} does not divide the data-parallel degree {self.dp} (world / (tp x pp x "
+                f"sharding x cp)){across}; choose an ep that divides {self.dp}, or launch more processes.")
+        if stage in GROUP_SHARDED_LEVELS:
+            raise LayoutError(
+                f"--expert_parallel_degree {ep} with --sharding {stage}: the experts' own gradient reduction is not "
+                f"wired into {stage}'s sharded one (not implemented); use --sharding stage1, or no sharding.")
+        if self.cp > 1:
+            raise LayoutError(f"--expert_parallel_degree {ep} with --context_parallel_degree {self.cp}: not "
+                              "implemented; drop one of them.")
 
     def _check_positive(self) -> None:
         if self.world_size < 1:
@@ -136,6 +160,7 @@ class Layout:
             "--pipeline_parallel_degree": self.pipeline_parallel_degree,
             "--virtual_pp_degree": self.virtual_pp_degree,
             "--context_parallel_degree": self.context_parallel_degree,
+            "--expert_parallel_degree": self.expert_parallel_degree,
         }
         for name, value in degrees.items():
             if value < 1:
@@ -161,6 +186,17 @@ class Layout:
     @property
     def cp(self) -> int:
         return self.context_parallel_degree
+
+    @property
+    def ep(self) -> int:
+        """Expert-parallel degree: the experts of each MoE layer are split over ep dp ranks (an expert
+        group), which exchange tokens; the ranks holding the same experts (dp / ep of them) are the
+        experts' data replicas."""
+        return self.expert_parallel_degree
+
+    def expert_rank(self, dp_rank: int) -> int:
+        """Which 1/ep of the experts a dp rank holds."""
+        return dp_rank % self.ep
 
     @property
     def sharding_degree(self) -> int:
@@ -224,7 +260,7 @@ class Layout:
                 "pipeline_parallel_degree": self.pp, "sharding_parallel_degree": self.sharding_degree,
                 "data_parallel_degree": self.dp, "virtual_pp_degree": self.vpp,
                 "sharding": self.sharding_stage, "sequence_parallel": self.sequence_parallel,
-                "context_parallel_degree": self.cp}
+                "context_parallel_degree": self.cp, "expert_parallel_degree": self.ep}
 
     def describe(self) -> str:
         text = f"dp{self.dp} x sharding{self.sharding_degree} x tp{self.tp} x pp{self.pp}"
@@ -234,6 +270,8 @@ class Layout:
             text += f" (vpp{self.vpp})"
         if self.cp > 1:
             text += f" x cp{self.cp}"
+        if self.ep > 1:
+            text += f" (ep{self.ep})"
         if self.sequence_parallel:
             text += " + SP"
         return text
@@ -271,6 +309,7 @@ class Layout:
             device=device if device is not None else launched_device(),
             sequence_parallel=args.sequence_parallel,
             context_parallel_degree=args.context_parallel_degree,
+            expert_parallel_degree=getattr(args, "expert_parallel_degree", 1),
         )
 
 
@@ -311,6 +350,9 @@ class LayoutArguments:
     context_parallel_degree: int = flag(
         1, "ranks each sequence is cut over (ring attention; each rank holds 2 of 2 x cp chunks): for sequences "
         "longer than one rank holds; the sequence length must divide by 2 x cp (x tp with --sequence_parallel)")
+    expert_parallel_degree: int = flag(
+        1, "ranks each MoE layer's experts are split over, taken from the data-parallel ranks (must divide dp); "
+        "tokens travel to their experts' ranks and back")
     sep_parallel_degree: int = flag(1, "PaddleNLP's segment parallelism (all-to-all of heads and sequence): not "
                                        "implemented; use --context_parallel_degree")
     hybrid_parallel_topo_order: str = flag(

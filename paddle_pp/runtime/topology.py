@@ -11,6 +11,7 @@ import paddle.distributed as dist
 from paddle.distributed import fleet
 
 from paddle_pp.runtime.errors import UserError
+from paddle_pp.runtime.experts import ExpertGroup, build_expert_group
 from paddle_pp.runtime.layout import Layout, launched_world_size
 from paddle_pp.runtime.ring import build_ring
 
@@ -30,6 +31,7 @@ class Topology:
     pp_rank: int
     cp_rank: int = 0
     ring: Any = None  # the cp ranks' `runtime.ring.Ring` when cp > 1
+    experts: ExpertGroup | None = None  # the expert group and replicas when ep > 1
 
     @property
     def is_first_stage(self) -> bool:
@@ -76,7 +78,7 @@ class Topology:
 
     def coordinates(self) -> dict[str, int]:
         return {"dp": self.dp_rank, "sharding": self.sharding_rank, "tp": self.tp_rank, "pp": self.pp_rank,
-                "cp": self.cp_rank}
+                "cp": self.cp_rank, "ep": self.experts.rank if self.experts else 0}
 
 
 # Parameters fleet keeps identical across TP ranks on GPU (matched in their internal names): its
@@ -139,6 +141,7 @@ def init_distributed(layout: Layout, micro_batch_size: int = 1, accumulate_steps
         pp_rank=hcg.get_stage_id(),
         cp_rank=hcg.get_sep_parallel_rank() if layout.cp > 1 else 0,
         ring=build_ring(hcg, layout.device) if layout.cp > 1 else None,
+        experts=build_expert_group(hcg, layout.ep, layout.device) if layout.ep > 1 else None,
     )
 
 

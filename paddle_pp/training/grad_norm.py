@@ -84,11 +84,58 @@ def report_clipped_norm(optimizer, clip: ReportingGlobalNormClip, model, topo) -
     """After wrapping: the norm the optimizer clips with lands in `clip.last_norm` whatever the layout."""
     from paddle_pp.runtime.fleet_wrappers import inner_optimizer
 
+    if topo.experts is not None:
+        count_experts_once(optimizer, clip, topo.experts.group)
     if topo.layout.group_sharded_level == "p_g_os":
         distributed = {p.name for p in model.parameters() if getattr(p, "is_distributed", False)}
         inner_optimizer(optimizer)._grad_clip = ShardedParamsClip(clip, topo, distributed)
     else:
         observe_hybrid_norm(optimizer, clip)
+
+
+def _squares_by_split(params_grads, experts: bool) -> paddle.Tensor:
+    """[tp-split, whole] squared norms of the clipped gradients of expert (or of other) parameters,
+    counting a weight tied across pipeline stages once (fleet's `is_firstly_shared` rule)."""
+    from paddle_pp.runtime.experts import is_expert
+
+    counted = [(p, g) for p, g in params_grads if g is not None and getattr(p, "need_clip", True)
+               and getattr(p, "is_firstly_shared", True) and is_expert(p) == experts]
+    return paddle.stack([_sum_of_squares([g for p, g in counted if p.is_distributed == split]) for split in (True, False)])
+
+
+def _squares_with_every_expert(params_grads, group) -> paddle.Tensor:
+    """[tp-split, whole] squared norms of this rank's dense gradients plus every expert of its expert
+    group (summed over the group). Recomputed from the gradients rather than adding the other ranks'
+    experts to a sum that holds this rank's: the result must be bit-identical on the data replicas,
+    whose own experts differ, or their clipped updates drift apart."""
+    experts = _squares_by_split(params_grads, experts=True)
+    dist.all_reduce(experts, group=group)
+    return _squares_by_split(params_grads, experts=False) + experts
+
+
+def count_experts_once(optimizer, clip: ReportingGlobalNormClip, group) -> None:
+    """Under expert parallelism the global norm must also count the experts held by the other ranks
+    of the expert group, which no upstream clip reduces over (fleet's sums over tp, pp and sharding
+    only; one process's over nothing): fleet's `_comm_and_clip` (replaced here) or this clip's own
+    sum get the squares of `_squares_with_every_expert` before their own reductions."""
+    from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.hybrid_parallel_optimizer import (
+        HybridParallelClipGrad,
+    )
+
+    from paddle_pp.runtime.fleet_wrappers import optimizer_chain
+
+    hybrid = next((o._grad_clip for o in optimizer_chain(optimizer)
+                   if isinstance(getattr(o, "_grad_clip", None), HybridParallelClipGrad)), None)
+    if hybrid is None:
+        clip._squared_norm = lambda clipped: _squares_with_every_expert(clipped, group).sum()
+        return
+    upstream = hybrid._comm_and_clip
+
+    def with_every_expert(params_grads, _dist_squares, _not_dist_squares):
+        squares = _squares_with_every_expert(params_grads, group)
+        return upstream(params_grads, squares[0], squares[1])
+
+    hybrid._comm_and_clip = with_every_expert
 
 
 def observe_hybrid_norm(optimizer, clip: ReportingGlobalNormClip) -> None:

@@ -48,6 +48,7 @@ NO_EFFECT = {  # field: why it changes nothing that is trained here
                      "logging_strategy", "unified_checkpoint", "num_train_epochs"),
                     "I/O, device or bookkeeping (checkpoints are always unified; steps are set by max_steps, "
                     "evaluation by eval_steps and eval_iters on the training batch size)"),
+    "use_expert_parallel": "a switch: experts are split whenever expert_parallel_degree > 1",
 }
 
 # The options of PaddleNLP's three *_parallel_config strings that schedule communication or pick
@@ -66,16 +67,12 @@ COMMUNICATION_OPTIONS = {
                                  "enable_overlap"},
 }
 
-_LATER = "not implemented yet"
 REFUSED: dict[str, tuple[Callable[[dict], bool], str]] = {  # field: (is its value trainable here?, why not, fix)
     "decay_steps": (lambda v: v["decay_steps"] in (None, v.get("max_steps")),
                     "the decay always ends at max_steps; drop decay_steps or set it to max_steps"),
     "max_steps": (lambda v: v["max_steps"] > 0, "pretraining runs a set number of steps; set max_steps > 0"),
     "fp16_opt_level": (lambda v: v["fp16_opt_level"] == "O2",
                        "only AMP O2 (bf16/fp16 parameters, fp32 masters) is modelled; use O2"),
-    "expert_parallel_degree": (lambda v: v["expert_parallel_degree"] in (None, 1, -1),
-                               f"expert parallelism is {_LATER}; drop it"),
-    "use_expert_parallel": (lambda v: not v["use_expert_parallel"], f"expert parallelism is {_LATER}; drop it"),
     "no_recompute_layers": (lambda v: not v["no_recompute_layers"],
                             "every layer is recomputed alike here; drop no_recompute_layers"),
     "refined_recompute": (lambda v: not v["refined_recompute"],
@@ -122,6 +119,8 @@ def read_recipe(path: Path, known: set[str], booleans: set[str]) -> tuple[dict[s
         raise RecipeError(f"{path} asks for what paddle-pp cannot honour: {'; '.join(refused)}")
     if flags.get("report_to") == "all":
         flags["report_to"] = "visualdl"
+    if flags.get("expert_parallel_degree") in (None, -1):  # PaddleNLP's "unset"
+        flags.pop("expert_parallel_degree", None)
     if "sharding" in flags and "sharding_parallel_degree" not in flags:
         flags["sharding_parallel_degree"] = -1  # PaddleNLP's default: every data-parallel rank
     if "eval_steps" not in flags:  # transformers' rule, which PaddleNLP follows

@@ -173,13 +173,13 @@ class Pretrainer:
         else:  # weights before the wrappers take the model (stage3 slices what it finds), states after
             resumed = load_checkpoint(self.resume_dir, raw, None, self.topo, self.axes)
         self.criterion = getattr(raw, "criterion", None)
-        tp_gradients.register_gradient_allreduce(raw, self.batches.accumulate_steps)
         self.clip = ReportingGlobalNormClip(optim.max_grad_norm)
         optimizer = _build_optimizer(raw, optim, self.schedule, self.clip)
         precision.decorate(raw, optimizer, self.compute_dtype)
         if optim.amp_master_grad:
             optimizer = precision.accumulate_in_fp32(raw, optimizer, self.compute_dtype)
         self.model, self.optimizer = wrap_for_layout(raw, optimizer, self.topo, args.layout.stage3_segment_size)
+        tp_gradients.sum_before_update(self.optimizer, raw, self.topo.tp_group)
         report_clipped_norm(self.optimizer, self.clip, raw, self.topo)
         if args.checkpoint.save_gradients:
             record_gradients(self.optimizer)

@@ -60,7 +60,6 @@ def main(argv: list[str]) -> None:
     raw = build_causal_lm(config, topo, Execution(attention=core))
     axes = plan_of(config).axes()
     load_single_card_state(raw, dict(np.load(args.init)), axes, topo)
-    tp_gradients.register_gradient_allreduce(raw, args.accumulate_steps)  # as the trainer: SP's norm gradients
     criterion = getattr(raw, "criterion", None)
     clip = paddle.nn.ClipGradByGlobalNorm(args.clip_norm)
     if args.optimizer == "sgd":
@@ -72,6 +71,7 @@ def main(argv: list[str]) -> None:
         optimizer = paddle.optimizer.AdamW(learning_rate=1e-3, epsilon=1e-6, parameters=raw.parameters(),
                                            grad_clip=clip)
     model, optimizer = wrap_model(raw, topo), wrap_optimizer(optimizer)
+    tp_gradients.sum_before_update(optimizer, raw, topo.tp_group)  # as the trainer: SP's norm gradients
     rows = replica_slice(args.global_batch, topo)
 
     def batch(step):

@@ -1,6 +1,7 @@
 """run_pretrain.py with one JSON result per rank for the test harness: the loss curve, grad norms,
-eval loss, whether the rank built the dataset, and what it held in memory right after its last
-update (parameters, gradients, optimizer states: what sharding stage1-3 partition)."""
+eval loss, whether the rank built the dataset, what it held in memory right after its last
+update (parameters, gradients, optimizer states: what sharding stage1-3 partition), and on a
+resume whether it started from exactly the checkpoint's weights and optimizer states."""
 
 from __future__ import annotations
 
@@ -27,14 +28,46 @@ def held_elements(trainer) -> dict[str, int]:
                                     for t in states.values())}
 
 
+def resumed_exactly(trainer) -> bool | None:
+    """Whether every weight and optimizer state this rank holds (its tp piece; under stage1 the
+    states of the parameters it updates) equals the checkpoint it resumed, before any step (None:
+    not resumed, or from a pre-split copy)."""
+    import numpy as np
+
+    from checkpoint.format import MODEL, OPTIMIZER, STATE_SEPARATOR
+    from checkpoint.optimizer_state import states_by_parameter
+    from checkpoint.split import is_split
+    from checkpoint.unified_io import UnifiedReader
+
+    if trainer.resume_dir is None or is_split(trainer.resume_dir):
+        return None
+    tp, tp_rank = trainer.layout.tp, trainer.topo.tp_rank
+
+    def saved(reader, key: str) -> np.ndarray:
+        axis = reader.tensors[key].get("tp_axis") if tp > 1 else None
+        return reader.read(key, axis, tp, tp_rank).reshape(-1)
+
+    weights, states = UnifiedReader(trainer.resume_dir, MODEL), UnifiedReader(trainer.resume_dir, OPTIMIZER)
+    by_parameter = states_by_parameter(trainer.optimizer)
+    pairs = [(param, saved(weights, name)) for name, param in trainer.raw_model.state_dict().items()]
+    moments = [(tensor, saved(states, f"{name}{STATE_SEPARATOR}{state}"))
+               for name, param in trainer.raw_model.state_dict().items()
+               for state, tensor in by_parameter.get(param.name, {}).items()]
+    return bool(moments) and all(np.array_equal(tensor.numpy().reshape(-1), value) for tensor, value in pairs + moments)
+
+
 def main(argv: list[str]) -> int:
     from paddle_pp.runtime.launch import write_result
     from paddle_pp.training import cli
 
     held: dict[str, int] = {}
+    resumed: dict[str, bool | None] = {}
 
     def record_held(trainer) -> None:
         held.update(held_elements(trainer))
+
+    def record_resumed(trainer) -> None:
+        resumed["exactly"] = resumed_exactly(trainer)
 
     def report(trainer, history: list[dict]) -> None:
         trained = [record for record in history if "loss" in record]
@@ -46,9 +79,9 @@ def main(argv: list[str]) -> int:
                       "expert_load": trained[-1].get("expert_load") if trained else None,
                       "eval_loss": history[-1].get("eval_loss") if history else None,
                       "dataset_built": trainer.train_data is not None, "stage": trainer.topo.pp_rank,
-                      "held_elements": held})
+                      "held_elements": held, "resumed_exactly": resumed.get("exactly")})
 
-    return cli.main(argv, record_held, report)
+    return cli.main(argv, record_held, report, record_resumed)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+import numpy as np
 import paddle
 import paddle.distributed as dist
 from paddle.autograd import PyLayer
@@ -301,6 +302,20 @@ def start_ring_shift(sent, received, me: int, nxt: int, prev: int, stream: str) 
             future.result()
 
     return wait
+
+
+def exchange_rows(rows, counts, me: int, group):
+    """Replaces `alltoall_single` for expert parallelism (gloo has no all-to-all: NotImplementedError;
+    and an all_gather of unequal shapes aborts the process): every rank pads its rows to the
+    longest send of the group (`counts[s, d]`: rows rank s sends rank d, known to all), one
+    all_gather, and each keeps the rows addressed to it, by source. It moves ep x the longest send
+    to every rank where an all-to-all moves only its own rows (bench/expert_parallel.py measures both)."""
+    longest = int(counts.sum(axis=1).max())
+    padding = paddle.zeros([longest - rows.shape[0], *rows.shape[1:]], rows.dtype)
+    gathered: list = []
+    dist.all_gather(gathered, paddle.concat([rows, padding]) if padding.shape[0] else rows, group=group)
+    starts = np.concatenate([np.zeros([len(counts), 1], np.int64), np.cumsum(counts, axis=1)], axis=1)
+    return paddle.concat([gathered[s][int(starts[s, me]):int(starts[s, me + 1])] for s in range(len(counts))])
 
 
 def _edge(src: int, dst: int, direction: str) -> Any:
