@@ -3,8 +3,10 @@
 Mixtral, OLMoE) give transformers' logits and, exported, load back into both; the per-layer aux
 loss is transformers' own balancing statistic of each layer (divided by k) and exactly the
 coefficient at uniform routing; its gradient injected at the layer is the gradient of the loss plus
-the aux losses; Qwen2-MoE trains like single card under tp2 x pp2 and dp2 x sharding2 stage2 (with
-recompute) and resumes across them (real processes, fp32).
+the aux losses; Qwen2-MoE trains like single card with its experts split over ep2 under dp2 x tp2 x
+pp2 + SP and dp2 x sharding2 stage1 (with recompute), and under dp2 x sharding2 stage2 without ep;
+its ep2 checkpoint resumes under ep4 and, after a kill mid-save, on one card; the other families
+start under ep2 at transformers 5's loss (real processes, fp32).
 
 Router weights are random and scaled (`hf_models.ROUTER_SCALE`), and every test checks a margin
 between the k-th and (k+1)-th router logit of every token it routes: a near-tie would let a 1e-7
@@ -203,20 +205,20 @@ def _start(kind: str, root) -> tuple[str, ...]:
 
 
 EP2, EP4 = ("--expert_parallel_degree", "2"), ("--expert_parallel_degree", "4")
-DP2_TP2_PP2 = TP2 + PP2  # on 8 ranks: dp 2
+DP2_TP2_PP2_SP = TP2 + PP2 + ("--sequence_parallel",)  # on 8 ranks: dp 2
 
 
 @pytest.fixture(scope="module")
 def moe_runs(moe_folders):
     """Qwen2-MoE (4 experts; a shared expert; layer 1 dense) from its transformers 4.55 folder: 20
-    steps on one card; under dp2 x tp2 x pp2 with its experts over ep2 (saving at step 10); under dp2 x
+    steps on one card; under dp2 x tp2 x pp2 + SP with its experts over ep2 (saving at step 10); under dp2 x
     sharding2 stage1 over ep2 with full recompute; under dp2 x sharding2 stage2 without ep; and the
     ep2 step-10 checkpoint resumed under ep4 (dp4, one expert per rank; an ep2 checkpoint resumed on
     one card: the kill test below)."""
     start = _start("qwen2_moe", moe_folders["transformers4"])
     single = Run("qwen2_moe_single", 1, start + ("--save_steps", "20"))
-    hybrid = Run("qwen2_moe_ep2_tp2_pp2", 8, start + DP2_TP2_PP2 + EP2 + ("--save_steps", str(RESUME_STEP)))
-    return {"single": single, "ep2_tp2_pp2": hybrid,
+    hybrid = Run("qwen2_moe_ep2_tp2_pp2_sp", 8, start + DP2_TP2_PP2_SP + EP2 + ("--save_steps", str(RESUME_STEP)))
+    return {"single": single, "ep2_tp2_pp2_sp": hybrid,
             "ep2_stage1": Run("qwen2_moe_ep2_stage1", 4, start + EP2 + (
                 "--sharding_parallel_degree", "2", "--sharding", "stage1", "--recompute", "--save_steps", "20")),
             "stage2": Run("qwen2_moe_dp2_stage2", 4, start + ("--sharding_parallel_degree", "2", "--sharding", "stage2",
@@ -225,7 +227,7 @@ def moe_runs(moe_folders):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", ["ep2_tp2_pp2", "ep2_stage1", "stage2"])
+@pytest.mark.parametrize("layout", ["ep2_tp2_pp2_sp", "ep2_stage1", "stage2"])
 def test_qwen2_moe_trains_like_single_card(layout, moe_runs, pretrain_run, moe_folders, data_cache):
     """Losses, evaluation, grad norms, aux losses and final weights on the single-card run's; step
     1 is transformers' loss on the same batch; some expert of some layer gets no token in a step and
@@ -257,7 +259,7 @@ def test_qwen2_moe_resumes_across_expert_parallel_sizes_on_the_single_card_curve
 def test_an_expert_parallel_save_is_written_by_every_rank_as_the_planner_predicts(moe_runs, pretrain_run):
     """Each expert's tensors come from one of the ranks holding it (the planner's writer for each),
     every rank writes a share, and the checkpoint verifies."""
-    run = moe_runs["ep2_tp2_pp2"]
+    run = moe_runs["ep2_tp2_pp2_sp"]
     _, out = pretrain_run(run)
     folder = out / f"checkpoint-{RESUME_STEP}"
     written, writer = written_by_rank(folder)
