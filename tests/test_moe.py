@@ -288,23 +288,24 @@ def test_a_kill_during_an_expert_parallel_save_leaves_the_last_checkpoint_resuma
 
 
 EXPERT_COUNT_FIELD = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts", "olmoe": "num_experts"}
-# OLMoE refuses tp (its whole-projection q/k norms)
-FOLDER_LAYOUTS = {"qwen3_moe": EP2 + TP2 + ("--sequence_parallel",), "mixtral": EP2 + PP2, "olmoe": EP2 + PP2}
+# on 8 ranks (dp2) where the family allows tp; OLMoE refuses tp (its whole-projection q/k norms)
+FOLDER_LAYOUTS = {"qwen3_moe": (8, EP2 + DP2_TP2_PP2_SP), "mixtral": (8, EP2 + TP2 + PP2), "olmoe": (4, EP2 + PP2)}
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("kind", list(EXPERT_COUNT_FIELD))
 def test_a_transformers_5_folder_starts_under_expert_parallelism_at_its_loss_and_exports_for_both_versions(
         kind, moe_folders, pretrain_run, tmp_path):
-    """Qwen3-MoE in transformers 5's spelling (`num_local_experts`, `rope_parameters`; its per-head q/k
-    norms under ep2 x tp2 + SP), Mixtral (block_sparse_moe, w1/w2/w3) and OLMoE (whole-projection q/k
-    norms; ep2 x pp2 both) start the trainer at transformers 5's loss; the export has the folder's
-    tensor names, the expert count under the name both versions read, and our logits in
-    transformers 4.55 and 5.23."""
+    """Qwen3-MoE in transformers 5's spelling (`num_local_experts`, `rope_parameters`; its per-head
+    q/k norms under ep2 x tp2 x pp2 + SP), Mixtral (block_sparse_moe, w1/w2/w3; ep2 x tp2 x pp2) and
+    OLMoE (whole-projection q/k norms; ep2 x pp2) start the trainer at transformers 5's loss; the
+    export has the folder's tensor names, the expert count under the name both versions read, and
+    our logits in transformers 4.55 and 5.23."""
     from safetensors import safe_open
 
     root = moe_folders["transformers5"]
-    run = Run(f"{kind}_transformers5", 4, _start(kind, root) + FOLDER_LAYOUTS[kind] + (
+    nproc, layout = FOLDER_LAYOUTS[kind]
+    run = Run(f"{kind}_transformers5", nproc, _start(kind, root) + layout + (
         "--max_steps", str(FOLDER_STEPS), "--eval_steps", "0", "--warmup_steps", "1", "--save_steps",
         str(FOLDER_STEPS)))
     results, out = pretrain_run(run)
