@@ -34,14 +34,14 @@ def run_dispatched(flat: paddle.Tensor, chosen: paddle.Tensor, weights: paddle.T
     `weights` [tokens, k]; how many of its rows chose each expert). `experts` holds this rank's
     experts in order. An expert no row of the group chose runs on a zero row whose output, times
     zero, joins the result: its gradient is a zero, never missing."""
-    k = chosen.shape[1]
     choice = chosen.reshape([-1])
-    order = paddle.argsort(choice, stable=True)
+    order = paddle.argsort(choice, stable=True)  # (token, choice) rows by expert
+    token_of = order // chosen.shape[1]
     counts = np.bincount(choice.numpy(), minlength=num_experts)
     local = len(group.local(num_experts))
     every = group.gather_counts(counts).reshape([group.degree, group.degree, local])  # [source, destination, expert]
     sent = every.sum(axis=2)
-    received = group.exchange(paddle.gather(flat, order // k), sent)
+    received = group.exchange(paddle.gather(flat, token_of), sent)
     mine = every[:, group.rank]
     by_expert = paddle.to_tensor(expert_order(mine))
     rows = paddle.gather(received, by_expert)
@@ -56,4 +56,4 @@ def run_dispatched(flat: paddle.Tensor, chosen: paddle.Tensor, weights: paddle.T
     computed = paddle.scatter(paddle.zeros_like(received), by_expert, paddle.concat(outputs)) if outputs else received
     returned = group.exchange(computed, sent.T)
     weighted = returned * paddle.gather(weights.reshape([-1]), order).unsqueeze(-1)
-    return paddle.index_add(paddle.zeros_like(flat), order // k, 0, weighted) + idle, counts.tolist()
+    return paddle.index_add(paddle.zeros_like(flat), token_of, 0, weighted) + idle, counts.tolist()

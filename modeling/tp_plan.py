@@ -117,11 +117,16 @@ def single_card_shape(local, axis: int | None, tp: int) -> list[int]:
     return shape
 
 
+def layer_stage(index: int, num_layers: int, pp: int, vpp: int) -> int:
+    """The pipeline stage of decoder layer `index`: it lives in virtual chunk index // (layers per
+    chunk), and chunk c on stage c % pp (interleaved order)."""
+    return index // (num_layers // (pp * vpp)) % pp
+
+
 def stages_holding(row: TensorPlan, num_layers: int, pp: int, vpp: int) -> list[int]:
-    """The pipeline stages that hold a tensor. Decoder layer i lives in virtual chunk
-    i // (layers per chunk), and chunk c on stage c % pp (interleaved order)."""
+    """The pipeline stages that hold a tensor: its decoder layer's (`layer_stage`), or those of its place."""
     if isinstance(row.place, int):
-        return [row.place // (num_layers // (pp * vpp)) % pp]
+        return [layer_stage(row.place, num_layers, pp, vpp)]
     return {FIRST: [0], LAST: [pp - 1], FIRST_AND_LAST: sorted({0, pp - 1})}[row.place]
 
 

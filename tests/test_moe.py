@@ -271,20 +271,24 @@ def test_an_expert_parallel_save_is_written_by_every_rank_as_the_planner_predict
 @pytest.mark.multiproc
 def test_a_kill_during_an_expert_parallel_save_leaves_the_last_checkpoint_resumable(moe_runs, moe_folders, pretrain_run,
                                                                                      data_cache, tmp_path):
-    """Both ranks of ep2 die while writing the step-4 save; checkpoint-2 resumes on one card with
-    exactly its weights and Adam states and continues on the single-card curve."""
+    """Four ranks (dp4: each expert on 2 of them, so their gradients are summed over the replicas)
+    train 2 steps on the single-card curve, then die while writing the step-4 save; checkpoint-2
+    resumes on one card with exactly its weights and Adam states and continues on the curve."""
     out = tmp_path / "out"
     common = [*MODEL, *_start("qwen2_moe", moe_folders["transformers4"]), "--save_steps", "2", "--data_cache",
               str(data_cache), "--output_dir", str(out)]
     with pytest.raises(LaunchError):
-        launch(TRAINER.parent / "killed_save_worker.py", 2, [*common, *EP2], work_dir=tmp_path / "killed", timeout=300)
+        launch(TRAINER.parent / "killed_save_worker.py", 4, [*common, *EP2], work_dir=tmp_path / "killed", timeout=300)
     assert (out / "latest").read_text().strip() == "checkpoint-2"
     assert (out / ".tmp-checkpoint-4").is_dir() and not (out / "checkpoint-4").exists()
+    killed = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][:2]
+    single = history(pretrain_run, moe_runs["single"])
+    np.testing.assert_allclose([r["loss"] for r in killed], single["losses"][:2], rtol=RESUME_RTOL)
+    np.testing.assert_allclose([r["grad_norm"] for r in killed], single["grad_norms"][:2], rtol=RESUME_RTOL)
     resumed = launch(TRAINER, 1, [*common, "--resume_from_checkpoint", "latest", "--exit_after_steps", "2"],
                      work_dir=tmp_path / "resumed", timeout=300)
     assert resumed[0]["resumed_exactly"] is True
-    np.testing.assert_allclose(resumed[0]["losses"], history(pretrain_run, moe_runs["single"])["losses"][2:4],
-                               rtol=RESUME_RTOL)
+    np.testing.assert_allclose(resumed[0]["losses"], single["losses"][2:4], rtol=RESUME_RTOL)
 
 
 EXPERT_COUNT_FIELD = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts", "olmoe": "num_experts"}

@@ -167,6 +167,7 @@ class SparseMoE(Block):
             out = paddle.index_add(out, token, 0, expert(routed) * weight)
         return out, counts
 
+
 def tie_margin(probs: paddle.Tensor, top_k: int) -> paddle.Tensor:
     """The least gap between a token's k-th and (k+1)-th router logit (log of the probabilities'
     ratio): how far routing is from a tie that fp32 noise could flip (inf when every expert is chosen)."""

@@ -128,16 +128,14 @@ def dispatch_bytes_per_step(config, layout: Layout, workload: Workload, compute_
     recomputed forward; balanced routing keeps 1/ep of the rows on their own rank, the worst case none.
     Under sequence parallelism every tp rank exchanges the whole sequence's rows (`SparseMoE`)."""
     from modeling.blocks.moe import is_sparse
-    from modeling.tp_plan import TensorPlan, stages_holding
+    from modeling.tp_plan import layer_stage
 
     if layout.ep == 1:
         return 0, 0
     per_stage = [0] * layout.pp
     for index in range(config.num_hidden_layers):
         if is_sparse(config, index):
-            for stage in stages_holding(TensorPlan((), None, place=index), config.num_hidden_layers, layout.pp,
-                                        layout.vpp):
-                per_stage[stage] += 1
+            per_stage[layer_stage(index, config.num_hidden_layers, layout.pp, layout.vpp)] += 1
     exchanges = 4 + (2 if workload.recompute else 0)
     rows = workload.per_device_train_batch_size * workload.max_seq_length * config.num_experts_per_tok
     worst = max(per_stage) * workload.gradient_accumulation_steps * exchanges * rows * config.hidden_size * compute_bytes

@@ -24,6 +24,8 @@ import paddle.distributed as dist
 from paddle.autograd import PyLayer
 from paddle.distributed.fleet.utils.hybrid_parallel_util import fused_allreduce_gradients_with_group
 
+from paddle_pp.runtime.layout import Layout
+
 EXPERT_MARK = "no_sync"  # Paddle's own mark: fleet's parameter broadcasts and DataParallel's reducer skip these
 
 
@@ -100,17 +102,18 @@ def is_expert(param) -> bool:
     return getattr(param, EXPERT_MARK, False)
 
 
-def build_expert_group(hcg: Any, ep: int, device: str) -> ExpertGroup:
-    """This rank's expert group and replica group; every rank creates every group, in one order."""
-    me = hcg.get_global_rank()
+def build_expert_group(hcg: Any, layout: Layout) -> ExpertGroup:
+    """This rank's expert group (ep consecutive dp ranks) and replica group (the dp ranks of its
+    `Layout.expert_rank`); every rank creates every group, in one order."""
+    me, ep = hcg.get_global_rank(), layout.ep
     mine: dict[str, Any] = {}
     for dp_ranks in hcg.topology().get_comm_list("data"):
         blocks = [dp_ranks[i:i + ep] for i in range(0, len(dp_ranks), ep)]
-        replica_sets = [dp_ranks[i::ep] for i in range(ep)]
+        replica_sets = [[rank for dp, rank in enumerate(dp_ranks) if layout.expert_rank(dp) == e] for e in range(ep)]
         for kind, sets in (("group", blocks), ("replicas", replica_sets)):
             for ranks in sets:
                 group = dist.new_group(ranks) if len(ranks) > 1 else None
                 if me in ranks:
                     mine[kind] = group
-    dp = hcg.get_data_parallel_world_size()
-    return ExpertGroup(ep, hcg.get_data_parallel_rank() % ep, mine["group"], mine["replicas"], dp, device)
+    return ExpertGroup(ep, layout.expert_rank(hcg.get_data_parallel_rank()), mine["group"], mine["replicas"],
+                       layout.dp, layout.device)

@@ -141,7 +141,7 @@ def init_distributed(layout: Layout, micro_batch_size: int = 1, accumulate_steps
         pp_rank=hcg.get_stage_id(),
         cp_rank=hcg.get_sep_parallel_rank() if layout.cp > 1 else 0,
         ring=build_ring(hcg, layout.device) if layout.cp > 1 else None,
-        experts=build_expert_group(hcg, layout.ep, layout.device) if layout.ep > 1 else None,
+        experts=build_expert_group(hcg, layout) if layout.ep > 1 else None,
     )
 
 

@@ -13,6 +13,7 @@ import paddle
 import paddle.distributed as dist
 from paddle import _C_ops
 
+from paddle_pp.runtime.experts import is_expert
 from paddle_pp.runtime.stage3 import SLICE_PREFIX
 
 
@@ -96,8 +97,6 @@ def report_clipped_norm(optimizer, clip: ReportingGlobalNormClip, model, topo) -
 def _squares_by_split(params_grads, experts: bool) -> paddle.Tensor:
     """[tp-split, whole] squared norms of the clipped gradients of expert (or of other) parameters,
     counting a weight tied across pipeline stages once (fleet's `is_firstly_shared` rule)."""
-    from paddle_pp.runtime.experts import is_expert
-
     counted = [(p, g) for p, g in params_grads if g is not None and getattr(p, "need_clip", True)
                and getattr(p, "is_firstly_shared", True) and is_expert(p) == experts]
     return paddle.stack([_sum_of_squares([g for p, g in counted if p.is_distributed == split]) for split in (True, False)])
