@@ -138,7 +138,6 @@ def _methods(model, optimizer, topo, config, arrays: dict[str, np.ndarray]) -> d
 
 def worker(args: argparse.Namespace) -> int:
     from modeling.llama import LlamaConfig
-
     from paddle_pp.runtime.launch import write_result
     from paddle_pp.runtime.layout import Layout
     from paddle_pp.runtime.topology import align_ranks, end_job, init_distributed

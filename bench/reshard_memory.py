@@ -76,7 +76,7 @@ def write_random_checkpoint(folder: Path, config, seed: int = 0) -> int:
     from modeling.registry import plan_of
 
     rng = np.random.default_rng(seed)
-    model = {n: {"dtype": "float32", "shape": list(row.shape), "tp_axis": row.tp_axis}
+    model = {n: {"dtype": "float32", "shape": list(row.shape), "tp_axis": row.placement.tp}
              for n, row in plan_of(config).items()}
     optimizer = {}
     for name, meta in model.items():

@@ -108,9 +108,9 @@ def _paddlenlp_step_times(args: argparse.Namespace, tp: int, pp: int, work: Path
     import paddle
     from paddle.distributed import fleet
 
-    from paddle_pp.runtime.backends import cpu
     from paddle_pp.data.source import build_data, dataset_sizes, plan_data
     from paddle_pp.data.tokenizer import load_text_tokenizer
+    from paddle_pp.runtime.backends import cpu
     from paddle_pp.training.arguments import DataArguments
 
     cpu.apply()

@@ -11,8 +11,7 @@ import numpy as np
 from checkpoint.format import MODEL, OPTIMIZER, STATE_SEPARATOR
 from checkpoint.optimizer_state import MASTER_WEIGHT
 from checkpoint.writers import Slot, WriteItem, WritePlan, gathered_bytes, sharding_owners, stage2_owners
-from modeling.tp_plan import ModelPlan, local_shape
-from paddle_pp.runtime.experts import local_experts
+from modeling.tp_plan import ModelPlan
 from paddle_pp.runtime.layout import Layout
 
 
@@ -29,43 +28,44 @@ def save_items(plan: ModelPlan, layout: Layout, compute_bytes: int = 4) -> list[
     """What a save of this model under `layout` writes, and who holds each tensor: the model in
     fp32, AdamW's states (and fp32 master weights under bf16/fp16), each parameter's states held by
     the sharding rank Paddle's stage1 or stage2 optimizer gives it, in every dp and cp replica (under
-    stage3 every sharding rank holds a slice, so every replica can write it). Under expert
-    parallelism an expert's tensors are held by the dp ranks of its expert rank only, and each
-    expert rank's sharding partition is over its own parameters (the same shapes on every one)."""
+    stage3 every sharding rank holds a slice, so every replica can write it). The tensors of a
+    (stage, expert rank) are its placement's (`Placement.held_at`); Paddle partitions a rank's own
+    parameters over sharding, so each expert rank's partition is over its own (the same shapes on
+    every one), and an expert's tensors are held by the dp ranks of its expert rank only."""
     items: list[WriteItem] = []
     states = OPTIMIZER_STATES + ((MASTER_WEIGHT,) if compute_bytes < 4 else ())
-    position = {name: i for i, name in enumerate(plan)}
-    for stage in range(layout.pp):
-        for expert_rank in range(layout.ep):
-            experts = local_experts(plan.num_experts, layout.ep, expert_rank)
-            names = sorted(plan.rank_names(stage, layout.pp, layout.vpp, experts), key=position.__getitem__)
-            numels = [int(np.prod(local_shape(plan[n].shape, plan[n].tp_axis, layout.tp))) for n in names]
-            owners = (stage2_owners if layout.sharding_stage == "stage2" else sharding_owners)(
-                numels, layout.sharding_degree)
-            for name, owner in zip(names, owners):
-                if plan[name].expert is None and expert_rank > 0:
-                    continue  # a dense tensor: listed with expert rank 0, held by every dp rank
-                dps = [dp for dp in range(layout.dp) if plan[name].expert is None or layout.expert_rank(dp) == expert_rank]
-                items += _tensor_items(plan, name, layout, stage, owner, dps, states)
-    return items
+    mesh = plan.mesh(layout.pp, layout.vpp, layout.ep, layout.tp)
+    holders: dict[str, set] = {}  # a dense tensor: every expert rank holds it, and lists it once
+    for stage, expert_rank in mesh.positions():
+        names = plan.held_at(stage, expert_rank, mesh)
+        owners = (stage2_owners if layout.sharding_stage == "stage2" else sharding_owners)(
+            [plan[name].local_numel(mesh) for name in names], layout.sharding_degree)
+        dps = [dp for dp in range(layout.dp) if layout.expert_rank(dp) == expert_rank]
+        for name, owner in zip(names, owners):
+            held = holders.setdefault(name, set())
+            if not held:
+                items.append(name)
+            held |= {(stage, dp, owner) for dp in dps}
+    return [item for name in items for item in _tensor_items(plan, name, layout, sorted(holders[name]), states)]
 
 
-def _tensor_items(plan: ModelPlan, name: str, layout: Layout, stage: int, owner: int, dps: list[int],
+def _tensor_items(plan: ModelPlan, name: str, layout: Layout, holders: list[tuple[int, int, int]],
                   states: tuple[str, ...]) -> list[WriteItem]:
-    """A parameter's write items: held by the replicas of dp ranks `dps`, its states by their sharding rank `owner`."""
+    """A parameter's write items: held by the replicas of its (stage, dp rank, sharding owner) `holders`."""
     row, numel = plan[name], int(np.prod(plan[name].shape))
-    split = row.tp_axis is not None and layout.tp > 1
+    split = row.placement.tp is not None and layout.tp > 1
     # stage3 slices every parameter over the segment size, which the planner does not know: all are counted
     gathered = gathered_bytes(numel * 4, split, layout.tp,
                               layout.sharding_degree if layout.sharding_stage == "stage3" else 1)
-    holding = tuple((stage, layout.weight_replica(dp, s, cp)) for cp in range(layout.cp) for dp in dps
-                    for s in range(layout.sharding_degree))
-    holders = holding if layout.sharding_stage == "stage3" else \
-        tuple((stage, layout.weight_replica(dp, owner, cp)) for cp in range(layout.cp) for dp in dps)
-    return [WriteItem(MODEL, name, numel * 4, split, gathered, tuple(sorted(holding))),
-            *(WriteItem(OPTIMIZER, f"{name}{STATE_SEPARATOR}{state}", numel * 4, split, gathered, holders)
+    holding = tuple(sorted({(stage, layout.weight_replica(dp, s, cp)) for stage, dp, _ in holders
+                            for cp in range(layout.cp) for s in range(layout.sharding_degree)}))
+    updating = holding if layout.sharding_stage == "stage3" else \
+        tuple(sorted({(stage, layout.weight_replica(dp, owner, cp)) for stage, dp, owner in holders
+                      for cp in range(layout.cp)}))
+    return [WriteItem(MODEL, name, numel * 4, split, gathered, holding),
+            *(WriteItem(OPTIMIZER, f"{name}{STATE_SEPARATOR}{state}", numel * 4, split, gathered, updating)
               for state in states),
-            *(WriteItem(OPTIMIZER, f"{name}{STATE_SEPARATOR}{state}", 4, False, 0, holders)
+            *(WriteItem(OPTIMIZER, f"{name}{STATE_SEPARATOR}{state}", 4, False, 0, updating)
               for state in OPTIMIZER_SCALARS)]
 
 

@@ -21,7 +21,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable
 
-Slot = tuple[int, int, int]  # (pipeline stage, weight replica, tp rank): one rank of the job
+# One rank of the job: (pipeline stage, weight replica, tp rank). Its expert rank is its dp rank's
+# (`Layout.expert_rank`), so a tensor one expert rank holds is held by some of the replicas only.
+Slot = tuple[int, int, int]
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ run's tensor parallelism (`Execution.tp > 1`) the parts are fleet's parallel lay
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar
 
 import paddle
@@ -48,7 +48,7 @@ class Skeleton:
 
     def tensors(self, config) -> dict[str, TensorPlan]:
         """Every parameter's placement, by single-card name, in model order."""
-        return {f"{path}.{key}": replace(row, place=place)
+        return {f"{path}.{key}": row.placed(stage=place)
                 for path, part, place in self.parts(config)
                 for key, row in (part.tensors(config) if isinstance(part, type) else part.tensors()).items()}
 

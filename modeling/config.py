@@ -42,13 +42,6 @@ class CausalLMConfig(PretrainedConfig):
     def validate(self) -> None:
         """Shapes that must fit together, checked before any weight exists."""
 
-    def tensor_parallel_refusal(self) -> str | None:
-        """Why this model cannot be split over tp ranks, with the fix (None: it can)."""
-        if getattr(self, "qk_norm", None) == "projection":
-            return ("its q/k norms normalise the whole q and k projections, which tp splits by heads (not "
-                    "modelled); train it with --tensor_parallel_degree 1")
-        return None
-
     def check_sequence_length(self, seq_len: int) -> None:
         """Fail when training on `seq_len` tokens would need what the model does not do."""
         if seq_len > self.max_position_embeddings:

@@ -14,7 +14,7 @@ from modeling.blocks.decoder import LayerActivations, layer_activations
 from modeling.causal_lm import CausalLM, Skeleton
 from modeling.execution import Execution
 from modeling.pipeline import CausalLMPipe
-from modeling.tp_plan import ModelPlan, TPPlanError, check_divisible, local_shape
+from modeling.tp_plan import ModelPlan, check_divisible
 from modeling.transformers_adapter import TransformersAdapter
 
 
@@ -56,12 +56,9 @@ class ModelFamily:
 
     def check_tensor_parallel(self, config, tp: int) -> None:
         """Fail before any weight is built when the vocabulary or a unit TP splits (heads, kv heads,
-        MLP width) does not divide by `tp`, or the config computes what tp cannot split."""
+        MLP width) does not divide by `tp`."""
         fields = ("vocab_size",) + sum((kind.all_tp_fields(config) for kind in self.skeleton.layer_kinds(config)), ())
         check_divisible(self.architecture, config, fields, tp)
-        problem = config.tensor_parallel_refusal() if tp > 1 else None
-        if problem:
-            raise TPPlanError(f"{self.architecture} under --tensor_parallel_degree {tp}: {problem}")
 
     def layer_saved_bytes(self, config, run: Execution, batch: int, seq_len: int,
                           dtype_bytes: int = 4) -> dict[str, int]:
@@ -87,13 +84,14 @@ class ModelFamily:
         """The built model holds exactly the plan's tensors for its stage, in the plan's per-rank
         shapes. Run on every rank of every job, so a declaration that drifts from the model code
         fails at start-up instead of saving a checkpoint that another layout reads wrong."""
-        plan, tp = self.tensor_plan(config), run.tp
-        expected = plan.rank_names(stage, pp, run.vpp, run.experts.local(plan.num_experts) if run.experts else None)
+        plan = self.tensor_plan(config)
+        mesh = plan.mesh(pp, run.vpp, run.experts.degree if run.experts else 1, run.tp)
+        expected = set(plan.held_at(stage, run.experts.rank if run.experts else 0, mesh))
         held = {name: tuple(param.shape) for name, param in model.state_dict().items()}
+        planned = {name: plan[name].placement.local_shape(plan[name].shape, mesh) for name in held if name in plan}
         problems = [f"{name}: held but not planned for stage {stage}" for name in sorted(set(held) - expected)]
         problems += [f"{name}: planned for stage {stage} but not held" for name in sorted(expected - set(held))]
-        problems += [f"{name}: shape {list(shape)}, the plan gives {list(local_shape(plan[name].shape, plan[name].tp_axis, tp))} at tp {tp}"
-                     for name, shape in sorted(held.items())
-                     if name in plan and shape != local_shape(plan[name].shape, plan[name].tp_axis, tp)]
+        problems += [f"{name}: shape {list(held[name])}, the plan gives {list(shape)} at tp {run.tp}"
+                     for name, shape in sorted(planned.items()) if held[name] != shape]
         if problems:
             raise PlanMismatchError(f"{self.architecture} disagrees with its declaration: " + "; ".join(problems[:5]))

@@ -49,10 +49,14 @@ def vocab_embedding(run: Execution, num_embeddings: int, dim: int) -> nn.Layer:
     return nn.Embedding(num_embeddings, dim)
 
 
+def tp_group():
+    """Fleet's tensor-parallel group of this process."""
+    return fleet.get_hybrid_communicate_group().get_model_parallel_group()
+
+
 def vocab_logits(hidden: paddle.Tensor, weight: paddle.Tensor, tp: int, transpose_y: bool) -> paddle.Tensor:
     """Logits over this rank's vocabulary slice. Under TP the input is an identity whose backward
     all-reduces, since every rank's slice of the vocabulary contributes to the hidden-state gradient."""
     if tp > 1:
-        hidden = paddle.distributed.collective._c_identity(
-            hidden, group=fleet.get_hybrid_communicate_group().get_model_parallel_group())
+        hidden = paddle.distributed.collective._c_identity(hidden, group=tp_group())
     return paddle.matmul(hidden, weight, transpose_y=transpose_y)

@@ -1,4 +1,5 @@
-"""The TP plan: every single-card parameter's placement, collected from what the blocks declare.
+"""The placement plan: every single-card parameter's placement on each axis of the mesh, collected
+from what the blocks declare.
 
 No family writes this table: each block declares its parts (`modeling/blocks/parts.py`), and
 `ModelFamily.tensor_plan` walks the declarations. The TP model, the pipeline split, the checkpoint
@@ -6,22 +7,26 @@ No family writes this table: each block declares its parts (`modeling/blocks/par
 it. Paddle linears store weights as [in, out]: a column-parallel linear splits axis 1 (and its
 bias), a row-parallel one axis 0; an embedding splits its vocabulary rows.
 
-A placement says how a tensor is cut over the mesh (over tp, along one axis), which pipeline stage
-holds it, and, for an expert's tensor, its global expert id: under expert parallelism only the
-ranks holding that expert build it (`ModelPlan.rank_names`); the save plans its writers from the
-holdings every rank reports, so it needs no new code for a tensor held by fewer replicas.
+A `Placement` says, per axis, where a tensor is: on which pipeline stages (its place), on which
+expert-parallel rank (its expert's), and how tp cuts it. One rule answers every reader from it
+(`Placement.held_at`, `Placement.local_shape`, on a `Mesh` of the axes' sizes): which tensors a
+rank builds and `check_built` holds it to, which ranks hold a tensor in the save planner, each
+sharding rank's partition, the planner's per-rank bytes. The data axes (dp, sharding, cp) place
+nothing: their ranks are replicas, except that a dp rank's expert rank is `Layout.expert_rank`. A
+save needs no placement of its own: it plans its writers from the holdings every rank reports.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Callable, Iterator
 
 import numpy as np
 
 from paddle_pp.runtime.errors import UserError
+from paddle_pp.runtime.experts import local_experts
 
 COLUMN, ROW, REPLICATED = 1, 0, None
 VOCAB_ROWS = 0  # an embedding's rows (vocabulary entries) split over tp
@@ -38,19 +43,72 @@ class TPPlanError(UserError, ValueError):
 
 
 @dataclass(frozen=True)
+class Mesh:
+    """The sizes of the axes tensors are placed along, for one model under one layout: pipeline
+    stages (with vpp chunks each), expert-parallel ranks, tp ranks; and the model's decoder layers
+    and experts per MoE layer (0: dense), which the stage and expert rules divide."""
+
+    num_layers: int
+    num_experts: int = 0
+    pp: int = 1
+    vpp: int = 1
+    ep: int = 1
+    tp: int = 1
+
+    def experts_of(self, expert_rank: int) -> range:
+        """The global ids of the experts an expert-parallel rank holds (the rule the expert groups
+        are built by: `runtime.experts.local_experts`)."""
+        return local_experts(self.num_experts, self.ep, expert_rank)
+
+    def positions(self) -> list[tuple[int, int]]:
+        """Every (stage, expert rank): between them, the distinct sets of tensors ranks hold."""
+        return [(stage, expert_rank) for stage in range(self.pp) for expert_rank in range(self.ep)]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a tensor is, per axis: `stage` its place in the pipeline (its decoder layer's index,
+    or FIRST / LAST / FIRST_AND_LAST; None inside a block until the model places it), `expert` the
+    global id of the MoE expert it belongs to (None: every expert rank holds it), `tp` the axis tp
+    splits (None: whole on every tp rank)."""
+
+    tp: int | None
+    stage: int | str | None = None
+    expert: int | None = None
+
+    def stages(self, mesh: Mesh) -> list[int]:
+        """The pipeline stages holding it: its decoder layer's (`layer_stage`), or those of its place."""
+        if isinstance(self.stage, int):
+            return [layer_stage(self.stage, mesh.num_layers, mesh.pp, mesh.vpp)]
+        return {FIRST: [0], LAST: [mesh.pp - 1], FIRST_AND_LAST: sorted({0, mesh.pp - 1})}[self.stage]
+
+    def held_at(self, stage: int, expert_rank: int, mesh: Mesh) -> bool:
+        """Whether the ranks of pipeline stage `stage` and expert rank `expert_rank` hold it."""
+        return stage in self.stages(mesh) and (self.expert is None or self.expert in mesh.experts_of(expert_rank))
+
+    def local_shape(self, shape, mesh: Mesh) -> tuple[int, ...]:
+        """A tp rank's shape of a tensor so placed whose single-card shape is `shape`."""
+        return local_shape(shape, self.tp, mesh.tp)
+
+
+@dataclass(frozen=True)
 class TensorPlan:
-    """One single-card parameter: full shape, TP split axis (None: replicated), where it lives in the
-    pipeline (its decoder layer's index, or FIRST / LAST / FIRST_AND_LAST; None inside a block until
-    the model places it), whether it is a linear weight ([in, out]; torch stores the transpose), how
-    it starts, and when its gradient is summed over tp."""
+    """One single-card parameter: full shape, its `Placement`, whether it is a linear weight ([in,
+    out]; torch stores the transpose), how it starts, and when its gradient is summed over tp."""
 
     shape: tuple[int, ...]
-    tp_axis: int | None
-    place: int | str | None = None
+    placement: Placement
     linear: bool = False
     init: str = NORMAL
     tp_partial_grad: str | None = None
-    expert: int | None = None  # the global id of the MoE expert it belongs to (split over expert parallelism)
+
+    def placed(self, **axes) -> TensorPlan:
+        """This tensor with its placement on the given axes set (`stage=`, `expert=`)."""
+        return replace(self, placement=replace(self.placement, **axes))
+
+    def local_numel(self, mesh: Mesh) -> int:
+        """Elements of a tp rank's piece."""
+        return int(np.prod(self.placement.local_shape(self.shape, mesh)))
 
 
 @dataclass(frozen=True)
@@ -75,30 +133,30 @@ class ModelPlan(Mapping):
         return len(self.tensors)
 
     def axes(self) -> dict[str, int | None]:
-        return {name: row.tp_axis for name, row in self.tensors.items()}
+        """Each parameter's tp axis (None: whole on every tp rank)."""
+        return split_axes(self.tensors)
+
+    def mesh(self, pp: int = 1, vpp: int = 1, ep: int = 1, tp: int = 1) -> Mesh:
+        """The mesh of this model under those degrees."""
+        return Mesh(self.num_layers, self.num_experts, pp, vpp, ep, tp)
 
     def stages(self, name: str, pp: int, vpp: int) -> list[int]:
         """The pipeline stages holding parameter `name`."""
-        return stages_holding(self.tensors[name], self.num_layers, pp, vpp)
+        return self.tensors[name].placement.stages(self.mesh(pp, vpp))
 
-    def stage_names(self, stage: int, pp: int, vpp: int) -> set[str]:
-        """Single-card names pipeline stage `stage` holds."""
-        return {name for name in self.tensors if stage in self.stages(name, pp, vpp)}
-
-    def rank_names(self, stage: int, pp: int, vpp: int, experts: range | None = None) -> set[str]:
-        """Single-card names a rank of pipeline stage `stage` holds: of the experts, only those in
-        `experts` (its share under expert parallelism; None: all)."""
-        return {name for name in self.stage_names(stage, pp, vpp)
-                if experts is None or self.tensors[name].expert is None or self.tensors[name].expert in experts}
+    def held_at(self, stage: int, expert_rank: int, mesh: Mesh) -> list[str]:
+        """Single-card names the ranks of (stage, expert rank) hold, in model order."""
+        return [name for name, row in self.tensors.items() if row.placement.held_at(stage, expert_rank, mesh)]
 
     @property
     def num_experts(self) -> int:
         """Experts per MoE layer (0 for a dense model)."""
-        return 1 + max((row.expert for row in self.tensors.values() if row.expert is not None), default=-1)
+        experts = [row.placement.expert for row in self.tensors.values() if row.placement.expert is not None]
+        return 1 + max(experts, default=-1)
 
 
 def split_axes(plan: Mapping[str, TensorPlan]) -> dict[str, int | None]:
-    return {name: row.tp_axis for name, row in plan.items()}
+    return {name: row.placement.tp for name, row in plan.items()}
 
 
 def local_shape(shape, axis: int | None, tp: int) -> tuple[int, ...]:
@@ -121,13 +179,6 @@ def layer_stage(index: int, num_layers: int, pp: int, vpp: int) -> int:
     """The pipeline stage of decoder layer `index`: it lives in virtual chunk index // (layers per
     chunk), and chunk c on stage c % pp (interleaved order)."""
     return index // (num_layers // (pp * vpp)) % pp
-
-
-def stages_holding(row: TensorPlan, num_layers: int, pp: int, vpp: int) -> list[int]:
-    """The pipeline stages that hold a tensor: its decoder layer's (`layer_stage`), or those of its place."""
-    if isinstance(row.place, int):
-        return [layer_stage(row.place, num_layers, pp, vpp)]
-    return {FIRST: [0], LAST: [pp - 1], FIRST_AND_LAST: sorted({0, pp - 1})}[row.place]
 
 
 def check_divisible(architecture: str, config, fields: tuple[str, ...], tp: int) -> None:

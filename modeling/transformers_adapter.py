@@ -30,7 +30,9 @@ class Stored:
     """Where one of our tensors is in a model folder (transformers', PaddleNLP's): under `name`,
     transposed or not, and when their tensor fuses several of ours, along `axis` either our slice
     `part` of `parts` equal ones, or with `interleave` = (group width, offset, width) the `width`
-    entries at `offset` of every group of `group width` entries (PaddleNLP's fused qkv)."""
+    entries at `offset` of every group of `group width` entries (PaddleNLP's fused qkv). With
+    `stack` = (index, count) the stored tensor stacks `count` such tensors along a new first axis
+    and ours is in entry `index` (transformers 5's fused experts); the rest applies to that entry."""
 
     name: str
     transposed: bool = False
@@ -38,6 +40,7 @@ class Stored:
     part: int = 0
     parts: int = 1
     interleave: tuple[int, int, int] | None = None
+    stack: tuple[int, int] | None = None
 
     @property
     def fused(self) -> bool:

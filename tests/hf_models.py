@@ -7,7 +7,9 @@ so both generations save the folders and compute the references. Nothing here re
 
     python hf_models.py make ROOT ROWS.npy IDS.npy KIND...   save each KIND model as ROOT/KIND, with its
                                                              loss on ROWS (ROOT/KIND.json) and logits on IDS
-                                                             (ROOT/KIND.npy)
+                                                             (ROOT/KIND.npy); under transformers 5 an MoE
+                                                             KIND also as ROOT/KIND_fused, re-saved with
+                                                             save_original_format=False
     python hf_models.py logits IDS.npy FOLDER...             each saved folder's logits on IDS (FOLDER.npy)
 """
 
@@ -55,6 +57,7 @@ MOE_KINDS = {
     "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(MOE, num_local_experts=4)),
     "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(MOE, num_experts=4)),
 }
+FUSED = "_fused"  # suffix of a kind's folder re-saved by transformers 5 in its in-memory layout (fused experts)
 ROUTER_SCALE = 30.0  # router weights times this: scores spread, so test tokens sit far from top-k ties
 SEEDS = {"qwen2_moe": 1}  # kinds whose seed-0 weights route some token of the layout runs within 1e-4 of a tie
 
@@ -131,6 +134,9 @@ def make_with_answers(root: Path, rows: np.ndarray, ids: np.ndarray, kinds: list
     answers = {}
     for kind in kinds:
         folder = make(kind, root / kind, SEEDS.get(kind, 0))
+        if kind in MOE_KINDS and int(transformers.__version__.split(".")[0]) >= 5:  # experts stacked, gate+up fused
+            transformers.AutoModelForCausalLM.from_pretrained(str(folder)).save_pretrained(
+                root / f"{kind}{FUSED}", save_original_format=False)
         answers[kind] = {"loss": loss(folder, rows), "version": transformers.__version__}
         (root / f"{kind}.json").write_text(json.dumps(answers[kind]))
         np.save(root / f"{kind}.npy", logits(folder, ids))

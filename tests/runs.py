@@ -84,14 +84,15 @@ def planned_writers(folder: Path, flags, nproc: int) -> dict[tuple[str, str], in
     return {key: ranks[slot] for key, slot in predicted.items()}
 
 
-def final_weight_drifts(pretrain_run, run: Run, reference: Run, skip: str = "\0") -> dict[str, float]:
-    """Per tensor of the step-20 checkpoints of `run` and `reference`: the difference's norm over the
-    reference tensor's norm (elementwise rtol is meaningless for entries near zero). Names ending
-    in `skip` are left out."""
+def final_weight_drifts(pretrain_run, run: Run, reference: Run, skip: str = "\0",
+                        step: int = FINAL_STEP) -> dict[str, float]:
+    """Per tensor of the step-`step` checkpoints of `run` and `reference`: the difference's norm over
+    the reference tensor's norm (elementwise rtol is meaningless for entries near zero). Names
+    ending in `skip` are left out."""
     weights = []
     for description in (run, reference):
         _, out = pretrain_run(description)
-        reader = UnifiedReader(out / f"checkpoint-{FINAL_STEP}", "model")
+        reader = UnifiedReader(out / f"checkpoint-{step}", "model")
         weights.append({name: reader.read(name) for name in reader.tensors})
     assert weights[0].keys() == weights[1].keys()
     return {name: float(np.linalg.norm(weights[0][name] - value) / np.linalg.norm(value))

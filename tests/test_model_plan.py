@@ -13,7 +13,7 @@ import pytest
 
 from modeling.family import PlanMismatchError
 from modeling.registry import FAMILIES, UnknownModelError, config_from_dict
-from modeling.tp_plan import COLUMN, ROW, TPPlanError, local_shape, stages_holding
+from modeling.tp_plan import COLUMN, ROW, TPPlanError, local_shape
 
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
              max_position_embeddings=16)
@@ -57,31 +57,31 @@ def test_every_split_divides_and_reassembles_at_every_allowed_tp(built):
             continue
         allowed.append(tp)
         for name, row in family.tensor_plan(config).items():
-            local = local_shape(row.shape, row.tp_axis, tp)
-            if row.tp_axis is None:
+            local, axis = local_shape(row.shape, row.placement.tp, tp), row.placement.tp
+            if axis is None:
                 assert local == row.shape, name
             else:
-                assert local[row.tp_axis] * tp == row.shape[row.tp_axis], (name, tp)
-    assert allowed[:2] == ([1] if config.tensor_parallel_refusal() else [1, 2])  # OLMoE: whole-projection q/k norms
+                assert local[axis] * tp == row.shape[axis], (name, tp)
+    assert allowed[:2] == [1, 2]
 
 
 def test_linears_split_by_column_or_row_and_every_layer_sits_on_one_stage(built):
     family, config, _ = built
     plan = family.tensor_plan(config)
     routers = {name for name in plan if name.endswith((".gate.weight", ".shared_expert_gate.weight"))}
-    assert all(plan[name].tp_axis is None for name in routers), "every tp rank routes the same tokens"
-    assert all(row.tp_axis in (COLUMN, ROW) for name, row in plan.items()
+    assert all(plan[name].placement.tp is None for name in routers), "every tp rank routes the same tokens"
+    assert all(row.placement.tp in (COLUMN, ROW) for name, row in plan.items()
                if row.linear and len(row.shape) == 2 and name not in routers)
     for pp, vpp in ((2, 1), (2, 2), (4, 1)):
-        stages = {name: stages_holding(row, config.num_hidden_layers, pp, vpp) for name, row in plan.items()}
-        assert all(len(held) == 1 for name, held in stages.items() if isinstance(plan[name].place, int))
+        stages = {name: plan.stages(name, pp, vpp) for name in plan}
+        assert all(len(held) == 1 for name, held in stages.items() if isinstance(plan[name].placement.stage, int))
         assert {s for held in stages.values() for s in held} == set(range(pp)), (pp, vpp)
 
 
 def test_a_plan_that_disagrees_with_the_model_is_named(built, monkeypatch):
     family, config, model = built
     plan = family.tensor_plan(config)
-    name = next(n for n, row in plan.items() if row.tp_axis == COLUMN)
+    name = next(n for n, row in plan.items() if row.placement.tp == COLUMN)
     doubled = (2 * plan[name].shape[0], *plan[name].shape[1:])
     for tensors, message in (({**plan, name: dataclasses.replace(plan[name], shape=doubled)}, name),
                              ({n: r for n, r in plan.items() if n != name}, f"{name}: held but not planned")):
@@ -104,8 +104,8 @@ def test_an_expert_parallel_rank_builds_only_its_experts_under_their_global_name
     model = family.causal_lm(config, run)
     family.check_built(model, config, run, pp=1, stage=0)
     plan, held = family.tensor_plan(config), set(model.state_dict())
-    experts = {name for name, row in plan.items() if row.expert is not None}
-    assert held == set(plan) - {name for name in experts if plan[name].expert < 2}
+    experts = {name for name, row in plan.items() if row.placement.expert is not None}
+    assert held == set(plan) - {name for name in experts if plan[name].placement.expert < 2}
     assert {name.split(".experts.")[1].split(".")[0] for name in held & experts} == {"2", "3"}
     assert all(getattr(p, "no_sync", False) == (name in experts) for name, p in model.state_dict().items())
     whole, halved = (plan_layout(config, Layout(world_size=2, expert_parallel_degree=ep))[0].parameters

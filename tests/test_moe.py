@@ -6,7 +6,7 @@ coefficient at uniform routing; its gradient injected at the layer is the gradie
 the aux losses; Qwen2-MoE trains like single card with its experts split over ep2 under dp2 x tp2 x
 pp2 + SP and dp2 x sharding2 stage1 (with recompute), and under dp2 x sharding2 stage2 without ep;
 its ep2 checkpoint resumes under ep4 and, after a kill mid-save, on one card; the other families
-start under ep2 at transformers 5's loss (real processes, fp32).
+start under ep2 x tp2 x pp2 at transformers 5's loss (real processes, fp32).
 
 Router weights are random and scaled (`hf_models.ROUTER_SCALE`), and every test checks a margin
 between the k-th and (k+1)-th router logit of every token it routes: a near-tie would let a 1e-7
@@ -42,6 +42,7 @@ from runs import (
     TRAINER,
     Run,
     assert_trains_like,
+    final_weight_drifts,
     history,
     planned_writers,
     written_by_rank,
@@ -113,6 +114,30 @@ def test_an_moe_folder_of_transformers_4_or_5_gives_their_logits(kind, moe_folde
                                    rtol=LOGITS_TOL, err_msg=version)
     written5 = json.loads((moe_folders["transformers5"] / "qwen3_moe" / "config.json").read_text())
     assert "num_local_experts" in written5 and "num_experts" not in written5, "5.23 writes qwen3_moe the new way"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_transformers_5_folder_with_fused_experts_reads_as_its_per_expert_folder(kind, moe_folders):
+    """transformers 5.23 re-saving a folder in its in-memory layout (`save_original_format=False`:
+    each layer's experts stacked, gate and up fused [E, 2I, H]; Mixtral's block named mlp) gives
+    every tensor, and each tp2 rank's piece of it, bit for bit as the per-expert folder does, so
+    transformers' logits."""
+    from safetensors import safe_open
+
+    root = moe_folders["transformers5"]
+    fused, per_expert = open_pretrained(root / f"{kind}{hf_models.FUSED}"), open_pretrained(root / kind)
+    assert fused.kind == TRANSFORMERS and fused.config == per_expert.config
+    config = config_from_dict(fused.config)
+    with safe_open(str(fused.folder / "model.safetensors"), "np") as stored:
+        assert [stored.get_slice(name).get_shape() for name in stored.keys() if name.endswith(
+            "layers.0.mlp.experts.gate_up_proj")] == [[4, 2 * getattr(config, config.expert_width), 64]]
+    for name, row in plan_of(config).items():
+        for parts, part in ((1, 0), (2, 0), (2, 1)):
+            axis = row.placement.tp if parts > 1 else None
+            np.testing.assert_array_equal(fused.read(name, axis, parts, part), per_expert.read(name, axis, parts, part),
+                                          err_msg=f"{name}, piece {part} of {parts}")
+    np.testing.assert_allclose(our_logits(fused.folder, IDS), np.load(root / f"{kind}.npy"), atol=LOGITS_TOL,
+                               rtol=LOGITS_TOL)
 
 
 def _transformers_layer_aux(folder, ids: np.ndarray, top_k: int) -> list[float]:
@@ -292,8 +317,13 @@ def test_a_kill_during_an_expert_parallel_save_leaves_the_last_checkpoint_resuma
 
 
 EXPERT_COUNT_FIELD = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts", "olmoe": "num_experts"}
-# on 8 ranks (dp2) where the family allows tp; OLMoE refuses tp (its whole-projection q/k norms)
-FOLDER_LAYOUTS = {"qwen3_moe": (8, EP2 + DP2_TP2_PP2_SP), "mixtral": (8, EP2 + TP2 + PP2), "olmoe": (4, EP2 + PP2)}
+FOLDER_LAYOUTS = {"qwen3_moe": EP2 + DP2_TP2_PP2_SP, "mixtral": EP2 + TP2 + PP2, "olmoe": EP2 + DP2_TP2_PP2_SP}  # 8 ranks
+
+
+def _folder_run(kind: str, root, nproc: int, layout: tuple[str, ...]) -> Run:
+    return Run(f"{kind}_transformers5_{nproc}", nproc, _start(kind, root) + layout + (
+        "--max_steps", str(FOLDER_STEPS), "--eval_steps", "0", "--warmup_steps", "1", "--save_steps",
+        str(FOLDER_STEPS)))
 
 
 @pytest.mark.multiproc
@@ -302,16 +332,13 @@ def test_a_transformers_5_folder_starts_under_expert_parallelism_at_its_loss_and
         kind, moe_folders, pretrain_run, tmp_path):
     """Qwen3-MoE in transformers 5's spelling (`num_local_experts`, `rope_parameters`; its per-head
     q/k norms under ep2 x tp2 x pp2 + SP), Mixtral (block_sparse_moe, w1/w2/w3; ep2 x tp2 x pp2) and
-    OLMoE (whole-projection q/k norms; ep2 x pp2) start the trainer at transformers 5's loss; the
+    OLMoE (q/k norms over the whole projections, split over tp; ep2 x tp2 x pp2 + SP) start the trainer at transformers 5's loss; the
     export has the folder's tensor names, the expert count under the name both versions read, and
     our logits in transformers 4.55 and 5.23."""
     from safetensors import safe_open
 
     root = moe_folders["transformers5"]
-    nproc, layout = FOLDER_LAYOUTS[kind]
-    run = Run(f"{kind}_transformers5", nproc, _start(kind, root) + layout + (
-        "--max_steps", str(FOLDER_STEPS), "--eval_steps", "0", "--warmup_steps", "1", "--save_steps",
-        str(FOLDER_STEPS)))
+    run = _folder_run(kind, root, 8, FOLDER_LAYOUTS[kind])
     results, out = pretrain_run(run)
     np.testing.assert_allclose(results[0]["losses"][0], json.loads((root / f"{kind}.json").read_text())["loss"],
                                rtol=LOSS_RTOL)
@@ -330,3 +357,22 @@ def test_a_transformers_5_folder_starts_under_expert_parallelism_at_its_loss_and
     np.save(tmp_path / "ids.npy", IDS)
     hf_models.transformers5("logits", tmp_path / "ids.npy", export)
     np.testing.assert_allclose(np.load(f"{export}.npy"), ours, atol=EXPORT_TOL, rtol=EXPORT_TOL)
+
+
+@pytest.mark.multiproc
+def test_olmoe_q_k_norms_split_over_tp_train_like_single_card(moe_folders, pretrain_run):
+    """OLMoE's norms over the whole q and k projections, each tp rank holding its heads' block
+    (`SplitRMSNorm`): under ep2 x tp2 x pp2 + SP its losses and grad norms are the single-card run's
+    (a block counted as replicated in the clip, or broadcast over tp, is not), and so are its q/k
+    norm weights after 3 steps (measured: 1.2e-7). Other weights are held to the 20-step tolerance:
+    Adam's first steps divide near-zero gradients by their own size, so a summation order moves
+    some by 2e-5 (1.2e-5 under ep2 x pp2, which splits no norm)."""
+    root = moe_folders["transformers5"]
+    split, single = _folder_run("olmoe", root, 8, FOLDER_LAYOUTS["olmoe"]), _folder_run("olmoe", root, 1, ())
+    for key in ("losses", "grad_norms"):
+        np.testing.assert_allclose(history(pretrain_run, split)[key], history(pretrain_run, single)[key],
+                                   rtol=RESUME_RTOL)
+    drifts = final_weight_drifts(pretrain_run, split, single, step=FOLDER_STEPS)
+    norms = {name: drift for name, drift in drifts.items() if name.endswith(("q_norm.weight", "k_norm.weight"))}
+    assert len(norms) == 8 and max(norms.values()) < RESUME_RTOL, norms
+    assert max(drifts.values()) < PARITY_RTOL, max(drifts.items(), key=lambda item: item[1])

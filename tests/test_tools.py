@@ -51,7 +51,7 @@ def test_plan_sizes_every_rank_and_covers_the_model(checkpoint):
                     sharding="stage1", device="gpu")
     shares = plan_layout(config, layout)
     assert {(s.stage, s.tp_rank) for s in shares} == {(0, 0), (0, 1), (1, 0), (1, 1)}
-    held = sum(int(np.prod(row.shape)) * (1 if row.tp_axis is not None else 2)  # replicated: on both tp ranks
+    held = sum(int(np.prod(row.shape)) * (1 if row.placement.tp is not None else 2)  # replicated: on both tp ranks
                for row in plan_of(config).values())
     assert sum(s.parameters for s in shares) == held
     assert all(s.optimizer_bytes == s.parameters * 8 // 2 for s in shares), "AdamW states are sharded over 2"

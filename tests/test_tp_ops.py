@@ -1,4 +1,6 @@
-"""Each CPU tensor-parallel op, forward and backward, equals the single-process computation (rtol 1e-6)."""
+"""Each CPU tensor-parallel op, forward and backward, equals the single-process computation (rtol 1e-6):
+fleet's communication ops, its vocab-parallel embedding and cross entropy, and our RMSNorm over a
+vector split over tp (OLMoE's q/k norms)."""
 
 from __future__ import annotations
 
@@ -6,11 +8,14 @@ import numpy as np
 import paddle
 import pytest
 
+from modeling.blocks.norms import RMSNorm
+
 pytestmark = pytest.mark.multiproc
 
 VOCAB_PER_RANK = 5
 HIDDEN_PER_RANK = 3
 IGNORE_INDEX = -100
+EPS = 1e-5
 
 RTOL = 1e-6
 ATOL = 1e-6  # absolute floor for entries that are sums of O(1) terms cancelling to near zero
@@ -32,6 +37,7 @@ def make_case(tp: int, seed: int = 0) -> dict[str, np.ndarray]:
         "logits": (3 * rng.standard_normal((batch, seq, vocab))).astype("float32"),
         "labels": labels,
         "loss_weights": rng.standard_normal((batch, seq, 1)).astype("float32"),
+        "norm_weight": (1 + 0.5 * rng.standard_normal(hidden)).astype("float32"),
     }
 
 
@@ -67,13 +73,19 @@ def reference(case: dict, tp: int, rank: int) -> dict[str, np.ndarray]:
 
     ce, ce_grad = _grad(cross_entropy, case["logits"], case["labels"], case["loss_weights"])
     ref["cross_entropy_fwd"], ref["cross_entropy_grad"] = ce, block(ce_grad)
+
+    norm = RMSNorm(case["x"].shape[-1], EPS)
+    norm.weight.set_value(case["norm_weight"])
+    normed, norm_grad = _grad(lambda x, g: (lambda y: (y, (y * g).sum()))(norm(x)), case["x"], case["grad_full"])
+    ref["split_norm_fwd"], ref["split_norm_grad"] = block(normed), block(norm_grad)
+    ref["split_norm_weight_grad"] = block(norm.weight.grad.numpy())
     return ref
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_ops_match_single_process(run_workers, tmp_path, tp):
     case = make_case(tp)
-    np.savez(tmp_path / "case.npz", ignore_index=IGNORE_INDEX, **case)
+    np.savez(tmp_path / "case.npz", ignore_index=IGNORE_INDEX, eps=EPS, **case)
     results = run_workers("tp_ops_worker.py", tp, [tmp_path / "case.npz"], timeout=180)
     assert sorted(r["tp_rank"] for r in results) == list(range(tp))
     for result in results:

@@ -27,8 +27,9 @@ class SelfAttention(Block):
         if c.qk_norm == "head":
             parts |= {"q_norm": Norm(c.head_dim, c.rms_norm_eps, per_head=True),
                       "k_norm": Norm(c.head_dim, c.rms_norm_eps, per_head=True)}
-        elif c.qk_norm == "projection":  # whole on one card only (the family refuses tp)
-            parts |= {"q_norm": Norm(q_width, c.rms_norm_eps), "k_norm": Norm(kv_width, c.rms_norm_eps)}
+        elif c.qk_norm == "projection":
+            parts |= {"q_norm": Norm(q_width, c.rms_norm_eps, split=True),
+                      "k_norm": Norm(kv_width, c.rms_norm_eps, split=True)}
         return parts
 
     @classmethod

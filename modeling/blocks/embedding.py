@@ -13,7 +13,7 @@ from paddle import nn
 from modeling.execution import Execution
 from modeling.sequence_parallel import gather_sequence, scatter_sequence
 from modeling.tp_layers import vocab_logits
-from modeling.tp_plan import COLUMN, TensorPlan
+from modeling.tp_plan import COLUMN, Placement, TensorPlan
 
 _NUMPY_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
 
@@ -64,7 +64,7 @@ class LMHead:
     vocab_size: int
 
     def tensors(self) -> dict[str, TensorPlan]:
-        return {"weight": TensorPlan((self.hidden_size, self.vocab_size), COLUMN, linear=True)}
+        return {"weight": TensorPlan((self.hidden_size, self.vocab_size), Placement(COLUMN), linear=True)}
 
     def build(self, config, run: Execution) -> nn.Layer:
         return HeadLayer(run, self.hidden_size, self.vocab_size)

@@ -31,7 +31,7 @@ from modeling.blocks.mlp import gated_mlp
 from modeling.blocks.parts import Block, Part
 from modeling.execution import Execution
 from modeling.expert_parallel import run_dispatched
-from modeling.tp_plan import REPLICATED, TensorPlan
+from modeling.tp_plan import REPLICATED, Placement, TensorPlan
 from paddle_pp.runtime.experts import mark_experts
 
 
@@ -44,7 +44,7 @@ class Router:
     outputs: int
 
     def tensors(self) -> dict[str, TensorPlan]:
-        return {"weight": TensorPlan((self.hidden, self.outputs), REPLICATED, linear=True)}
+        return {"weight": TensorPlan((self.hidden, self.outputs), Placement(REPLICATED), linear=True)}
 
     def build(self, config, run: Execution) -> nn.Layer:
         return nn.Linear(self.hidden, self.outputs, bias_attr=False)
@@ -62,7 +62,7 @@ class Experts(Block):
 
     @classmethod
     def tensors(cls, config) -> dict[str, TensorPlan]:
-        return {name: replace(row, expert=int(name.split(".")[0])) for name, row in super().tensors(config).items()}
+        return {name: row.placed(expert=int(name.split(".")[0])) for name, row in super().tensors(config).items()}
 
     @classmethod
     def built_parts(cls, config, run: Execution) -> dict[str, Part]:

@@ -1,5 +1,6 @@
-"""What a block is made of, declared once: each part says its parameters' placements (shape, TP
-split, initial values, whether the gradient is partial per tp rank) and builds its layer.
+"""What a block is made of, declared once: each part says its parameters' plans (shape, tp
+placement, initial values, whether the gradient is partial per tp rank) and builds its layer; the
+model adds the stage placement and the experts block the expert one (`tp_plan.Placement`).
 
 A block (`Block`) declares its parts by name in `declare(config)`; its `__init__` builds each part as
 the child of that name for the run's `Execution` (single card, or fleet's parallel layers under TP),
@@ -16,7 +17,7 @@ from typing import Protocol, Union
 from paddle import nn
 
 from modeling import tp_gradients, tp_layers
-from modeling.blocks.norms import RMSNorm
+from modeling.blocks.norms import RMSNorm, SplitRMSNorm
 from modeling.execution import Execution
 from modeling.tp_plan import (
     ALWAYS,
@@ -28,6 +29,7 @@ from modeling.tp_plan import (
     VECTOR_SPLIT,
     VOCAB_ROWS,
     ZEROS,
+    Placement,
     TensorPlan,
 )
 
@@ -97,8 +99,8 @@ class ColumnLinear:
     bias: bool = False
 
     def tensors(self) -> dict[str, TensorPlan]:
-        weight = {"weight": TensorPlan((self.in_features, self.out_features), COLUMN, linear=True)}
-        return weight | ({"bias": TensorPlan((self.out_features,), VECTOR_SPLIT, init=ZEROS)} if self.bias else {})
+        weight = {"weight": TensorPlan((self.in_features, self.out_features), Placement(COLUMN), linear=True)}
+        return weight | ({"bias": TensorPlan((self.out_features,), Placement(VECTOR_SPLIT), init=ZEROS)} if self.bias else {})
 
     def build(self, config, run: Execution) -> nn.Layer:
         return tp_layers.column_linear(run, self.in_features, self.out_features, self.bias)
@@ -114,8 +116,8 @@ class RowLinear:
     bias: bool = False
 
     def tensors(self) -> dict[str, TensorPlan]:
-        weight = {"weight": TensorPlan((self.in_features, self.out_features), ROW, linear=True)}
-        return weight | ({"bias": TensorPlan((self.out_features,), REPLICATED, init=ZEROS,
+        weight = {"weight": TensorPlan((self.in_features, self.out_features), Placement(ROW), linear=True)}
+        return weight | ({"bias": TensorPlan((self.out_features,), Placement(REPLICATED), init=ZEROS,
                                              tp_partial_grad=UNDER_SEQUENCE_PARALLEL)} if self.bias else {})
 
     def build(self, config, run: Execution) -> nn.Layer:
@@ -130,7 +132,7 @@ class VocabEmbedding:
     dim: int
 
     def tensors(self) -> dict[str, TensorPlan]:
-        return {"weight": TensorPlan((self.num_embeddings, self.dim), VOCAB_ROWS)}
+        return {"weight": TensorPlan((self.num_embeddings, self.dim), Placement(VOCAB_ROWS))}
 
     def build(self, config, run: Execution) -> nn.Layer:
         return tp_layers.vocab_embedding(run, self.num_embeddings, self.dim)
@@ -144,7 +146,7 @@ class Embedding:
     dim: int
 
     def tensors(self) -> dict[str, TensorPlan]:
-        return {"weight": TensorPlan((self.num_embeddings, self.dim), REPLICATED)}
+        return {"weight": TensorPlan((self.num_embeddings, self.dim), Placement(REPLICATED))}
 
     def build(self, config, run: Execution) -> nn.Layer:
         return nn.Embedding(self.num_embeddings, self.dim)
@@ -154,21 +156,28 @@ class Embedding:
 class Norm:
     """RMSNorm (LayerNorm with `layer_norm`) over `dim`, whole on every tp rank. Over the hidden size
     each rank sees every position unless sequence parallelism cuts them (its gradient is then summed
-    over tp); over a head (`per_head`, q/k norms) each rank sees only its heads, so always."""
+    over tp); over a head (`per_head`, q/k norms) each rank sees only its heads, so always. Over a
+    whole projection that tp splits by heads (`split`, OLMoE's q/k norms) the weight is split with
+    the projection's columns, each rank's block complete, and the mean square is summed over tp."""
 
     dim: int
     eps: float
     offset: bool = False  # Gemma: scale by 1 + weight (weight starts at zero)
     layer_norm: bool = False
     per_head: bool = False
+    split: bool = False
 
     def tensors(self) -> dict[str, TensorPlan]:
+        if self.split:
+            return {"weight": TensorPlan((self.dim,), Placement(VECTOR_SPLIT), init=ONES)}
         partial = ALWAYS if self.per_head else UNDER_SEQUENCE_PARALLEL
-        scale = TensorPlan((self.dim,), REPLICATED, init=ZEROS if self.offset else ONES, tp_partial_grad=partial)
-        bias = TensorPlan((self.dim,), REPLICATED, init=ZEROS, tp_partial_grad=partial)
+        scale = TensorPlan((self.dim,), Placement(REPLICATED), init=ZEROS if self.offset else ONES, tp_partial_grad=partial)
+        bias = TensorPlan((self.dim,), Placement(REPLICATED), init=ZEROS, tp_partial_grad=partial)
         return {"weight": scale, "bias": bias} if self.layer_norm else {"weight": scale}
 
     def build(self, config, run: Execution) -> nn.Layer:
+        if self.split and run.tp > 1:
+            return SplitRMSNorm(self.dim, self.eps, tp_layers.tp_group())
         norm = nn.LayerNorm(self.dim, epsilon=self.eps) if self.layer_norm else \
             RMSNorm(self.dim, self.eps, self.offset, fused=run.kernels.fused_rms_norm)
         return tp_gradients.mark(norm, run, always=self.per_head)

@@ -1,5 +1,6 @@
 """OLMoE: LLaMA's layout with mixture-of-experts layers (experts as wide as `intermediate_size`) and
-RMSNorms over the whole q and k projections (not per head, so tp cannot split them: refused).
+RMSNorms over the whole q and k projections (not per head: under tp each rank keeps its heads' block
+of the weight and the mean square is summed over tp, `blocks.norms.SplitRMSNorm`).
 `clip_qkv` (clamping q, k and v) is refused unless null."""
 
 from __future__ import annotations

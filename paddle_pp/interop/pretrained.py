@@ -26,6 +26,7 @@ from checkpoint.shards import ShardReader
 from checkpoint.unified_io import UnifiedReader
 from modeling.config import ModelConfigError
 from modeling.family import ModelFamily
+from modeling.fused_experts import fused_expert_stored, stores_fused_experts
 from modeling.paddlenlp_fused import FFN, QKV, fused_stored
 from modeling.registry import UnknownModelError, config_from_dict, family, plan_of
 from modeling.tp_plan import ModelPlan, split_tensor
@@ -86,8 +87,11 @@ def open_pretrained(folder: Path, weights: bool = True, allow_unsafe_pickle: boo
     shapes = _header_shapes(readers)
     read = lambda key, axis, parts, part: readers[key].read(key, axis, parts, part)  # noqa: E731
     if _kind(model_family, config, shapes) == TRANSFORMERS:
-        plan = plan_of(config_from_dict(config))
+        ours = config_from_dict(config)
+        plan = plan_of(ours)
         locate = lambda name: model_family.transformers.locate(name, plan[name])  # noqa: E731
+        if stores_fused_experts(shapes):
+            locate = lambda name, per_expert=locate: fused_expert_stored(per_expert(name), ours)  # noqa: E731
         return _checked(folder, TRANSFORMERS, config, shapes, read, locate, model_family.transformers.buffers)
     return _checked(folder, PADDLENLP, config, shapes, read, paddlenlp_locate)
 
@@ -212,7 +216,7 @@ def stored_shape(shape, stored: Stored) -> list[int]:
     if stored.interleave is not None:
         group, _, width = stored.interleave
         shape[stored.axis] = shape[stored.axis] // width * group
-    return shape
+    return shape if stored.stack is None else [stored.stack[1]] + shape
 
 
 def _checked(folder: Path, kind: str, config: dict, shapes: dict[str, list[int]], read_stored: Read,
@@ -239,16 +243,20 @@ def _checked(folder: Path, kind: str, config: dict, shapes: dict[str, list[int]]
                               + (f"; and {len(problems) - 6} more" if len(problems) > 6 else ""))
 
     def read(name: str, axis: int | None, parts: int, part: int) -> np.ndarray:
-        stored = locate(name)
+        stored, source = locate(name), read_stored
+        if stored.stack is not None:  # our tensor is in one entry of a stack: read that entry, then as below
+            index, count = stored.stack
+            entry = read_stored(stored.name, 0, count, index)[0]
+            source = lambda _, axis, parts, part: split_tensor(entry, axis, parts, part)  # noqa: E731
         if stored.interleave is not None:  # a tp rank's kv heads are whole groups of the stored tensor
-            return stored.select(read_stored(stored.name, None if axis is None else stored.axis, parts, part))
+            return stored.select(source(stored.name, None if axis is None else stored.axis, parts, part))
         if stored.parts > 1 and axis == stored.axis and not stored.transposed:  # this rank's piece of our slice
-            return read_stored(stored.name, axis, stored.parts * parts, stored.part * parts + part)
+            return source(stored.name, axis, stored.parts * parts, stored.part * parts + part)
         if stored.parts > 1:  # our tensor is a slice of a fused one: cut it out, then this rank's piece
-            whole = read_stored(stored.name, stored.axis, stored.parts, stored.part)
+            whole = source(stored.name, stored.axis, stored.parts, stored.part)
             return split_tensor(whole.T if stored.transposed else whole, axis, parts, part)
         flip = stored.transposed
-        piece = read_stored(stored.name, None if axis is None else (1 - axis if flip else axis), parts, part)
+        piece = source(stored.name, None if axis is None else (1 - axis if flip else axis), parts, part)
         return piece.T if flip else piece
 
     return PretrainedFolder(folder, kind, config, read)

@@ -106,11 +106,10 @@ def plan_layout(config, layout: Layout, compute_bytes: int = 4, workload: Worklo
     if workload:
         layout.check_sequence_length(workload.max_seq_length)
     plan = plan_of(config)
+    mesh = plan.mesh(layout.pp, layout.vpp, layout.ep, layout.tp)
     counts = np.zeros([layout.pp, layout.tp], dtype=np.int64)
-    for name, row in plan.items():
-        numel = int(np.prod(row.shape)) // (layout.ep if row.expert is not None else 1)  # a rank holds 1/ep of the experts
-        for stage in plan.stages(name, layout.pp, layout.vpp):
-            counts[stage] += numel // layout.tp if row.tp_axis is not None else numel
+    for stage in range(layout.pp):  # expert rank 0's share: every expert rank holds as many experts alike
+        counts[stage] += sum(plan[name].local_numel(mesh) for name in plan.held_at(stage, 0, mesh))
     state_bytes = ADAM_STATE_BYTES + (4 if compute_bytes < 4 else 0)
     shard = layout.sharding_degree
     grad_shards = shard if layout.group_sharded_level else 1  # stage2 and stage3

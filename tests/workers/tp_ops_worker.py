@@ -29,6 +29,7 @@ def run(case_file: str) -> dict[str, list]:
     from paddle.distributed import collective
     from paddle.distributed.fleet.layers.mpu import mp_layers
 
+    from modeling.blocks.norms import SplitRMSNorm
     from paddle_pp.runtime.layout import Layout
     from paddle_pp.runtime.topology import init_distributed
 
@@ -68,6 +69,13 @@ def run(case_file: str) -> dict[str, list]:
     loss = mp_layers.ParallelCrossEntropy(ignore_index=ignore_index)(logits, _tensor(case["labels"], False))
     (loss * _tensor(case["loss_weights"], False)).sum().backward()
     out["cross_entropy_fwd"], out["cross_entropy_grad"] = loss.numpy().tolist(), logits.grad.numpy().tolist()
+    norm = SplitRMSNorm(case["x"].shape[-1], float(case["eps"]), group)
+    norm.weight.set_value(_block(case["norm_weight"], rank, tp))
+    x = _tensor(_block(case["x"], rank, tp))
+    y = norm(x)
+    (y * _tensor(_block(case["grad_full"], rank, tp), False)).sum().backward()
+    out["split_norm_fwd"], out["split_norm_grad"] = y.numpy().tolist(), x.grad.numpy().tolist()
+    out["split_norm_weight_grad"] = norm.weight.grad.numpy().tolist()
     out["tp_rank"] = rank
     return out
 
