@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from functools import partial
+from functools import cached_property, partial
 from typing import Callable, Iterator
 
 import numpy as np
@@ -148,9 +148,9 @@ class ModelPlan(Mapping):
         """Single-card names the ranks of (stage, expert rank) hold, in model order."""
         return [name for name, row in self.tensors.items() if row.placement.held_at(stage, expert_rank, mesh)]
 
-    @property
+    @cached_property
     def num_experts(self) -> int:
-        """Experts per MoE layer (0 for a dense model)."""
+        """Experts per MoE layer (0 for a dense model); every stage and holder question reads it."""
         experts = [row.placement.expert for row in self.tensors.values() if row.placement.expert is not None]
         return 1 + max(experts, default=-1)
 

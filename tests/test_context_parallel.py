@@ -74,7 +74,6 @@ LAYOUTS = [
 SINGLE_FIRST_HALF = Run("first_llama_single", 1, HALF)  # the checkpoint suite's 10 single-card steps and save
 RESUMES = {  # cp ranks hold whole weights: the checkpoint is the same whichever the cp degree
     "cp2_tp2_sp->single": Run("cp2_tp2_sp_to_single", 1, (), resume_from=CP2_TP2_SP),
-    "cp2_tp2_sp->tp2_pp2": Run("cp2_tp2_sp_to_tp2_pp2", 4, TP2 + PP2, resume_from=CP2_TP2_SP),
     "single->cp2_pp2": Run("single_to_cp2_pp2", 4, cp(2) + PP2 + MICRO2, resume_from=SINGLE_FIRST_HALF),
 }
 

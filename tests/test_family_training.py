@@ -3,10 +3,12 @@ trainer (real processes) at transformers' loss, every new family trains like sin
 tp2 x pp2 and resumes under another layout, and exports load back into transformers (and our
 checkpoints into PaddleNLP's models) with the same logits.
 
-Per family (Mistral, Qwen2, Qwen3, Gemma), from a transformers 4.x folder: 20 steps on one card,
-the same under tp2 x pp2 (tied embedding and head on different stages), and that run's step-10
-checkpoint resumed under a layout of its own (pp2 x vpp2, tp2 + SP with biases, tp2 + SP with q/k
-norms, stage3 x tp2). From transformers 4.x folders LLaMA (tied, Llama 3.1 rope) trains 3 steps on
+Per family (Qwen3, Gemma), from a transformers 4.x folder: 20 steps on one card, the same under
+tp2 x pp2 (tied embedding and head on different stages), and that run's step-10 checkpoint resumed
+under a layout of its own (tp2 + SP with q/k norms, stage3 x tp2). Mistral's and Qwen2's layers are
+LLaMA's (Qwen2 adds q/k/v biases, trained under tp2 + SP by GPT's runs, and ties, trained under pp by
+GPT's and Gemma's): they start from their folders here, and their checkpoints export and load in
+PaddleNLP. From transformers 4.x folders LLaMA (tied, Llama 3.1 rope) trains 3 steps on
 one card and GPT-2 (its fused c_attn cut into q, k, v and over tp on load) under tp2 x pp2; the
 transformers 5 folders whose fields differ in their own way train 3 steps on one card (what differs
 between them is the folder a run loads and exports, which the new families' tp2 x pp2 runs load
@@ -39,9 +41,11 @@ RESUME_RTOL = 1e-5
 EXPORT_TOL = 1e-4
 SP = ("--sequence_parallel",)
 STAGE3_TP2 = TP2 + ("--sharding_parallel_degree", "2", "--sharding", "stage3")
-# new family -> the layout its step-10 checkpoint resumes under. Mistral is not here: its layers are
-# LLaMA's (its family overrides only config defaults); its folders' logits: tests/test_model_folders.py
-RESUMED_UNDER = {"qwen2": (2, TP2 + SP), "qwen3": (2, TP2 + SP), "gemma": (4, STAGE3_TP2)}
+# new family -> the layout its step-10 checkpoint resumes under. Mistral and Qwen2 are not here: their layers
+# are LLaMA's (Qwen2's biases and ties are GPT's); their folders' logits: tests/test_model_folders.py
+RESUMED_UNDER = {"qwen3": (2, TP2 + SP), "gemma": (4, STAGE3_TP2)}
+# the run whose last checkpoint each new family exports and PaddleNLP loads (Qwen2: its transformers 5 start)
+EXPORTED = {"qwen2": "qwen2:transformers5", "qwen3": "qwen3:tp2pp2", "gemma": "gemma:tp2pp2"}
 SHORT = ("--max_steps", str(FOLDER_STEPS), "--eval_steps", "0", "--warmup_steps", "1")
 # transformers 5 folders of the kinds whose config or export differs in its own way (llama3 rope, linear rope with
 # biases, Qwen2's layer_types, Gemma's norms, GPT-2); plain and tied LLaMA, Mistral and Qwen3 read and write the same
@@ -94,8 +98,8 @@ def test_a_new_family_starts_at_transformers_loss_and_trains_like_single_card_un
 
 @pytest.mark.parametrize("kind", list(RESUMED_UNDER))
 def test_a_new_familys_checkpoint_resumes_under_another_layout_on_the_single_card_curve(kind, runs):
-    """Qwen2 (q/k/v biases) and Qwen3 (q/k norms) under tp2 + SP, Gemma (tied, 1 + weight norms)
-    under stage3 x tp2: steps 11-20 continue the single-card run."""
+    """Qwen3 (q/k norms) under tp2 + SP, Gemma (tied, 1 + weight norms) under stage3 x tp2: steps
+    11-20 continue the single-card run."""
     single, _ = runs(f"{kind}:single")
     resumed, _ = runs(f"{kind}:resumed")
     np.testing.assert_allclose(resumed["losses"], single["losses"][RESUME_STEP:], rtol=RESUME_RTOL)
@@ -121,10 +125,10 @@ def _one_embedding(checkpoint, export) -> None:
         assert not [name for name in stored.keys() if "lm_head" in name]
 
 
-@pytest.mark.parametrize("kind", list(RESUMED_UNDER))
+@pytest.mark.parametrize("kind", list(EXPORTED))
 def test_a_new_familys_checkpoint_exports_to_transformers_and_loads_in_paddlenlp(kind, runs, tmp_path):
-    _, out = runs(f"{kind}:tp2pp2")
-    checkpoint = out / "checkpoint-20"
+    _, out = runs(EXPORTED[kind])
+    checkpoint = max(out.glob("checkpoint-*"), key=lambda folder: int(folder.name.split("-")[1]))
     _export_matches(checkpoint, tmp_path / "export", lambda export: hf_models.logits(export, IDS))
     _one_embedding(checkpoint, tmp_path / "export")
     family = FAMILIES[load_config(checkpoint).model_type]

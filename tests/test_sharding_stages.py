@@ -40,7 +40,6 @@ def sharded(stage: str, degree: int) -> tuple[str, ...]:
 
 STAGE2 = Run("dp2_sharding2_stage2", 4, sharded("stage2", 2) + SAVE)
 STAGE3 = Run("sharding4_stage3", 4, sharded("stage3", 4) + SAVE)
-TP_STAGE3 = Run("tp2_sharding2_stage3", 4, TP2 + sharded("stage3", 2) + SAVE)
 RESUMES = {  # the issue's pairs: each continues the single-card curve from the step-10 checkpoint
     "sharding4_stage3->tp2pp2": Run("stage3_to_tp2pp2", 4, TP2 + PP2, resume_from=STAGE3),
     "4d_stage1->tp2_sharding2_stage3": Run("4d_to_tp2_stage3", 4, TP2 + sharded("stage3", 2),
@@ -51,7 +50,7 @@ RESUMES = {  # the issue's pairs: each continues the single-card curve from the 
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("run", [STAGE2, STAGE3, TP_STAGE3], ids=lambda run: run.tag)
+@pytest.mark.parametrize("run", [STAGE2, STAGE3], ids=lambda run: run.tag)
 def test_stage_trains_like_single_card(pretrain_run, run):
     """Clipping is active, and the norm is summed once over the sharding group (twice would be
     sqrt(2) off, never would be 1/sqrt(n) off)."""

@@ -30,24 +30,32 @@ def held_elements(trainer) -> dict[str, int]:
 
 def resumed_exactly(trainer) -> bool | None:
     """Whether every weight and optimizer state this rank holds (its tp piece; under stage1 the
-    states of the parameters it updates) equals the checkpoint it resumed, before any step (None:
-    not resumed, or from a pre-split copy)."""
+    states of the parameters it updates) equals the checkpoint it resumed, before any step: the
+    unified files' piece, or a pre-split copy's rank file (None: not resumed)."""
     import numpy as np
 
     from checkpoint.format import MODEL, OPTIMIZER, STATE_SEPARATOR
     from checkpoint.optimizer_state import states_by_parameter
-    from checkpoint.split import is_split
+    from checkpoint.shards import ShardReader
+    from checkpoint.split import is_split, rank_file
     from checkpoint.unified_io import UnifiedReader
 
-    if trainer.resume_dir is None or is_split(trainer.resume_dir):
+    if trainer.resume_dir is None:
         return None
     tp, tp_rank = trainer.layout.tp, trainer.topo.tp_rank
+    if is_split(trainer.resume_dir):
+        weights, states = (ShardReader(trainer.resume_dir / rank_file(kind, tp_rank, trainer.topo.pp_rank))
+                           for kind in (MODEL, OPTIMIZER))
 
-    def saved(reader, key: str) -> np.ndarray:
-        axis = reader.tensors[key].get("tp_axis") if tp > 1 else None
-        return reader.read(key, axis, tp, tp_rank).reshape(-1)
+        def saved(reader, key: str) -> np.ndarray:
+            return reader.read(key).reshape(-1)
+    else:
+        weights, states = UnifiedReader(trainer.resume_dir, MODEL), UnifiedReader(trainer.resume_dir, OPTIMIZER)
 
-    weights, states = UnifiedReader(trainer.resume_dir, MODEL), UnifiedReader(trainer.resume_dir, OPTIMIZER)
+        def saved(reader, key: str) -> np.ndarray:
+            axis = reader.tensors[key].get("tp_axis") if tp > 1 else None
+            return reader.read(key, axis, tp, tp_rank).reshape(-1)
+
     by_parameter = states_by_parameter(trainer.optimizer)
     pairs = [(param, saved(weights, name)) for name, param in trainer.raw_model.state_dict().items()]
     moments = [(tensor, saved(states, f"{name}{STATE_SEPARATOR}{state}"))
