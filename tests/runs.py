@@ -52,6 +52,10 @@ CP2 = ("--context_parallel_degree", "2")
 MICRO2 = ("--per_device_train_batch_size", "2")  # 4 micro-batches of 2 a step: half the ring's round trips
 # The context-parallel suite compares it with single card; the trainer suite's 2-node launch with it.
 CP2_PP2 = Run("cp2_pp2", 4, CP2 + PP2 + MICRO2 + FINAL_SAVE)
+# Tied GPT (embedding and head on both stages), recomputing attention blocks: the context-parallel
+# suite compares it with single card, the checkpoint suite resumes its step-10 save on one card.
+GPT_CP2_PP2 = Run("gpt_cp2_pp2_recompute", 4, GPT + CP2 + PP2 + MICRO2 + (
+    "--save_steps", str(RESUME_STEP), "--recompute", "--recompute_granularity", "full_attn"))
 # The 16-rank run both suites need: the trainer compares its 20 steps with single card, the
 # checkpoint tests resume its step-10 checkpoint on one card.
 FOUR_D_SAVING = Run("4d_saving", 16, TP2 + PP2 + SHARDING2 + ("--save_steps", str(RESUME_STEP)))

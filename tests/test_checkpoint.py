@@ -27,6 +27,7 @@ from parity import assert_same_logits
 from runs import (
     FOUR_D_SAVING,
     GPT,
+    GPT_CP2_PP2,
     HALF,
     MODEL,
     PP2,
@@ -88,10 +89,11 @@ def test_resume_under_another_layout_continues_the_single_card_run(pretrain_run,
 
 @pytest.mark.multiproc
 def test_tied_gpt_saved_from_pp2_resumes_on_one_card(pretrain_run):
+    """The tied embedding and head, held by both stages of cp2 x pp2, are saved once and resume on one card."""
     (reference, *_), _ = pretrain_run(full("gpt"))
-    (result, *_), _ = pretrain_run(resumed("gpt", "pp2", "single"))
+    (result, *_), _ = pretrain_run(Run("resumed_gpt_cp2_pp2_single", 1, GPT, resume_from=GPT_CP2_PP2))
     np.testing.assert_allclose(result["losses"], reference["losses"][10:], rtol=RESUME_TOL)
-    index = json.loads((pretrain_run(first("gpt", "pp2"))[1] / "checkpoint-10" / "model.safetensors.index.json").read_text())
+    index = json.loads((pretrain_run(GPT_CP2_PP2)[1] / "checkpoint-10" / "model.safetensors.index.json").read_text())
     assert "gpt.embeddings.word_embeddings.weight" in index["weight_map"] and "lm_head.weight" not in index["weight_map"]
     assert index["metadata"]["tied"] == [["gpt.embeddings.word_embeddings.weight", "lm_head.weight"]]
 

@@ -25,7 +25,7 @@ from paddle_pp.training.trainer import Pretrainer, TrainingConfigError
 from runs import (
     CP2_PP2,
     FINAL_SAVE,
-    GPT,
+    GPT_CP2_PP2,
     HALF,
     MICRO2,
     MODEL,
@@ -68,8 +68,7 @@ LAYOUTS = [
         "--recompute", "true", "--recompute_granularity", "core_attn", "--recompute_use_reentrant", "1")), SINGLE),
     (Run("cp2_sharding2_stage3", 4, cp(2) + stage("stage3") + MICRO2 + FINAL_SAVE), SINGLE),
     (Run("cp4", 4, cp(4) + MICRO2 + FINAL_SAVE), SINGLE),
-    (Run("gpt_cp2_pp2_recompute", 4, GPT + cp(2) + PP2 + MICRO2 + FINAL_SAVE + (
-        "--recompute", "--recompute_granularity", "full_attn")), SINGLE_GPT),
+    (GPT_CP2_PP2, SINGLE_GPT),
 ]
 SINGLE_FIRST_HALF = Run("first_llama_single", 1, HALF)  # the checkpoint suite's 10 single-card steps and save
 RESUMES = {  # cp ranks hold whole weights: the checkpoint is the same whichever the cp degree
