@@ -4,6 +4,7 @@ itself would choose (`writers.assign_writers`)."""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,21 +33,17 @@ def save_items(plan: ModelPlan, layout: Layout, compute_bytes: int = 4) -> list[
     (stage, expert rank) are its placement's (`Placement.held_at`); Paddle partitions a rank's own
     parameters over sharding, so each expert rank's partition is over its own (the same shapes on
     every one), and an expert's tensors are held by the dp ranks of its expert rank only."""
-    items: list[WriteItem] = []
     states = OPTIMIZER_STATES + ((MASTER_WEIGHT,) if compute_bytes < 4 else ())
     mesh = plan.mesh(layout.pp, layout.vpp, layout.ep, layout.tp)
-    holders: dict[str, set] = {}  # a dense tensor: every expert rank holds it, and lists it once
+    holders: dict[str, set] = defaultdict(set)  # one entry per tensor, however many (stage, expert rank) hold it
     for stage, expert_rank in mesh.positions():
         names = plan.held_at(stage, expert_rank, mesh)
         owners = (stage2_owners if layout.sharding_stage == "stage2" else sharding_owners)(
             [plan[name].local_numel(mesh) for name in names], layout.sharding_degree)
         dps = [dp for dp in range(layout.dp) if layout.expert_rank(dp) == expert_rank]
         for name, owner in zip(names, owners):
-            held = holders.setdefault(name, set())
-            if not held:
-                items.append(name)
-            held |= {(stage, dp, owner) for dp in dps}
-    return [item for name in items for item in _tensor_items(plan, name, layout, sorted(holders[name]), states)]
+            holders[name] |= {(stage, dp, owner) for dp in dps}
+    return [item for name, held in holders.items() for item in _tensor_items(plan, name, layout, sorted(held), states)]
 
 
 def _tensor_items(plan: ModelPlan, name: str, layout: Layout, holders: list[tuple[int, int, int]],
