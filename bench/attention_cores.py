@@ -32,13 +32,14 @@ sys.path.insert(0, str(REPO))
 
 from machine import machine  # noqa: E402
 
-from modeling.attention_core import CORES  # noqa: E402
+from modeling.attention_core import CORES, Heads  # noqa: E402
 from modeling.registry import config_from_dict  # noqa: E402
 from paddle_pp.planning.memory import Workload, plan_layout  # noqa: E402
 from paddle_pp.runtime.layout import Layout  # noqa: E402
 from paddle_pp.training.report import read_metrics  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+SHAPE = Heads(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM)
 PEAK_OVER_KEPT = 3  # the dense core's measured peak over what it keeps: 2.4x at 1k-8k tokens
 LLAMA2_7B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
@@ -76,7 +77,7 @@ def core_runs(lengths: list[int], max_gb: float) -> dict:
     for name in ("dense", "blockwise"):
         out[name] = {}
         for seq in lengths:
-            kept = CORES[name].saved_bytes(1, seq, HEADS, KV_HEADS, HEAD_DIM, 4, False)
+            kept = CORES[name].saved_bytes(1, seq, SHAPE, 4, False)
             if PEAK_OVER_KEPT * kept > max_gb * 2**30:
                 out[name][seq] = {"skipped": f"keeps {kept / 2**30:.1f} GiB by its model, peaks near "
                                              f"{PEAK_OVER_KEPT * kept / 2**30:.0f} (over --max_gb {max_gb})"}
@@ -120,7 +121,7 @@ def trainer_runs(lengths: list[int], steps: int, max_gb: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for seq in lengths:
             for core, flag in (("blockwise", "--use_flash_attention"), ("dense", "--no-use_flash_attention")):
-                kept = 30 * CORES[core].saved_bytes(1, seq, HEADS, KV_HEADS, HEAD_DIM, 4, False)
+                kept = 30 * CORES[core].saved_bytes(1, seq, SHAPE, 4, False)
                 if kept > max_gb * 2**30:
                     out.setdefault(core, {})[seq] = {"skipped": f"its attention keeps {kept / 2**30:.1f} GiB over 30 "
                                                                 f"layers by its model (over --max_gb {max_gb})"}

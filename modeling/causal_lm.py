@@ -17,7 +17,7 @@ from paddle import nn
 from paddlenlp.transformers.model_utils import PretrainedModel
 
 from modeling.blocks.embedding import LMHead, embed, logits
-from modeling.blocks.parts import Block, Embedding, Leaf, VocabEmbedding
+from modeling.blocks.parts import Embedding, Part, VocabEmbedding
 from modeling.execution import Execution
 from modeling.loss import CausalLMCriterion
 from modeling.tp_plan import FIRST, FIRST_AND_LAST, LAST, TensorPlan, split_axes, tensor_parallel_mappings
@@ -25,22 +25,22 @@ from modeling.tp_plan import FIRST, FIRST_AND_LAST, LAST, TensorPlan, split_axes
 
 @dataclass(frozen=True)
 class Skeleton:
-    """Where a causal LM's pieces sit, as single-card names, and its decoder layer."""
+    """Where a causal LM's pieces sit, as single-card names; its decoder layers are what the
+    config declares (`decoder_layer(index)`)."""
 
-    decoder_layer: type[Block]
     tokens: str  # the token embedding (also the head when the config ties them)
     layers: str  # decoder layer i is f"{layers}.{i}"
     norm: str  # the final norm
     head: str = "lm_head"  # the untied head
     positions: str | None = None  # learned position embeddings
 
-    def parts(self, config) -> list[tuple[str, Leaf | type[Block], int | str]]:
+    def parts(self, config) -> list[tuple[str, Part, int | str]]:
         """(path, part, pipeline place) of every piece, in model order."""
         tied = config.tie_word_embeddings
         parts = [(self.tokens, VocabEmbedding(config.vocab_size, config.hidden_size), FIRST_AND_LAST if tied else FIRST)]
         if self.positions:
             parts.append((self.positions, Embedding(config.max_position_embeddings, config.hidden_size), FIRST))
-        parts += [(f"{self.layers}.{i}", self.layer(config, i), i) for i in range(config.num_hidden_layers)]
+        parts += [(f"{self.layers}.{i}", config.decoder_layer(i), i) for i in range(config.num_hidden_layers)]
         parts.append((self.norm, config.hidden_norm(), LAST))
         if not tied:
             parts.append((self.head, LMHead(config.hidden_size, config.vocab_size), LAST))
@@ -49,21 +49,12 @@ class Skeleton:
     def tensors(self, config) -> dict[str, TensorPlan]:
         """Every parameter's placement, by single-card name, in model order."""
         return {f"{path}.{key}": row.placed(stage=place)
-                for path, part, place in self.parts(config)
-                for key, row in (part.tensors(config) if isinstance(part, type) else part.tensors()).items()}
+                for path, part, place in self.parts(config) for key, row in part.tensors().items()}
 
     def tied_names(self, config) -> tuple[tuple[str, ...], ...]:
         """Names that denote one tensor, the stored one first: a tied head is the token embedding
         (PaddleNLP's and transformers' tied models also name it lm_head.weight)."""
         return ((f"{self.tokens}.weight", f"{self.head}.weight"),) if config.tie_word_embeddings else ()
-
-    def layer(self, config, index: int) -> type[Block]:
-        """Decoder layer `index`'s class (a mixture-of-experts family's dense and sparse layers differ)."""
-        return self.decoder_layer.for_layer(config, index)
-
-    def layer_kinds(self, config) -> list[type[Block]]:
-        """The distinct decoder layer classes of the model, in order of first use."""
-        return list(dict.fromkeys(self.layer(config, i).kind() for i in range(config.num_hidden_layers)))
 
     @property
     def base_prefix(self) -> str:
@@ -112,7 +103,7 @@ class CausalLM(CausalLMPretrainedModel):
         self.run = run = run or Execution()
         self.family.check_tensor_parallel(config, run.tp)
         for path, part, _ in self.family.skeleton.parts(config):
-            attach(self, path, part(config, run) if isinstance(part, type) else part.build(config, run))
+            attach(self, path, part.build(config, run))
         self.criterion = CausalLMCriterion(run)
         self.apply(self._init_weights)
 
@@ -124,7 +115,7 @@ class CausalLM(CausalLMPretrainedModel):
             hidden = layer(hidden)
         hidden = find(self, skeleton.norm)(hidden)
         if config.tie_word_embeddings:
-            out = logits(run, hidden, tokens.weight, tied=True)
+            out = logits(config, run, hidden, tokens.weight, tied=True)
         else:
             out = find(self, skeleton.head)(hidden)
         if labels is None:

@@ -2,8 +2,11 @@
 the three unchanged: the fields every causal LM has, and the LLaMA-like decoder's.
 
 A family's config subclass sets its defaults and its fixed architecture (`qk_norm`, `norm_offset`,
-`embedding_multiplier`, which projections have biases); blocks read those switches, so a family
-that differs from LLaMA only in them is a config class and one registry entry.
+`norms`, which projections have biases, its rotary pairing); the decoder's declaration of each layer
+(`decoder_layer(index)`: attention with its window, scale, soft-cap and rotary; the feed-forward
+part; the norms around them) is read off those switches and the fields, so a family that differs
+from LLaMA only in them is a config class and one registry entry, and a layer that differs by its
+place (Gemma's sliding layers, SmolLM3's layers without rotary) differs in its declaration only.
 """
 
 from __future__ import annotations
@@ -12,10 +15,15 @@ import math
 
 from paddlenlp.transformers.configuration_utils import PretrainedConfig
 
-from modeling.blocks.mlp import ACTIVATIONS
-from modeling.blocks.parts import Norm
-from modeling.blocks.rotary import rope_scaling_error
+from modeling.attention_core.spec import CoreSpec
+from modeling.blocks.attention import Attention
+from modeling.blocks.decoder import PRE_NORMS, Decoder, NormPlacement
+from modeling.blocks.mlp import ACTIVATIONS, GatedMLP
+from modeling.blocks.parts import Norm, Part
+from modeling.blocks.rotary import Rotary, frozen, rope_scaling_error
 from paddle_pp.runtime.errors import UserError
+
+FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer types
 
 
 class ModelConfigError(UserError, ValueError):
@@ -27,6 +35,9 @@ class CausalLMConfig(PretrainedConfig):
 
     attention_output = "o_proj"  # the attention's output projection's name (GPT: out_proj)
     has_dropout = False  # PaddleNLP's model of the family has dropout (GPT), which is not modelled here
+    embedding_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden), Granite: a field)
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    logits_divisor: float | None = None  # logits divided by this (Granite's logits_scaling)
 
     def __init__(self, vocab_size: int, hidden_size: int, intermediate_size: int, num_hidden_layers: int,
                  num_attention_heads: int, max_position_embeddings: int, initializer_range: float = 0.02, **kwargs):
@@ -39,6 +50,10 @@ class CausalLMConfig(PretrainedConfig):
         self.initializer_range = initializer_range
         super().__init__(**kwargs)
 
+    def decoder_layer(self, index: int) -> Part:
+        """Decoder layer `index`'s declaration."""
+        raise NotImplementedError
+
     def validate(self) -> None:
         """Shapes that must fit together, checked before any weight exists."""
 
@@ -50,16 +65,20 @@ class CausalLMConfig(PretrainedConfig):
 
 
 class DecoderConfig(CausalLMConfig):
-    """The LLaMA-like decoder: pre-norm blocks of rotary GQA attention and a gated MLP, RMSNorm.
-    `head_dim` None means hidden_size / num_attention_heads."""
+    """The LLaMA-like decoder: rotary GQA attention and a gated MLP in residual blocks with RMSNorms
+    (before each branch unless `norms` says otherwise). `head_dim` None means hidden_size /
+    num_attention_heads."""
 
     model_type = "llama"
     qk_norm: str | None = None  # "head" (Qwen3): RMSNorm over each q and k head; "projection" (OLMoE): over q and k
     norm_offset = False  # Gemma: norms scale by 1 + weight
     scales_embeddings = False  # Gemma: embeddings times sqrt(hidden_size)
-    rotary = True
+    norms: NormPlacement = PRE_NORMS
+    interleaved_rotary = False  # rotary on interleaved pairs (ERNIE 4.5) instead of halves
     attention_bias = False  # a config field of the families that have it (biases on q, k, v and o)
     mlp_bias = False
+    sliding_window: int | None = None  # a config field of the families that have windows
+    partial_rotary_factor = 1.0  # a config field of the families that rotate part of each head (Phi-3/4)
 
     def __init__(self, vocab_size: int = 32000, hidden_size: int = 4096, intermediate_size: int = 11008,
                  num_hidden_layers: int = 32, num_attention_heads: int = 32, num_key_value_heads: int | None = None,
@@ -90,16 +109,55 @@ class DecoderConfig(CausalLMConfig):
         return bool(getattr(self, "attention_bias", False))
 
     @property
-    def embedding_multiplier(self) -> float | None:
+    def embedding_scale(self) -> float | None:
         return math.sqrt(self.hidden_size) if self.scales_embeddings else None
 
     def hidden_norm(self) -> Norm:
         """The norm over the hidden size, in every layer and at the end."""
         return Norm(self.hidden_size, self.rms_norm_eps, offset=self.norm_offset)
 
-    def sliding_windows(self) -> dict[str, int]:
-        """Attention windows shorter than the whole sequence, by the field that sets them (none here)."""
-        return {}
+    def attention_types(self) -> list[str]:
+        """Each layer's attention, by transformers' names (FULL, SLIDING): full unless a family says."""
+        return [FULL] * self.num_hidden_layers
+
+    def window(self, index: int) -> int | None:
+        """Layer `index`'s sliding window (transformers' W: a query sees W keys, itself included), or None."""
+        return self.sliding_window if self.attention_types()[index] == SLIDING else None
+
+    def attention_scale(self) -> float | None:
+        """The softmax scale (None: head_dim^-1/2)."""
+        return None
+
+    def attention_softcap(self) -> float | None:
+        return None
+
+    def rope(self, index: int) -> tuple[float, dict | None] | None:
+        """Layer `index`'s (theta, rope_scaling), or None for a layer without rotary."""
+        return self.rope_theta, self.rope_scaling
+
+    def rotary(self, index: int) -> Rotary | None:
+        rope = self.rope(index)
+        if rope is None:
+            return None
+        theta, scaling = rope
+        return Rotary(int(self.head_dim * self.partial_rotary_factor), float(theta), frozen(scaling or {}),
+                      self.interleaved_rotary, self.max_position_embeddings)
+
+    def attention(self, index: int) -> Attention:
+        return Attention(self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim,
+                         qkv_bias=self.qkv_bias, o_bias=self.o_bias, output=self.attention_output,
+                         qk_norm=self.qk_norm, norm=Norm(self.head_dim, self.rms_norm_eps, self.norm_offset),
+                         spec=CoreSpec(self.attention_scale(), self.window(index), self.attention_softcap()),
+                         rotary=self.rotary(index))
+
+    def feed_forward(self, index: int) -> tuple[str, Part]:
+        """Layer `index`'s feed-forward part, under its name."""
+        return "mlp", GatedMLP(self.hidden_size, self.intermediate_size, self.hidden_act, self.mlp_bias)
+
+    def decoder_layer(self, index: int) -> Decoder:
+        name, part = self.feed_forward(index)
+        return Decoder(index, self.attention(index), part, self.hidden_norm(), feed_forward_name=name,
+                       norms=self.norms, residual_multiplier=getattr(self, "residual_multiplier", 1.0))
 
     def validate(self) -> None:
         super().validate()
@@ -108,14 +166,12 @@ class DecoderConfig(CausalLMConfig):
                                    f"num_key_value_heads={self.num_key_value_heads} (GQA groups must be equal)")
         if self.hidden_act not in ACTIVATIONS:
             raise ModelConfigError(f"hidden_act={self.hidden_act!r} is not modelled; use one of {sorted(ACTIVATIONS)}")
-        problem = rope_scaling_error(self.rope_scaling)
-        if problem:
-            raise ModelConfigError(f"rope_scaling={self.rope_scaling!r}: {problem}")
-
-    def check_sequence_length(self, seq_len: int) -> None:
-        super().check_sequence_length(seq_len)
-        for name, window in self.sliding_windows().items():
-            if window < seq_len:
-                raise ModelConfigError(
-                    f"{name}={window} is shorter than --max_seq_length {seq_len}: sliding-window attention is not "
-                    f"modelled (it changes which tokens attend to which); train on at most {window} tokens")
+        unknown = sorted(set(self.attention_types()) - {FULL, SLIDING})
+        if unknown or len(self.attention_types()) != self.num_hidden_layers:
+            raise ModelConfigError(f"layer_types must name {self.num_hidden_layers} layers, each {FULL!r} or "
+                                   f"{SLIDING!r}" + (f" ({', '.join(unknown)} not modelled)" if unknown else ""))
+        for index in range(self.num_hidden_layers):
+            rope = self.rope(index)
+            problem = rope_scaling_error(rope[1]) if rope else None
+            if problem:
+                raise ModelConfigError(f"rope_scaling={rope[1]!r}: {problem}")

@@ -59,16 +59,32 @@ HARMLESS: dict[str, Check] = {
 }
 
 
+PER_LAYER_TYPE = ("full_attention", "sliding_attention")  # transformers 5's rope_parameters per layer type (Gemma 3)
+
+
 def as_transformers4(raw: dict) -> dict:
     """`raw` in transformers 4.x spelling: transformers 5's `rope_parameters` ({rope_theta,
-    rope_type, ...}) as `rope_theta` and `rope_scaling` (None for the default type), and PaddleNLP's
-    `rope_scaling_type` / `rope_scaling_factor` as `rope_scaling`."""
+    rope_type, partial_rotary_factor, ...}) as `rope_theta`, `rope_scaling` (None for the default
+    type) and `partial_rotary_factor`; Gemma 3's per layer type ({full_attention: ...,
+    sliding_attention: ...}) as the full layers' `rope_theta` and `rope_scaling` and the sliding
+    layers' `rope_local_base_freq` (a sliding-layer scaling has no 4.x spelling: it stays under its
+    5.x name, which no family models, so it is refused by name); and PaddleNLP's `rope_scaling_type` /
+    `rope_scaling_factor` as `rope_scaling`."""
     values = dict(raw)
     parameters = values.pop("rope_parameters", None)
+    if parameters is not None and set(parameters) <= set(PER_LAYER_TYPE) and parameters:
+        local = dict(parameters.get("sliding_attention", {}))
+        if "rope_theta" in local:
+            values["rope_local_base_freq"] = local.pop("rope_theta")
+        if local not in ({}, {"rope_type": "default"}):
+            values["rope_parameters.sliding_attention"] = local
+        parameters = parameters.get("full_attention", {})
     if parameters is not None:
         parameters = dict(parameters)
         if "rope_theta" in parameters:
             values["rope_theta"] = parameters.pop("rope_theta")
+        if "partial_rotary_factor" in parameters:
+            values["partial_rotary_factor"] = parameters.pop("partial_rotary_factor")
         values["rope_scaling"] = None if parameters in ({}, {"rope_type": "default"}) else parameters
     kind, factor = values.pop("rope_scaling_type", None), values.pop("rope_scaling_factor", None)
     if kind is not None:

@@ -6,8 +6,6 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, Callable
 
-from modeling.blocks.decoder import DecoderLayer
-from modeling.blocks.parts import Block
 from modeling.causal_lm import Skeleton
 from modeling.config_fields import any_value
 from modeling.family import ModelFamily
@@ -25,14 +23,17 @@ def _stored(prefix: str, name: str, row: TensorPlan) -> Stored:
 
 def decoder_family(config_class: type, architecture: str, prefix: str, paddlenlp: bool,
                    accepted: dict[str, Callable[[Any, dict], bool]] | None = None,
-                   paddlenlp_fused: tuple[str, ...] = (), layer: type[Block] = DecoderLayer,
-                   renamed: dict[str, str] | None = None, aliases: dict[str, str] | None = None) -> ModelFamily:
-    """`config_class`'s family of decoder layers `layer`, named `architecture` in both transformers and
-    PaddleNLP (whose model of it fuses the projections `paddlenlp_fused` names on request); `renamed`
-    and `aliases` are its transformers config fields spelled otherwise than ours."""
-    skeleton = Skeleton(layer, tokens=f"{prefix}.embed_tokens", layers=f"{prefix}.layers", norm=f"{prefix}.norm")
+                   paddlenlp_fused: tuple[str, ...] = (), renamed: dict[str, str] | None = None,
+                   aliases: dict[str, str] | None = None, fuse: Callable[[Stored, Any], Stored] | None = None,
+                   fixed: dict[str, Any] | None = None) -> ModelFamily:
+    """`config_class`'s family of decoder layers (as its config declares them), named `architecture`
+    in both transformers and PaddleNLP (whose model of it fuses the projections `paddlenlp_fused` names
+    on request); `renamed` and `aliases` are its transformers config fields spelled otherwise than ours,
+    `fuse` where its transformers folders fuse our tensors, `fixed` fields only one value of which is
+    modelled (besides a zero `attention_dropout`)."""
+    skeleton = Skeleton(tokens=f"{prefix}.embed_tokens", layers=f"{prefix}.layers", norm=f"{prefix}.norm")
     adapter = TransformersAdapter(
         model_type=config_class.model_type, architecture=architecture, locate=partial(_stored, prefix),
-        renamed=renamed or {}, aliases=aliases or {}, fixed={"attention_dropout": 0.0},
-        accepted={"pretraining_tp": any_value, **(accepted or {})}, buffers=("rotary_emb.inv_freq",))
+        renamed=renamed or {}, aliases=aliases or {}, fixed={"attention_dropout": 0.0, **(fixed or {})},
+        accepted={"pretraining_tp": any_value, **(accepted or {})}, buffers=("rotary_emb.inv_freq",), fuse=fuse)
     return ModelFamily(config_class, architecture, skeleton, adapter, paddlenlp, frozenset(paddlenlp_fused))

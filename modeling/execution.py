@@ -18,7 +18,8 @@ import paddle
 from paddle.distributed.fleet.utils import recompute as fleet_recompute
 
 from modeling.attention_core import CORES, AttentionCore, choose_core
-from modeling.context_parallel import Ring, local_positions
+from modeling.attention_core.ring import Ring
+from modeling.context_parallel import local_positions
 from modeling.router_stats import RouterStats
 from paddle_pp.runtime.experts import ExpertGroup
 

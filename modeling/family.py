@@ -10,7 +10,7 @@ import types
 from dataclasses import dataclass
 from functools import cached_property
 
-from modeling.blocks.decoder import LayerActivations, layer_activations
+from modeling.blocks.decoder import LayerActivations
 from modeling.causal_lm import CausalLM, Skeleton
 from modeling.execution import Execution
 from modeling.pipeline import CausalLMPipe
@@ -57,28 +57,31 @@ class ModelFamily:
     def check_tensor_parallel(self, config, tp: int) -> None:
         """Fail before any weight is built when the vocabulary or a unit TP splits (heads, kv heads,
         MLP width) does not divide by `tp`."""
-        fields = ("vocab_size",) + sum((kind.all_tp_fields(config) for kind in self.skeleton.layer_kinds(config)), ())
-        check_divisible(self.architecture, config, fields, tp)
+        units: dict[str, int] = {}
+        for _, part, _ in self.skeleton.parts(config):
+            units |= part.tp_units()
+        check_divisible(self.architecture, units, tp)
 
-    def layer_saved_bytes(self, config, run: Execution, batch: int, seq_len: int,
-                          dtype_bytes: int = 4) -> dict[str, int]:
-        """What one decoder layer (the one keeping most, where layers differ) keeps for backward on a rank
-        with nothing recomputed, by sublayer (those that keep something)."""
-        saved = self.heaviest_layer(config, run, batch, seq_len, dtype_bytes).saved_bytes(
-            config, run, batch, seq_len, dtype_bytes)
-        return {name: size for name, size in saved.items() if size}
+    def layer_saved_bytes(self, config, run: Execution, batch: int, seq_len: int, dtype_bytes: int = 4,
+                          index: int | None = None) -> dict[str, int]:
+        """What decoder layer `index` (None: the one keeping most) keeps for backward on a rank with
+        nothing recomputed, by sublayer (those that keep something)."""
+        layer = config.decoder_layer(index) if index is not None else \
+            self.heaviest_layer(config, run, batch, seq_len, dtype_bytes)
+        return {name: size for name, size in layer.saved_bytes(run, batch, seq_len, dtype_bytes).items() if size}
 
-    def layer_activations(self, config, run: Execution, batch: int, seq_len: int,
-                          dtype_bytes: int = 4) -> LayerActivations:
-        """One decoder layer's activations (the one keeping most) on a rank under the run's recompute (the
-        planner's model)."""
-        return layer_activations(self.heaviest_layer(config, run, batch, seq_len, dtype_bytes), config, run, batch,
-                                 seq_len, dtype_bytes)
+    def layer_activations(self, config, run: Execution, batch: int, seq_len: int, dtype_bytes: int = 4,
+                          index: int | None = None) -> LayerActivations:
+        """Decoder layer `index`'s activations (None: the layer keeping most) on a rank under the run's
+        recompute (the planner's model)."""
+        layer = config.decoder_layer(index) if index is not None else \
+            self.heaviest_layer(config, run, batch, seq_len, dtype_bytes)
+        return layer.activations(run, batch, seq_len, dtype_bytes)
 
-    def heaviest_layer(self, config, run: Execution, batch: int, seq_len: int, dtype_bytes: int) -> type:
-        """The decoder layer class that keeps most for backward (every layer where all are alike)."""
-        return max(self.skeleton.layer_kinds(config),
-                   key=lambda kind: sum(kind.saved_bytes(config, run, batch, seq_len, dtype_bytes).values()))
+    def heaviest_layer(self, config, run: Execution, batch: int, seq_len: int, dtype_bytes: int):
+        """The decoder layer declaration that keeps most for backward (the first, where all are alike)."""
+        return max((config.decoder_layer(i) for i in range(config.num_hidden_layers)),
+                   key=lambda layer: sum(layer.saved_bytes(run, batch, seq_len, dtype_bytes).values()))
 
     def check_built(self, model, config, run: Execution, pp: int, stage: int) -> None:
         """The built model holds exactly the plan's tensors for its stage, in the plan's per-rank

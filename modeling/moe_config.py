@@ -7,13 +7,15 @@ attributes (Mixtral: every layer sparse, experts as wide as `intermediate_size`,
 
 from __future__ import annotations
 
-from modeling.blocks.mlp import GatedMLP
+from modeling.blocks.mlp import GATED_NAMES, GatedMLP
+from modeling.blocks.moe import Experts, MoE, is_sparse
+from modeling.blocks.parts import Part
 from modeling.config import DecoderConfig, ModelConfigError
 
 
 class MoEConfig(DecoderConfig):
     moe_block = "mlp"  # the MoE block's name in a decoder layer (Mixtral: block_sparse_moe)
-    expert_names = GatedMLP.names  # an expert's projections (Mixtral: w1, w3, w2)
+    expert_names = GATED_NAMES  # an expert's projections (Mixtral: w1, w3, w2)
     expert_width = "moe_intermediate_size"  # the config field an expert's width is in
     decoder_sparse_step = 1  # Qwen's fields, fixed where a family has none: every layer sparse
     mlp_only_layers: tuple[int, ...] = ()
@@ -29,6 +31,18 @@ class MoEConfig(DecoderConfig):
     def renormalize_topk(self) -> bool:
         """The top-k weights divided by their sum (transformers' `norm_topk_prob`)."""
         return bool(getattr(self, "norm_topk_prob", False))
+
+    def feed_forward(self, index: int) -> tuple[str, Part]:
+        """A mixture of experts (under `moe_block`) where `is_sparse` says so, else the dense MLP."""
+        if not is_sparse(self, index):
+            return super().feed_forward(index)
+        expert = GatedMLP(self.hidden_size, getattr(self, self.expert_width), self.hidden_act, self.mlp_bias,
+                          self.expert_names, unit=self.expert_width)
+        width = getattr(self, "shared_expert_intermediate_size", 0)
+        shared = GatedMLP(self.hidden_size, width, self.hidden_act, self.mlp_bias,
+                          unit="shared_expert_intermediate_size") if width else None
+        return self.moe_block, MoE(index, self.hidden_size, Experts(self.num_experts, expert), self.num_experts_per_tok,
+                                   shared)
 
     def validate(self) -> None:
         super().validate()

@@ -125,7 +125,8 @@ class CausalLMPipe(PipelinePretrainedModel, PipelineLayer):
             SharedLayerDesc(tied_key, EmbeddingSection, shared_weight_attr="embedding_weight", **embedding) if tied
             else LayerDesc(EmbeddingSection, **embedding), prefix)
         for i in range(config.num_hidden_layers):
-            self.add_sequential_layer(LayerDesc(skeleton.layer(config, i), config=config, run=run),
+            declared = config.decoder_layer(i)
+            self.add_sequential_layer(LayerDesc(declared.layer, config=config, run=run, declared=declared),
                                       f"{skeleton.layers}.{i}")
         norm_prefix, norm_name = _split(skeleton.norm)
         self.add_sequential_layer(LayerDesc(NormSection, config=config, run=run, name=norm_name,
@@ -135,7 +136,7 @@ class CausalLMPipe(PipelinePretrainedModel, PipelineLayer):
                                                       config=config, run=run), skeleton.tokens)
         else:
             head = next(part for path, part, _ in parts if path == skeleton.head)
-            self.add_sequential_layer(LayerDesc(HeadLayer, run=run, hidden_size=head.hidden_size,
+            self.add_sequential_layer(LayerDesc(HeadLayer, config=config, run=run, hidden_size=head.hidden_size,
                                                 vocab_size=head.vocab_size), skeleton.head)
         self._build_stages(CausalLMCriterion(run))
 

@@ -10,21 +10,27 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from modeling.attention_core.blockwise import DEFAULT_BLOCK
-from modeling.context_parallel import Ring, RingCore
+from modeling.attention_core.ring import Ring, RingCore, context_parallel_refusal
+from modeling.ernie4_5 import ERNIE4_5
 from modeling.execution import Execution
 from modeling.family import ModelFamily
 from modeling.gemma import GEMMA
+from modeling.gemma2 import GEMMA2, GEMMA3_TEXT
 from modeling.gpt import GPT
+from modeling.granite import GRANITE
 from modeling.llama import LLAMA
 from modeling.mistral import MISTRAL
 from modeling.mixtral import MIXTRAL
+from modeling.mpt import MPT
+from modeling.olmo2 import OLMO2
 from modeling.olmoe import OLMOE
+from modeling.phi3 import PHI3
 from modeling.pipeline import stage_segments
 from modeling.qwen2 import QWEN2
 from modeling.qwen2_moe import QWEN2_MOE
 from modeling.qwen3 import QWEN3
 from modeling.qwen3_moe import QWEN3_MOE
+from modeling.smollm3 import SMOLLM3
 from modeling.tp_plan import ALWAYS, ModelPlan
 from paddle_pp.runtime.errors import UserError
 from paddle_pp.runtime.experts import ExpertGroup
@@ -33,8 +39,9 @@ if TYPE_CHECKING:
     from paddle_pp.runtime.layout import Layout
     from paddle_pp.runtime.topology import Topology
 
-FAMILIES: dict[str, ModelFamily] = {family.model_type: family for family in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GPT, QWEN2_MOE, QWEN3_MOE,
-                                                                        MIXTRAL, OLMOE)}
+FAMILIES: dict[str, ModelFamily] = {family.model_type: family for family in (
+    LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GPT, GEMMA2, GEMMA3_TEXT, PHI3, OLMO2, SMOLLM3, GRANITE, ERNIE4_5, MPT, QWEN2_MOE,
+    QWEN3_MOE, MIXTRAL, OLMOE)}
 BY_TRANSFORMERS_TYPE = {family.transformers.model_type: family for family in FAMILIES.values() if family.transformers}
 
 
@@ -44,7 +51,17 @@ class UnknownModelError(UserError, ValueError):
 
 _DEEPSEEK = ("DeepSeek's MLA attention and group-limited sigmoid routing with a correction bias are not modelled "
              "yet")
-NOT_YET = {"deepseek_v2": _DEEPSEEK, "deepseek_v3": _DEEPSEEK}  # families users bring that are refused with why
+_LATER_MOE = "its routing and experts are not modelled yet"
+NOT_YET = {  # families users bring that are refused with why
+    "deepseek_v2": _DEEPSEEK, "deepseek_v3": _DEEPSEEK, "kimi_k2": _DEEPSEEK, "glm4_moe": _LATER_MOE,
+    "ernie4_5_moe": _LATER_MOE, "gpt_oss": _LATER_MOE,
+    "gemma3": "a Gemma 3 multimodal folder: its text model (text_config, language_model weights) is a gemma3_text "
+              "model; save it as one (transformers' Gemma3ForCausalLM) and pass that folder",
+    "llama4": "Llama 4's chunked attention, NoPE temperature tuning and input-side routing are not modelled",
+    "llama4_text": "Llama 4's chunked attention, NoPE temperature tuning and input-side routing are not modelled",
+    "qwen3_next": "Qwen3-Next's gated DeltaNet (linear attention) layers are not modelled",
+    "gemma3n": "Gemma 3n's per-layer embeddings and AltUp are not modelled",
+}
 
 
 def family(model_type: str) -> ModelFamily:
@@ -87,10 +104,13 @@ class LayoutModelError(UserError, ValueError):
     """A model and a layout that do not go together."""
 
 
-def validate_layout(config, layout: Layout) -> None:
+def validate_layout(config, layout: Layout, seq_len: int | None = None) -> None:
     """Fail before any process group exists when the config's shapes do not fit together, the model
-    does not split over the layout's tp, or its decoder layers over pp x vpp."""
+    does not split over the layout's tp, or its decoder layers over pp x vpp; with `seq_len`, also
+    when a layer's attention over that many tokens is one the layout cannot compute."""
     config.validate()
+    if seq_len is not None and layout.cp > 1:
+        _check_context_parallel(config, layout, seq_len)
     family_of(config).check_tensor_parallel(config, layout.tp)
     if layout.pp > 1:
         stage_segments(config.num_hidden_layers, layout.pp, layout.vpp, "decoder")
@@ -105,6 +125,19 @@ def validate_layout(config, layout: Layout) -> None:
             f"{family_of(config).architecture} has per-head norms (q/k norms) whose gradients are summed over "
             f"tp after backward; with --sharding {layout.sharding_stage} that sum and the sharded gradient "
             "reduction both hook the backward pass (untested order); use --sharding stage1 with tp, or tp 1")
+
+
+def _check_context_parallel(config, layout: Layout, seq_len: int) -> None:
+    """Ring attention computes scale, soft-cap and sinks; a window shorter than the sequence or ALiBi
+    is refused by name (never trained as full attention, as a published ring implementation did)."""
+    for index in range(config.num_hidden_layers):
+        problem = context_parallel_refusal(config.decoder_layer(index).attention.spec, seq_len)
+        if problem:
+            raise LayoutModelError(
+                f"--context_parallel_degree {layout.cp} with {family_of(config).architecture}: decoder layer {index} "
+                f"has {problem}, which ring attention does not compute (its blocks carry no positions across "
+                "ranks; a halo exchange for windows is not implemented). Use --context_parallel_degree 1, or a "
+                "--max_seq_length no longer than the window")
 
 
 def _check_moe_layout(config, layout: Layout) -> None:
@@ -133,9 +166,20 @@ def execution_for(layout: Layout, tp_rank: int, choices: Execution = Execution()
         raise LayoutModelError("--context_parallel_degree needs a core that merges partial attention by its "
                                "log-sum-exp; the dense core (--no-use_flash_attention) has none. Drop "
                                "--no-use_flash_attention (context parallelism then runs the blockwise kernel)")
-    block = getattr(run.attention, "block", DEFAULT_BLOCK)
-    kernel = "flash" if run.attention.name == "flash" else "blockwise"
-    return replace(run, ring=ring, attention=RingCore(ring=ring, block=block, kernel=kernel))
+    return replace(run, ring=ring, attention=RingCore(ring=ring, inner=run.attention))
+
+
+def core_notes(config, run: Execution) -> list[str]:
+    """The layers the run's attention core cannot compute (flash: a soft-cap, ALiBi, sinks, v unlike
+    q/k), which take the blockwise core instead, by reason: what the run says at its start."""
+    by_reason: dict[str, list[int]] = {}
+    for index in range(config.num_hidden_layers):
+        attention = config.decoder_layer(index).attention
+        reason = run.attention.refusal(attention.spec, attention.sinks, attention.local_heads(run))
+        if reason:
+            by_reason.setdefault(reason, []).append(index)
+    return [f"attention: decoder layers {', '.join(map(str, layers))} take the blockwise core (the {run.attention.name} "
+            f"core does not compute {reason})" for reason, layers in by_reason.items()]
 
 
 def build_causal_lm(config, topo: Topology, choices: Execution = Execution()):

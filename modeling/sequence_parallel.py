@@ -47,4 +47,6 @@ def gather_tokens(hidden: paddle.Tensor, run: Execution) -> paddle.Tensor:
     q, k, v). Its backward reduce-scatters the summed input gradient."""
     if not run.sequence_first:
         return hidden
-    return sp_utils.AllGatherOp.apply(hidden)
+    # contiguous first: a block without a norm before it (OLMo-2) gets the residual stream, which the
+    # embedding's scatter may leave as a strided view, and the gather refuses one
+    return sp_utils.AllGatherOp.apply(hidden.contiguous())

@@ -181,10 +181,10 @@ def layer_stage(index: int, num_layers: int, pp: int, vpp: int) -> int:
     return index // (num_layers // (pp * vpp)) % pp
 
 
-def check_divisible(architecture: str, config, fields: tuple[str, ...], tp: int) -> None:
-    """Fail before any weight is built when a dimension that TP splits does not divide by `tp`."""
-    for name in fields:
-        value = getattr(config, name)
+def check_divisible(architecture: str, units: dict[str, int], tp: int) -> None:
+    """Fail before any weight is built when a unit TP splits (by its config field's name) does not
+    divide by `tp`."""
+    for name, value in units.items():
         if value % tp:
             raise TPPlanError(
                 f"{architecture} {name}={value} is not divisible by --tensor_parallel_degree {tp}; "

@@ -30,7 +30,8 @@ class Stored:
     """Where one of our tensors is in a model folder (transformers', PaddleNLP's): under `name`,
     transposed or not, and when their tensor fuses several of ours, along `axis` either our slice
     `part` of `parts` equal ones, or with `interleave` = (group width, offset, width) the `width`
-    entries at `offset` of every group of `group width` entries (PaddleNLP's fused qkv). With
+    entries at `offset` of every group of `group width` entries (PaddleNLP's fused qkv); `sizes` gives
+    the widths of unequal parts (Phi-3's fused q, k and v under GQA). With
     `stack` = (index, count) the stored tensor stacks `count` such tensors along a new first axis
     and ours is in entry `index` (transformers 5's fused experts); the rest applies to that entry."""
 
@@ -41,10 +42,17 @@ class Stored:
     parts: int = 1
     interleave: tuple[int, int, int] | None = None
     stack: tuple[int, int] | None = None
+    sizes: tuple[int, ...] | None = None  # parts of unequal widths along `axis` (Phi-3's q, k, v), in order
 
     @property
     def fused(self) -> bool:
         return self.parts > 1 or self.interleave is not None
+
+    def span(self) -> tuple[int, int]:
+        """(start, width) of our part along `axis` of the stored tensor."""
+        if self.sizes is None:
+            raise ValueError(f"{self.name}: parts of equal widths have no sizes")
+        return sum(self.sizes[:self.part]), self.sizes[self.part]
 
     def select(self, stored: np.ndarray) -> np.ndarray:
         """Our entries of an interleaved stored tensor, or of a piece of it made of whole groups."""
@@ -81,6 +89,13 @@ class TransformersAdapter:
     fixed: dict[str, Any] = field(default_factory=dict)  # fields we do not model: the only value read, and written
     accepted: dict[str, Callable[[Any, dict], bool]] = field(default_factory=dict)  # read, checked, dropped
     buffers: tuple[str, ...] = ()  # name suffixes of non-parameter tensors some folders store (recomputed here)
+    fuse: Callable[[Stored, Any], Stored] | None = None  # (where `locate` says, our config) -> where fused tensors put it
+
+    def stored(self, name: str, row: TensorPlan, config) -> Stored:
+        """Where transformers stores our tensor `name` of a model of `config` (a fused tensor's part
+        depends on the config's widths: Phi-3's q, k and v under GQA)."""
+        stored = self.locate(name, row)
+        return stored if self.fuse is None else self.fuse(stored, config)
 
     def our_config(self, raw: dict, config_class: type) -> dict:
         """Our config fields from a transformers (or PaddleNLP) config.json, or ConfigFieldError

@@ -38,13 +38,42 @@ KINDS = {
     "llama_linear": ("LlamaForCausalLM", "LlamaConfig", dict(SHAPE, num_key_value_heads=2, attention_bias=True,
                                                              rope_scaling={"rope_type": "linear", "factor": 2.0},
                                                              mlp_bias=True)),
-    "mistral": ("MistralForCausalLM", "MistralConfig", dict(SHAPE, num_key_value_heads=2, sliding_window=64)),
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(SHAPE, num_key_value_heads=2, sliding_window=8)),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(SHAPE, num_key_value_heads=2, tie_word_embeddings=True,
                                                       rope_theta=1000000.0)),
+    "qwen2_window": ("Qwen2ForCausalLM", "Qwen2Config", dict(SHAPE, num_key_value_heads=2, use_sliding_window=True,
+                                                             sliding_window=8, max_window_layers=2)),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(SHAPE, num_key_value_heads=2, head_dim=32)),
     "gemma": ("GemmaForCausalLM", "GemmaConfig", dict(SHAPE, num_key_value_heads=2, head_dim=32)),
     "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(vocab_size=4096, n_embd=64, n_layer=4, n_head=4, n_positions=64,
                                                    n_inner=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    # the families of attention that differs per layer: windows of 8 keys (shorter than the 24-token logits
+    # batch and the runs' 32 tokens), caps small enough to bend the tiny models' scores and logits
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(SHAPE, num_key_value_heads=2, head_dim=32,
+                                                         query_pre_attn_scalar=24, sliding_window=8,
+                                                         attn_logit_softcapping=0.5, final_logit_softcapping=2.0)),
+    # Gemma 3's q/k norms make scores O(head_dim): at scale 24^-1/2 its attention is near one-hot and 20 steps
+    # amplify fp32 summation noise past 1e-4 in any two layouts (pp2 included); its own scalar (256) is smooth
+    "gemma3_text": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(SHAPE, num_key_value_heads=2, head_dim=32,
+                                                                  query_pre_attn_scalar=256, sliding_window=8,
+                                                                  sliding_window_pattern=2, rope_theta=50000.0,
+                                                                  rope_local_base_freq=5000.0,
+                                                                  rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(SHAPE, num_key_value_heads=2, partial_rotary_factor=0.75, pad_token_id=0,
+                                                   original_max_position_embeddings=16, sliding_window=8,
+                                                   rope_scaling={"type": "longrope",
+                                                                 "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0],
+                                                                 "short_factor": [1.0, 1.1, 1.2, 1.3, 1.4, 1.5]})),
+    "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", dict(SHAPE, num_key_value_heads=2)),
+    "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config", dict(SHAPE, num_key_value_heads=2, no_rope_layer_interval=2, pad_token_id=0,
+                                                            use_sliding_window=True, sliding_window=8)),
+    "granite": ("GraniteForCausalLM", "GraniteConfig", dict(SHAPE, num_key_value_heads=2, embedding_multiplier=12.0,
+                                                            residual_multiplier=0.22, attention_multiplier=0.03,
+                                                            logits_scaling=4.0)),
+    "ernie4_5": ("Ernie4_5ForCausalLM", "Ernie4_5Config", dict(SHAPE, num_key_value_heads=2, head_dim=32,
+                                                               use_bias=True)),
+    "mpt": ("MptForCausalLM", "MptConfig", dict(vocab_size=4096, d_model=64, n_heads=4, n_layers=4, max_seq_len=64,
+                                                attn_config={"clip_qkv": 0.12})),
 }
 
 MOE = dict(SHAPE, num_key_value_heads=2, num_experts_per_tok=2)
@@ -106,11 +135,12 @@ def make(kind: str, folder: Path, seed: int = 0) -> Path:
 
 
 def loss(folder: Path, rows: np.ndarray) -> float:
-    """transformers' mean next-token cross entropy of `rows` (inputs rows[:, :-1], labels rows[:, 1:])."""
+    """transformers' mean next-token cross entropy of `rows` (inputs rows[:, :-1], labels rows[:, 1:]),
+    with its eager attention (the reference: transformers 4.x's default SDPA drops Gemma 2's soft-cap)."""
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager").eval()
     with torch.no_grad():
         logits = model(torch.tensor(rows[:, :-1])).logits
         return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
@@ -121,7 +151,7 @@ def logits(folder: Path, ids: np.ndarray) -> np.ndarray:
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager").eval()
     with torch.no_grad():
         return model(torch.tensor(ids)).logits.numpy()
 

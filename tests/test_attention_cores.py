@@ -10,8 +10,9 @@ import numpy as np
 import paddle
 import pytest
 
-from modeling.attention_core import CORES, BlockwiseCore, choose_core
+from modeling.attention_core import CORES, BlockwiseCore, Heads, choose_core
 from modeling.attention_core.blockwise import attend, to_heads, to_rows
+from modeling.attention_core.spec import PLAIN, CoreSpec, alibi_slopes
 from modeling.execution import Kernels, choose_execution
 
 FORWARD_RTOL, GRAD_RTOL = 1e-6, 1e-5
@@ -68,23 +69,40 @@ def test_blockwise_log_sum_exp_is_the_softmax_normaliser():
                                atol=FORWARD_RTOL * np.abs(expected).max())
 
 
+def _kept(core, seq, spec=PLAIN, sinks=False):
+    """Bytes one call keeps for backward, measured by the saved-tensor hooks (the sink logits are
+    a parameter in a model, so not an activation, and not counted)."""
+    tensors, _ = _inputs(1, seq, 4, 2, 16, False)
+    logits = paddle.zeros([4]) if sinks else None
+    saved = {}
+    with paddle.autograd.saved_tensors_hooks(
+            lambda t: saved.setdefault(t.data_ptr(), int(t.numel()) * t.element_size()) or t, lambda t: t):
+        core(*tensors, False, spec, logits)
+    return sum(size for pointer, size in saved.items() if logits is None or pointer != logits.data_ptr())
+
+
 def test_blockwise_keeps_memory_linear_in_the_length():
     """What one call keeps for backward, measured by the saved-tensor hooks, equals the core's own
     model at 256, 512 and 1024 positions and doubles with the length; the dense core's grows 4x."""
-    def kept(core, seq):
-        tensors, _ = _inputs(1, seq, 4, 2, 16, False)
-        saved = {}
-        with paddle.autograd.saved_tensors_hooks(
-                lambda t: saved.setdefault(t.data_ptr(), int(t.numel()) * t.element_size()) or t, lambda t: t):
-            core(*tensors, False)
-        return sum(saved.values())
     lengths = (256, 512, 1024)
-    blockwise = [kept(BlockwiseCore(128), seq) for seq in lengths]
-    dense = [kept(CORES["dense"], seq) for seq in lengths]
-    assert blockwise == [BlockwiseCore(128).saved_bytes(1, seq, 4, 2, 16, 4, False) for seq in lengths]
-    assert dense == [CORES["dense"].saved_bytes(1, seq, 4, 2, 16, 4, False) for seq in lengths]
+    blockwise = [_kept(BlockwiseCore(128), seq) for seq in lengths]
+    dense = [_kept(CORES["dense"], seq) for seq in lengths]
+    heads = Heads(4, 2, 16, 16)
+    assert blockwise == [BlockwiseCore(128).saved_bytes(1, seq, heads, 4, False) for seq in lengths]
+    assert dense == [CORES["dense"].saved_bytes(1, seq, heads, 4, False) for seq in lengths]
     assert blockwise[2] == 2 * blockwise[1] == 4 * blockwise[0]
     assert dense[2] > 3.8 * dense[1] > 3.8 * 3.8 * dense[0]
+
+
+@pytest.mark.parametrize("spec, sinks", [(CoreSpec(window=40), False), (CoreSpec(softcap=2.0), False),
+                                         (CoreSpec(alibi=alibi_slopes(4)), False), (CoreSpec(scale=0.3), True)],
+                         ids=["window", "softcap", "alibi", "scale_sinks"])
+def test_each_cores_memory_model_holds_for_each_spec(spec, sinks):
+    """The planner's model of each core under a layer's spec equals the measurement: the dense core
+    keeps a soft-cap's tanh and one more probability column with sinks; the blockwise core keeps the
+    same whatever the spec (a window shortens its work only)."""
+    for core in (CORES["dense"], BlockwiseCore(32)):
+        assert _kept(core, 96, spec, sinks) == core.saved_bytes(1, 96, Heads(4, 2, 16, 16), 4, False, spec, sinks)
 
 
 # (device, dtype, head_dim, compute capability) -> the core --use_flash_attention takes

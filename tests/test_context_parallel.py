@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from checkpoint.verify import verify_checkpoint
-from modeling.registry import plan_of_folder
+from modeling.registry import LayoutModelError, plan_of_folder
 from paddle_pp.runtime.launch import LaunchError, launch
 from paddle_pp.runtime.layout import LayoutError
 from paddle_pp.training.arguments import parse_args
@@ -190,3 +190,16 @@ def _pretrainer(monkeypatch, world: int, *flags: str):
 def test_context_parallel_refusals_come_before_any_process_group(monkeypatch, world, flags, error, message):
     with pytest.raises(error, match=message):
         _pretrainer(monkeypatch, world, *flags)
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("mistral", "decoder layer 0 has a sliding window of 8 keys"), ("mpt", "decoder layer 0 has ALiBi position biases")])
+def test_a_windowed_or_alibi_model_under_cp_is_refused_by_name_before_any_process_group(
+        kind, message, transformers4_folders, monkeypatch):
+    """Ring attention carries no positions across its blocks: a window shorter than the sequence (Mistral's
+    8 over 32 tokens) or ALiBi (MPT) under cp2 is refused naming the flag, never trained as full attention."""
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "2")
+    args = parse_args(["--model_name_or_path", str(transformers4_folders / kind), "--max_seq_length", "32", *cp(2),
+                       "--per_device_train_batch_size", "1", "--global_batch_size", "2"])
+    with pytest.raises(LayoutModelError, match=f"--context_parallel_degree 2 with .*: {message}"):
+        Pretrainer(args)

@@ -1,18 +1,22 @@
 """Users' base models trained as they come: folders saved by transformers 4.x and 5 start the
-trainer (real processes) at transformers' loss, every new family trains like single card under
-tp2 x pp2 and resumes under another layout, and exports load back into transformers (and our
-checkpoints into PaddleNLP's models) with the same logits.
+trainer (real processes) at transformers' loss, the families whose attention differs per layer
+start under tp2 x pp2 + SP, Gemma 3 and Phi-3 train like single card under tp2 x pp2 and resume
+under another layout, and exports load back into transformers (and our checkpoints into PaddleNLP's
+models) with the same logits.
 
-Per family (Qwen3, Gemma), from a transformers 4.x folder: 20 steps on one card, the same under
-tp2 x pp2 (tied embedding and head on different stages), and that run's step-10 checkpoint resumed
-under a layout of its own (tp2 + SP with q/k norms, stage3 x tp2). Mistral's and Qwen2's layers are
-LLaMA's (Qwen2 adds q/k/v biases, trained under tp2 + SP by GPT's runs, and ties, trained under pp by
-GPT's and Gemma's): they start from their folders here, and their checkpoints export and load in
-PaddleNLP. From transformers 4.x folders LLaMA (tied, Llama 3.1 rope) trains 3 steps on
-one card and GPT-2 (its fused c_attn cut into q, k, v and over tp on load) under tp2 x pp2; the
-transformers 5 folders whose fields differ in their own way train 3 steps on one card (what differs
-between them is the folder a run loads and exports, which the new families' tp2 x pp2 runs load
-from too).
+The families of 2024-2025 (Gemma 2 and 3, Phi-3, OLMo-2, SmolLM3, Granite, ERNIE 4.5, windowed Mistral
+and Qwen2), each from its transformers 5 and 4.x folder with windows shorter than the batch, start in
+one tp2 x pp2 + SP launch (`workers/folders_worker.py`: the blockwise core with blocks of 8, so
+windows cut across blocks): the loss on the batch is transformers' (1e-5), two steps train, and
+each checkpoint exports to a folder the transformers that saved it loads with our logits (1e-4).
+Gemma 3 (tied, sandwich norms, q/k norms, windows, a rotary per layer type) and Phi-3 (fused
+projections, partial longrope rotary, windows) train 20 steps on one card and under tp2 x pp2, and
+resume the latter's step-10 checkpoint under tp2 + SP (Gemma 3) and stage3 x tp2 (Phi-3). LLaMA
+(tied, Llama 3.1 rope), GPT-2 (its fused c_attn cut into q, k, v and over tp on load: tp2 x pp2)
+and the transformers 5 folders whose fields differ in their own way train 3 steps on one card.
+Qwen3's and Gemma's layers are Gemma 3's with fewer switches (per-head q/k norms, 1 + weight norms,
+ties): their folders give transformers' logits (tests/test_model_folders.py) and Gemma's exports
+from its transformers 5 start and loads in PaddleNLP.
 """
 
 from __future__ import annotations
@@ -41,11 +45,13 @@ RESUME_RTOL = 1e-5
 EXPORT_TOL = 1e-4
 SP = ("--sequence_parallel",)
 STAGE3_TP2 = TP2 + ("--sharding_parallel_degree", "2", "--sharding", "stage3")
-# new family -> the layout its step-10 checkpoint resumes under. Mistral and Qwen2 are not here: their layers
-# are LLaMA's (Qwen2's biases and ties are GPT's); their folders' logits: tests/test_model_folders.py
-RESUMED_UNDER = {"qwen3": (2, TP2 + SP), "gemma": (4, STAGE3_TP2)}
-# the run whose last checkpoint each new family exports and PaddleNLP loads (Qwen2: its transformers 5 start)
-EXPORTED = {"qwen2": "qwen2:transformers5", "qwen3": "qwen3:tp2pp2", "gemma": "gemma:tp2pp2"}
+# family -> the layout its tp2 x pp2 run's step-10 checkpoint resumes under (Gemma 3's q/k norms are summed
+# over tp after backward, which stage2/3 refuse beside tp: tests/test_sequence_parallel.py)
+RESUMED_UNDER = {"gemma3_text": (2, TP2 + SP), "phi3": (4, STAGE3_TP2)}
+# the run whose last checkpoint a PaddleNLP family exports and PaddleNLP loads (their transformers 5 starts)
+EXPORTED = {"qwen2": "qwen2:transformers5", "gemma": "gemma:transformers5"}
+# the kinds whose attention differs per layer, started from both versions' folders in one launch
+PER_LAYER = ["gemma2", "gemma3_text", "phi3", "olmo2", "smollm3", "granite", "ernie4_5", "mpt", "mistral", "qwen2_window"]
 SHORT = ("--max_steps", str(FOLDER_STEPS), "--eval_steps", "0", "--warmup_steps", "1")
 # transformers 5 folders of the kinds whose config or export differs in its own way (llama3 rope, linear rope with
 # biases, Qwen2's layer_types, Gemma's norms, GPT-2); plain and tied LLaMA, Mistral and Qwen3 read and write the same
@@ -79,6 +85,64 @@ def runs(pretrain_run, transformers4_folders, transformers5_folders):
     return get
 
 
+@pytest.fixture(scope="module")
+def per_layer_starts(run_workers_module, transformers4_folders, transformers5_folders, tmp_path_factory):
+    """Every PER_LAYER kind from both versions' folders, started in one tp2 x pp2 + SP launch: (its
+    result by folder name `<kind>-<version>`, the folder of their checkpoints)."""
+    links = tmp_path_factory.mktemp("per_layer")
+    folders = []
+    for kind in PER_LAYER:
+        for version, root in (("transformers4", transformers4_folders), ("transformers5", transformers5_folders)):
+            (links / f"{kind}-{version}").symlink_to(root / kind)
+            folders.append(links / f"{kind}-{version}")
+    results = run_workers_module("folders_worker.py", 4, [transformers5_folders / "rows.npy", links / "out", 8,
+                                                          *folders, *TP2, *PP2, *SP], timeout=900, tag="per_layer")
+    assert len({json.dumps(result["folders"], sort_keys=True) for result in results}) == 1, "ranks disagree"
+    return results[0]["folders"], links / "out"
+
+
+@pytest.fixture(scope="module")
+def transformers5_export_logits(per_layer_starts, tmp_path_factory):
+    """transformers 5's logits on IDS of each transformers 5 start's checkpoint exported (one subprocess)."""
+    _, out = per_layer_starts
+    exports = tmp_path_factory.mktemp("exports5")
+    folders = [export_hf(out / f"{kind}-transformers5" / "checkpoint-2", exports / kind) for kind in PER_LAYER]
+    np.save(exports / "ids.npy", IDS)
+    hf_models.transformers5("logits", exports / "ids.npy", *folders)
+    return {kind: np.load(f"{folder}.npy") for kind, folder in zip(PER_LAYER, folders)}
+
+
+@pytest.mark.parametrize("kind", PER_LAYER)
+def test_a_family_whose_attention_differs_per_layer_starts_under_tp2_pp2_sp_at_transformers_loss(
+        kind, per_layer_starts, transformers4_folders, transformers5_folders):
+    """Both versions' folders (windows of 8 keys over 32 tokens; Gemma 2's soft-caps, Gemma 3's two
+    rotary tables, Phi-3's longrope on 24 of 32 channels, SmolLM3's NoPE layers, Granite's
+    multipliers, ERNIE's interleaved pairs, OLMo-2's post-norms) give the loss transformers computed
+    on the same rows, and train two steps (the loss falls)."""
+    started, _ = per_layer_starts
+    rows = np.load(transformers5_folders / "rows.npy")
+    expected = {"transformers4": hf_models.loss(transformers4_folders / kind, rows),
+                "transformers5": json.loads((transformers5_folders / f"{kind}.json").read_text())["loss"]}
+    for version, loss in expected.items():
+        result = started[f"{kind}-{version}"]
+        np.testing.assert_allclose(result["loss"], loss, rtol=LOSS_RTOL, err_msg=version)
+        np.testing.assert_allclose(result["losses"][0], loss, rtol=LOSS_RTOL, err_msg=version)
+        assert result["losses"][1] < result["losses"][0]
+
+
+@pytest.mark.parametrize("kind", PER_LAYER)
+def test_a_family_whose_attention_differs_per_layer_exports_to_the_transformers_that_saved_it(
+        kind, per_layer_starts, transformers5_export_logits, tmp_path):
+    """The tp2 x pp2 + SP run's checkpoint, exported: transformers 4.x loads the 4.x start's export and
+    transformers 5 the 5 start's (Phi-3's q, k, v and gate, up fused again), each with our logits."""
+    _, out = per_layer_starts
+    checkpoint4 = out / f"{kind}-transformers4" / "checkpoint-2"
+    _export_matches(checkpoint4, tmp_path / "export", lambda export: hf_models.logits(export, IDS))
+    np.testing.assert_allclose(transformers5_export_logits[kind],
+                               our_logits(out / f"{kind}-transformers5" / "checkpoint-2", IDS), atol=EXPORT_TOL,
+                               rtol=EXPORT_TOL)
+
+
 def _transformers_loss(folder, data_cache, steps: int, eval_steps: int) -> float:
     return hf_models.loss(folder, first_batch(data_cache, folder, steps, eval_steps))
 
@@ -98,8 +162,8 @@ def test_a_new_family_starts_at_transformers_loss_and_trains_like_single_card_un
 
 @pytest.mark.parametrize("kind", list(RESUMED_UNDER))
 def test_a_new_familys_checkpoint_resumes_under_another_layout_on_the_single_card_curve(kind, runs):
-    """Qwen3 (q/k norms) under tp2 + SP, Gemma (tied, 1 + weight norms) under stage3 x tp2: steps
-    11-20 continue the single-card run."""
+    """Gemma 3 (q/k norms, tied) under tp2 + SP, Phi-3 (untied, fused projections on disk) under stage3 x
+    tp2: steps 11-20 continue the single-card run."""
     single, _ = runs(f"{kind}:single")
     resumed, _ = runs(f"{kind}:resumed")
     np.testing.assert_allclose(resumed["losses"], single["losses"][RESUME_STEP:], rtol=RESUME_RTOL)

@@ -9,12 +9,11 @@ from __future__ import annotations
 import paddle
 
 from modeling.attention_core import CORES
-from modeling.blocks.rotary import rotary_tables
 from modeling.execution import Execution
 from modeling.registry import config_from_dict, family_of
 from paddle_pp.planning.memory import Workload, decoder_activation_bytes
 from paddle_pp.runtime.layout import Layout
-from paddle_pp.training.activations import saved_activation_bytes
+from paddle_pp.training.activations import rotary_constants, saved_activation_bytes
 
 LENGTHS = (2048, 4096, 8192, 16384)
 # one decoder layer of two heads sharing one kv head (head_dim 32): attention at 16k tokens is 2.7e8
@@ -34,8 +33,7 @@ def test_blockwise_layer_activations_grow_linearly_and_equal_the_planner():
     for seq in LENGTHS:
         hidden = paddle.randn([1, seq, config.hidden_size])
         hidden.stop_gradient = False
-        tables = frozenset(table.data_ptr() for table in rotary_tables(config, seq))
-        measured = saved_activation_bytes(layer, lambda: layer(hidden), tables)
+        measured = saved_activation_bytes(layer, lambda: layer(hidden), rotary_constants(layer, seq))
         assert measured == family_of(config).layer_saved_bytes(config, run, 1, seq), seq
         kept.append(sum(measured.values()))
         workload = Workload(per_device_train_batch_size=1, max_seq_length=seq, use_flash_attention=True)

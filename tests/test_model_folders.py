@@ -22,7 +22,8 @@ from paddle_pp.data.preprocess import preprocess
 from paddle_pp.data.tokenizer import load_text_tokenizer
 from paddle_pp.interop.pretrained import PADDLENLP, TRANSFORMERS, load_pretrained, open_pretrained
 from paddle_pp.training.arguments import parse_args
-from paddle_pp.training.model_config import ModelSourceError, model_config
+from paddle_pp.training.generation import load_generator
+from paddle_pp.training.model_config import model_config
 
 import hf_models
 from parity import our_logits
@@ -52,7 +53,8 @@ def _edited(source: Path, target: Path, **fields) -> Path:
 
 REFUSED = {  # kind, config.json fields, what the refusal names
     "unknown_field": ("llama", {"fancy_attention": True}, r"fancy_attention=True \(a field paddle-pp does not know"),
-    "yarn_rope": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn' is not modelled"),
+    "yarn_without_factor": ("llama", {"rope_scaling": {"rope_type": "yarn", "beta_fast": 16}}, "rope_type 'yarn' needs factor"),
+    "dynamic_rope": ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope_type 'dynamic' is not modelled"),
     "transformers5_yarn": ("qwen3", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
                            "rope_type 'dynamic' is not modelled"),
     "llama3_key_missing": ("llama3", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
@@ -79,18 +81,22 @@ def test_a_config_field_that_changes_the_model_and_is_not_modelled_is_refused_by
         open_pretrained(_edited(transformers4_folders / kind, tmp_path / case, **fields))
 
 
-@pytest.mark.parametrize("kind, fields", [("mistral", {"sliding_window": 16}),
-                                          ("qwen2", {"use_sliding_window": True, "sliding_window": 16,
-                                                     "max_window_layers": 2, "layer_types": None})],
-                         ids=["mistral", "qwen2"])
-def test_a_sliding_window_shorter_than_the_sequence_is_refused_and_one_as_long_is_not(
-        kind, fields, transformers4_folders, tmp_path):
+@pytest.mark.parametrize("kind, fields, windows", [
+    ("mistral", {"sliding_window": 16}, [16] * 4),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2, "layer_types": None},
+     [None, None, 16, 16]),
+    ("qwen2", {"use_sliding_window": False, "sliding_window": 16, "layer_types": ["sliding_attention"] * 4},
+     [None] * 4)], ids=["mistral", "qwen2", "qwen2_without_use_sliding_window"])
+def test_a_sliding_window_is_declared_on_the_layers_transformers_slides(kind, fields, windows, transformers4_folders,
+                                                                        tmp_path):
+    """Mistral slides every layer; Qwen2 from `max_window_layers` on under `use_sliding_window`, and
+    not at all without it whatever `layer_types` says (transformers drops the window); a window
+    shorter than the sequence trains (transformers' logits with windows shorter than the batch:
+    `test_a_folder_saved_by_transformers_4_or_5_gives_transformers_logits`)."""
     folder = _edited(transformers4_folders / kind, tmp_path / kind, **fields)
     args = parse_args(["--model_name_or_path", str(folder), "--max_seq_length", "32"])
-    with pytest.raises(ModelSourceError, match="sliding_window=16 is shorter than --max_seq_length 32"):
-        model_config(args.model, 32, 4096, open_pretrained(folder), args.given)
-    assert model_config(args.model, 16, 4096, open_pretrained(folder), args.given).sliding_windows() == \
-        {"sliding_window": 16}
+    config = model_config(args.model, 32, 4096, open_pretrained(folder), args.given)
+    assert [config.decoder_layer(i).attention.spec.window for i in range(4)] == windows
 
 
 TEXTS = ["The hacker ethic, in 1984.", "  two  spaces\nand a newline", "naïve café — ünïcödé ✓ 日本", ""]
@@ -193,3 +199,22 @@ def test_every_family_builds_from_flags(model_type):
     family_of(config).check_built(model, config, model.run, pp=1, stage=0)
     assert model(paddle.to_tensor(IDS[:, :8])).shape == [2, 8, 4096]
     assert {"lm_head.weight" in model.state_dict()} == {not config.tie_word_embeddings}
+
+
+PER_LAYER_KINDS = ["gemma2", "gemma3_text", "phi3", "olmo2", "smollm3", "granite", "ernie4_5", "mpt", "mistral"]
+
+
+@pytest.mark.parametrize("kind", PER_LAYER_KINDS)
+def test_generation_of_each_new_family_is_transformers_greedy_generate(kind, transformers4_folders):
+    """`tools/generate.py`'s generator on a folder of each family: greedy from a 20-token prompt (past
+    the windows of 8 keys) gives the tokens of transformers' own `generate` with eager attention."""
+    import torch
+    import transformers
+
+    generator = load_generator(transformers4_folders / kind)
+    prompt = IDS[0, :20].tolist()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(transformers4_folders / kind),
+                                                              attn_implementation="eager").eval()
+    theirs = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, len(prompt):].tolist()
+    assert generator.token_ids(prompt, 8) == theirs

@@ -30,6 +30,15 @@ CONFIGS = {  # each family with what sets it apart: GQA, tied embeddings, biases
                       shared_expert_intermediate_size=24, mlp_only_layers=[1]),
     "mixtral": dict(SHAPE, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2),
     "olmoe": dict(SHAPE, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2),
+    "gemma2": dict(SHAPE, num_key_value_heads=2, head_dim=12, sliding_window=8),
+    "gemma3_text": dict(SHAPE, num_key_value_heads=2, head_dim=12, sliding_window=8, sliding_window_pattern=2),
+    "phi3": dict(SHAPE, num_key_value_heads=2, partial_rotary_factor=0.5),
+    "olmo2": dict(SHAPE, num_key_value_heads=2),
+    "smollm3": dict(SHAPE, num_key_value_heads=2, no_rope_layer_interval=2, tie_word_embeddings=True),
+    "granite": dict(SHAPE, num_key_value_heads=2, attention_bias=True, residual_multiplier=0.2),
+    "ernie4_5": dict(SHAPE, num_key_value_heads=2, use_bias=True),
+    "mpt": dict(vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                max_position_embeddings=16, attn_config={"clip_qkv": 0.5}),
 }
 
 

@@ -3,8 +3,17 @@ what attention keeps for backward grows with the sequence instead of its square,
 
 Forward walks key blocks with an online softmax (running row maximum, running sum, rescaled
 accumulator) and keeps only q, k, v, the output and one fp32 log-sum-exp per query row; backward
-recomputes each block's probabilities from the log-sum-exp. Scores, probabilities and the causal
-mask exist one block at a time, so a step's transient memory is a few blocks, not seq x seq.
+recomputes each block's probabilities from the log-sum-exp. Scores, probabilities and masks exist
+one block at a time, so a step's transient memory is a few blocks, not seq x seq.
+
+The layer's `CoreSpec` is honoured block by block: a sliding window skips every key block wholly
+older than it (a windowed layer costs O(seq x window), not O(seq^2)) and masks the edge blocks; a
+soft-cap is applied to each block's scores in forward and its derivative (1 - tanh^2) in backward;
+ALiBi adds its bias per block (no seq x seq bias tensor); the scale is folded into the queries.
+Sinks (one value-less logit per head) are applied once after the online softmax: the row's
+log-sum-exp becomes L = logaddexp(lse, sink) and the output is rescaled by exp(lse - L); the
+backward below is exact given L and the final output, and the sink's own gradient is
+-sum_rows exp(sink - L) x rowsum(dO * O). v may be narrower or wider than q and k.
 
 Grouped-query attention stays inside: queries are laid out as rows [batch, kv_heads, seq x groups,
 head_dim] (row r is position r // groups, query head r % groups of its kv head's group) against k
@@ -16,25 +25,45 @@ context parallelism can merge partial results across ranks.
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 import paddle
 from paddle.autograd import PyLayer
 
+from modeling.attention_core.spec import PLAIN, CoreSpec
 from modeling.autocast import full_precision
 
 FP32 = "float32"
 DEFAULT_BLOCK = 512  # query and key positions per block: 512 x 512 fp32 scores per (batch, kv head, group)
 
 
-@functools.lru_cache(maxsize=16)
-def _diagonal_mask(positions: int, groups: int) -> paddle.Tensor:
-    """[positions x groups, positions] fp32: 0 where query row r (position r // groups) may see key c,
-    -inf where it may not (added to the scores: every row keeps its own position, so its maximum is
-    finite and the masked terms become exp(-inf) = 0)."""
-    rows = np.arange(positions * groups) // groups
-    return paddle.to_tensor(np.where(rows[:, None] >= np.arange(positions)[None, :], 0.0, -np.inf).astype(np.float32))
+@functools.lru_cache(maxsize=64)
+def _relative(offset: int, queries: int, keys: int, groups: int) -> np.ndarray:
+    """[queries x groups, keys]: key position minus query position, for a query block starting
+    `offset` positions after its key block (row r is query position r // groups)."""
+    rows = np.arange(queries * groups) // groups + offset
+    return np.arange(keys)[None, :] - rows[:, None]
+
+
+@functools.lru_cache(maxsize=64)
+def _mask(offset: int, queries: int, keys: int, groups: int, causal: bool, window: int | None) -> paddle.Tensor:
+    """fp32 [queries x groups, keys]: 0 where the row may see the key, -inf where it may not (added to
+    the scores: every row keeps its own position, so its maximum is finite and the masked terms become
+    exp(-inf) = 0)."""
+    relative = _relative(offset, queries, keys, groups)
+    visible = np.ones_like(relative, dtype=bool)
+    if causal:
+        visible &= relative <= 0
+    if window is not None:
+        visible &= relative > -window
+    return paddle.to_tensor(np.where(visible, 0.0, -np.inf).astype(np.float32))
+
+
+@functools.lru_cache(maxsize=64)
+def _alibi(offset: int, queries: int, keys: int, groups: int, slopes: tuple[float, ...]) -> paddle.Tensor:
+    """fp32 [kv_heads, queries x groups, keys]: slope of the row's head x (key - query position)."""
+    per_row = np.tile(np.asarray(slopes, np.float64).reshape(-1, groups), (1, queries))  # [kv_heads, rows]
+    return paddle.to_tensor((per_row[:, :, None] * _relative(offset, queries, keys, groups)[None]).astype(np.float32))
 
 
 def to_rows(q: paddle.Tensor, kv_heads: int, seq_first: bool) -> paddle.Tensor:
@@ -61,14 +90,46 @@ def from_rows(rows: paddle.Tensor, groups: int, seq_first: bool) -> paddle.Tenso
     return grouped.reshape(([seq, batch] if seq_first else [batch, seq]) + [kv_heads * groups * head_dim])
 
 
-def _scores(q_block, k_block, causal_diagonal: bool, groups: int) -> paddle.Tensor:
-    """fp32 scores of a query block against a key block; on the causal diagonal, later keys masked."""
-    scores = paddle.matmul(q_block, k_block, transpose_y=True).astype(FP32)
-    return scores + _diagonal_mask(k_block.shape[2], groups) if causal_diagonal else scores
+def sink_rows(sinks: paddle.Tensor, kv_heads: int, seq: int) -> paddle.Tensor:
+    """Per-head sink logits [heads] as a column over the rows [1, kv_heads, seq x groups, 1] (fp32)."""
+    return sinks.astype(FP32).reshape([1, kv_heads, 1, -1]).tile([1, 1, seq, 1]).reshape([1, kv_heads, -1, 1])
 
 
-def _key_blocks(start: int, stop: int, block: int):
-    return [(j, min(j + block, stop)) for j in range(start, stop, block)]
+class Blocks:
+    """The key blocks each query block meets, and what each (query block, key block) pair adds to
+    its scores, for one call's geometry and spec."""
+
+    def __init__(self, seq_q: int, seq_k: int, groups: int, causal: bool, block: int, spec: CoreSpec):
+        self.seq_q, self.seq_k, self.groups, self.causal, self.block = seq_q, seq_k, groups, causal, block
+        self.window = spec.window_within(seq_k) if causal else None
+        self.softcap, self.alibi = spec.softcap, spec.alibi
+
+    def queries(self) -> list[tuple[int, int]]:
+        return [(i, min(i + self.block, self.seq_q)) for i in range(0, self.seq_q, self.block)]
+
+    def keys_for(self, i0: int, i1: int) -> list[tuple[int, int]]:
+        """The key blocks some query of [i0, i1) sees (causal: none later than i1 - 1; windowed: none
+        wholly older than i0 - window + 1)."""
+        stop = i1 if self.causal else self.seq_k
+        oldest = i0 - self.window + 1 if self.window is not None else 0
+        return [(j, min(j + self.block, stop)) for j in range(0, stop, self.block) if min(j + self.block, stop) > oldest]
+
+    def _masked(self, i0: int, i1: int, j0: int, j1: int) -> bool:
+        return (self.causal and j1 - 1 > i0) or (self.window is not None and j0 <= i1 - 1 - self.window)
+
+    def scores(self, q_block, k_block, i0: int, i1: int, j0: int, j1: int):
+        """(fp32 scores of a query block against a key block as the softmax sees them, tanh of the
+        capped ones for the backward, or None)."""
+        scores = paddle.matmul(q_block, k_block, transpose_y=True).astype(FP32)
+        capped = None
+        if self.softcap is not None:
+            capped = paddle.tanh(scores / self.softcap)
+            scores = capped * self.softcap
+        if self.alibi is not None:
+            scores = scores + _alibi(i0 - j0, i1 - i0, j1 - j0, self.groups, self.alibi)
+        if self._masked(i0, i1, j0, j1):
+            scores = scores + _mask(i0 - j0, i1 - i0, j1 - j0, self.groups, self.causal, self.window)
+        return scores, capped
 
 
 def _joined(blocks: list[paddle.Tensor]) -> paddle.Tensor:
@@ -77,17 +138,20 @@ def _joined(blocks: list[paddle.Tensor]) -> paddle.Tensor:
 
 
 def attend(q_rows: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, groups: int, causal: bool,
-           block: int = DEFAULT_BLOCK, out_dtype: str | None = None) -> tuple[paddle.Tensor, paddle.Tensor]:
+           block: int = DEFAULT_BLOCK, out_dtype: str | None = None,
+           spec: CoreSpec = PLAIN) -> tuple[paddle.Tensor, paddle.Tensor]:
     """(output rows in `out_dtype` (default q's), fp32 log-sum-exp [batch, kv_heads, rows, 1]) of
     already scaled query rows against k and v. `causal`: queries and keys are the same positions and
-    a query sees keys up to its own; otherwise every key."""
-    seq_q, seq_k = q_rows.shape[2] // groups, k.shape[2]
+    a query sees keys up to its own (and within `spec.window`); otherwise every key."""
+    blocks = Blocks(q_rows.shape[2] // groups, k.shape[2], groups, causal, block, spec)
     outputs, sums = [], []
-    for i0, i1 in _key_blocks(0, seq_q, block):
+    for i0, i1 in blocks.queries():
         q_block = q_rows[:, :, i0 * groups:i1 * groups]
         high = acc = total = None
-        for j0, j1 in _key_blocks(0, i1 if causal else seq_k, block):
-            scores = _scores(q_block, k[:, :, j0:j1], causal and j0 == i0, groups)
+        # the diagonal block first: every row sees its own position there, so its running maximum is
+        # finite from the start and a later block the window hides from a row adds exp(-inf) = 0
+        for j0, j1 in reversed(blocks.keys_for(i0, i1)):
+            scores, _ = blocks.scores(q_block, k[:, :, j0:j1], i0, i1, j0, j1)
             block_high = scores.max(-1, keepdim=True)
             new_high = block_high if high is None else paddle.maximum(high, block_high)
             probs = paddle.exp(scores - new_high)
@@ -103,27 +167,33 @@ def attend(q_rows: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, groups: in
     return _joined(outputs), _joined(sums)
 
 
-def attend_backward(q_rows, k, v, out_rows, lse, dout_rows, groups: int, causal: bool,
-                    block: int = DEFAULT_BLOCK) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
+def attend_backward(q_rows, k, v, out_rows, lse, dout_rows, groups: int, causal: bool, block: int = DEFAULT_BLOCK,
+                    spec: CoreSpec = PLAIN) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
     """Gradients (of the scaled query rows, k, v) of `attend`, each block's probabilities recomputed
-    from the log-sum-exp: FlashAttention-2's backward, key blocks outside, query blocks inside."""
-    seq_q, seq_k = q_rows.shape[2] // groups, k.shape[2]
+    from the log-sum-exp: FlashAttention-2's backward, key blocks outside, query blocks inside, over
+    the pairs the forward met (key blocks are aligned with query blocks, so each is met whole)."""
+    blocks = Blocks(q_rows.shape[2] // groups, k.shape[2], groups, causal, block, spec)
     delta = (dout_rows.astype(FP32) * out_rows.astype(FP32)).sum(-1, keepdim=True)
-    query_blocks = _key_blocks(0, seq_q, block)
+    query_blocks = blocks.queries()
+    met = [set(blocks.keys_for(i0, i1)) for i0, i1 in query_blocks]
     dq = [None] * len(query_blocks)
     dk, dv = [], []
-    for j0, j1 in _key_blocks(0, seq_k, block):
+    for j0, j1 in [(j, min(j + block, blocks.seq_k)) for j in range(0, blocks.seq_k, block)]:
         k_block, v_block = k[:, :, j0:j1], v[:, :, j0:j1]
         dk_block = dv_block = None
         for n, (i0, i1) in enumerate(query_blocks):
-            if causal and i1 <= j0:
+            if (j0, j1) not in met[n]:
                 continue
             rows = slice(i0 * groups, i1 * groups)
             q_block, dout_block = q_rows[:, :, rows], dout_rows[:, :, rows]
-            probs = paddle.exp(_scores(q_block, k_block, causal and j0 == i0, groups) - lse[:, :, rows])
+            scores, capped = blocks.scores(q_block, k_block, i0, i1, j0, j1)
+            probs = paddle.exp(scores - lse[:, :, rows])
             dv_part = paddle.matmul(probs.astype(v.dtype), dout_block, transpose_x=True).astype(FP32)
             dprobs = paddle.matmul(dout_block, v_block, transpose_y=True).astype(FP32)
-            dscores = (probs * (dprobs - delta[:, :, rows])).astype(q_rows.dtype)
+            dscores = probs * (dprobs - delta[:, :, rows])
+            if capped is not None:
+                dscores = dscores * (1.0 - paddle.square(capped))
+            dscores = dscores.astype(q_rows.dtype)
             dq_part = paddle.matmul(dscores, k_block).astype(FP32)
             dk_part = paddle.matmul(dscores, q_block, transpose_x=True).astype(FP32)
             dq[n] = dq_part if dq[n] is None else dq[n] + dq_part
@@ -134,38 +204,122 @@ def attend_backward(q_rows, k, v, out_rows, lse, dout_rows, groups: int, causal:
     return _joined(dq).astype(q_rows.dtype), _joined(dk).astype(k.dtype), _joined(dv).astype(v.dtype)
 
 
+def with_sinks(out_rows: paddle.Tensor, lse: paddle.Tensor, sinks: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """(output, log-sum-exp) once each row's softmax also counts its head's sink logit (`sink_rows`
+    layout): L = logaddexp(lse, sink), the output scaled by exp(lse - L)."""
+    total = paddle.maximum(lse, sinks) + paddle.log1p(paddle.exp(-paddle.abs(lse - sinks)))
+    return (out_rows.astype(FP32) * paddle.exp(lse - total)).astype(out_rows.dtype), total
+
+
+def sink_grad(out_rows, lse, dout_rows, sinks: paddle.Tensor, kv_heads: int) -> paddle.Tensor:
+    """The gradient of the per-head sink logits [heads]: -sum over a head's rows of
+    exp(sink - L) x rowsum(dO * O), with L the log-sum-exp that counts the sink."""
+    delta = (dout_rows.astype(FP32) * out_rows.astype(FP32)).sum(-1, keepdim=True)
+    column = sink_rows(sinks, kv_heads, lse.shape[2] * kv_heads // sinks.shape[0])
+    per_row = -(paddle.exp(column - lse) * delta)  # [batch, kv_heads, seq x groups, 1]
+    batch, groups = per_row.shape[0], sinks.shape[0] // kv_heads
+    return per_row.reshape([batch, kv_heads, -1, groups]).sum(axis=[0, 2]).reshape([-1]).astype(sinks.dtype)
+
+
+def _rows_of(t: paddle.Tensor, head_dim: int, kv_heads: int, seq_first: bool) -> paddle.Tensor:
+    """An output-shaped tensor ([.., heads x head_dim]) as rows."""
+    return to_rows(t.reshape(t.shape[:2] + [-1, head_dim]), kv_heads, seq_first)
+
+
 class _BlockwiseAttention(PyLayer):
-    """Causal attention of q [.., heads, head_dim] on k, v [.., kv_heads, head_dim]. Keeps q, k, v as
-    given, the output it returns (the output projection keeps the same tensor) and the log-sum-exp."""
+    """Causal attention of q [.., heads, qk_dim] on k [.., kv_heads, qk_dim] and v [.., kv_heads,
+    v_dim] under `spec`, with per-head `sinks` (or an empty tensor: none). Keeps q, k, v as given,
+    the output it returns (the output projection keeps the same tensor) and the log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, q, k, v, seq_first: bool, block: int):
-        kv_heads, head_dim = k.shape[2], q.shape[3]
-        groups, scale = q.shape[2] // kv_heads, 1 / math.sqrt(head_dim)
+    def forward(ctx, q, k, v, sinks, seq_first: bool, block: int, spec: CoreSpec):
+        kv_heads = k.shape[2]
+        groups, scale = q.shape[2] // kv_heads, spec.softmax_scale(q.shape[3])
         with full_precision():
             out_rows, lse = attend(to_rows(q, kv_heads, seq_first) * scale, to_heads(k, seq_first),
-                                   to_heads(v, seq_first), groups, True, block)
+                                   to_heads(v, seq_first), groups, True, block, spec=spec)
+            if sinks.shape[0]:
+                out_rows, lse = with_sinks(out_rows, lse, sink_rows(sinks, kv_heads, q.shape[0 if seq_first else 1]))
             out = from_rows(out_rows, groups, seq_first)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.layout = (seq_first, block, groups, scale)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.layout = (seq_first, block, groups, scale, spec)
+        ctx.sinks_learn = not sinks.stop_gradient  # Paddle wants None back for an input without gradient
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensor()
-        seq_first, block, groups, scale = ctx.layout
-        kv_heads, head_dim = k.shape[2], q.shape[3]
-        as_rows = lambda t: to_rows(t.reshape(t.shape[:2] + [-1, head_dim]), kv_heads, seq_first)  # noqa: E731
+        q, k, v, out, lse, sinks = ctx.saved_tensor()
+        seq_first, block, groups, scale, spec = ctx.layout
+        kv_heads, v_dim = k.shape[2], v.shape[3]
         with full_precision():
-            dq_rows, dk, dv = attend_backward(as_rows(q) * scale, to_heads(k, seq_first), to_heads(v, seq_first),
-                                              as_rows(out), lse, as_rows(dout), groups, True, block)
+            out_rows, dout_rows = _rows_of(out, v_dim, kv_heads, seq_first), _rows_of(dout, v_dim, kv_heads, seq_first)
+            dq_rows, dk, dv = attend_backward(to_rows(q, kv_heads, seq_first) * scale, to_heads(k, seq_first),
+                                              to_heads(v, seq_first), out_rows, lse, dout_rows, groups, True, block,
+                                              spec=spec)
             dq = from_rows(dq_rows * scale, groups, seq_first).reshape(q.shape)
             back = [2, 0, 1, 3] if seq_first else [0, 2, 1, 3]
-            return dq, dk.transpose(back), dv.transpose(back)
+            dsinks = sink_grad(out_rows, lse, dout_rows, sinks, kv_heads) if ctx.sinks_learn else None
+            return dq, dk.transpose(back), dv.transpose(back), dsinks
+
+
+NO_SINKS_SHAPE = [0]
 
 
 def blockwise_causal_attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, seq_first: bool = False,
-                               block: int = DEFAULT_BLOCK) -> paddle.Tensor:
-    """q [batch, seq, heads, head_dim], k and v [batch, seq, kv_heads, head_dim] (or all sequence first)
-    -> [batch, seq, heads x head_dim] (or sequence first)."""
-    return _BlockwiseAttention.apply(q, k, v, seq_first, block)
+                               block: int = DEFAULT_BLOCK, spec: CoreSpec = PLAIN,
+                               sinks: paddle.Tensor | None = None) -> paddle.Tensor:
+    """q [batch, seq, heads, qk_dim], k [batch, seq, kv_heads, qk_dim] and v [.., kv_heads, v_dim]
+    (or all sequence first) -> [batch, seq, heads x v_dim] (or sequence first), under `spec`, with
+    per-head sink logits `sinks` [heads] when given."""
+    if sinks is None:
+        sinks = paddle.zeros(NO_SINKS_SHAPE, "float32")
+    return _BlockwiseAttention.apply(q, k, v, sinks, seq_first, block, spec)
+
+
+class RingKernel:
+    """The blockwise core's computation of one block of ring attention (`attention_core/ring.py`):
+    queries as rows [batch, kv_heads, seq x groups, qk_dim] (scaled before the kernel), k and v as
+    [batch, kv_heads, seq, head_dim]; positions on axis 2 of both, the log-sum-exp [batch, kv_heads,
+    rows, 1]. Honours the spec's scale and soft-cap (windows and ALiBi need positions the ring's
+    blocks do not carry: context parallelism refuses them) and sinks."""
+
+    axis = 2
+
+    def __init__(self, q_shape, kv_heads: int, v_dim: int, seq_first: bool, block: int, spec: CoreSpec):
+        self.heads, self.qk_dim, self.v_dim = q_shape[2], q_shape[3], v_dim
+        self.kv_heads, self.seq_first, self.block, self.spec = kv_heads, seq_first, block, spec
+        self.groups, self.scale = self.heads // kv_heads, spec.softmax_scale(self.qk_dim)
+
+    def queries(self, t, scaled: bool = False):
+        """q ([.., heads, qk_dim]) as rows, scaled when asked."""
+        rows = to_rows(t.reshape(t.shape[:2] + [self.heads, self.qk_dim]), self.kv_heads, self.seq_first)
+        return rows * self.scale if scaled else rows
+
+    def outputs(self, t):
+        """An output or its gradient ([.., heads x v_dim]) as rows."""
+        return _rows_of(t, self.v_dim, self.kv_heads, self.seq_first)
+
+    def keys(self, t):
+        return to_heads(t, self.seq_first)
+
+    def attend(self, q, k, v, causal: bool):
+        return attend(q, k, v, self.groups, causal, self.block, out_dtype=FP32, spec=self.spec)
+
+    def attend_backward(self, q, k, v, out, lse, dout, causal: bool):
+        grads = attend_backward(q, k, v, out, lse, dout, self.groups, causal, self.block, spec=self.spec)
+        return [grad.astype(FP32) for grad in grads]
+
+    def with_sinks(self, out, lse, sinks):
+        return with_sinks(out, lse, sink_rows(sinks, self.kv_heads, lse.shape[2] // self.groups))
+
+    def sink_grad(self, out, lse, dout, sinks):
+        return sink_grad(out, lse, dout, sinks, self.kv_heads)
+
+    def output(self, out, dtype):
+        return from_rows(out.astype(dtype), self.groups, self.seq_first)
+
+    def query_grad(self, dq, like):
+        return from_rows((dq * self.scale).astype(like.dtype), self.groups, self.seq_first).reshape(like.shape)
+
+    def key_grad(self, grad, like):
+        return grad.astype(like.dtype).transpose([2, 0, 1, 3] if self.seq_first else [0, 2, 1, 3])

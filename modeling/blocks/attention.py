@@ -1,89 +1,155 @@
-"""Self-attention: q/k/v/o projections (optional biases), grouped-query heads with a `head_dim`
-independent of hidden / heads, optional q/k norms per head (Qwen3) or over the whole projection (OLMoE), rotary positions (or none, for
-learned positions), and the run's attention core (`modeling.attention_core`) on this tp rank's heads."""
+"""Self-attention as a layer declares it (`Attention`): q/k/v/o projections (optional biases),
+grouped-query heads with their own head size (v's may differ from q's and k's), optional q/k norms
+per head (Qwen3, Gemma 3) or over the whole projection (OLMoE, OLMo-2), q/k/v clipping (MPT's
+`clip_qkv`), the layer's rotary (or none), its `CoreSpec` (window, scale, soft-cap, ALiBi) and
+per-head sinks; computed by the run's attention core on this tp rank's heads (or by the blockwise
+core where the run's cannot compute the layer: `AttentionCore.serving`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import paddle
+
+from modeling.attention_core import AttentionCore, Heads
+from modeling.attention_core.spec import PLAIN, CoreSpec
 from modeling.blocks.norms import FP32_BYTES, rms_norm_saved_bytes
-from modeling.blocks.parts import Block, ColumnLinear, Norm, Part, RowLinear
-from modeling.blocks.rotary import rotate
+from modeling.blocks.parts import Block, ColumnLinear, Declared, Leaf, Norm, Part, RowLinear
+from modeling.blocks.rotary import Rotary
 from modeling.execution import Execution
 from modeling.sequence_parallel import gather_tokens
+from modeling.tp_plan import VECTOR_SPLIT, ZEROS, Placement, TensorPlan
+
+HEAD_NORM, PROJECTION_NORM = "head", "projection"  # q/k norms over each head, or over the whole projection
 
 
-class SelfAttention(Block):
-    """Reads from the config: heads, kv heads, head_dim, `qkv_bias`, `o_bias`, `qk_norm`, `rotary`
-    and the output projection's name (`attention_output`: LLaMA's o_proj, GPT's out_proj)."""
+@dataclass(frozen=True)
+class HeadVector(Leaf):
+    """One parameter per query head (sink logits), split over tp with the heads; a parameter of its
+    block under the part's own name (transformers' `self_attn.sinks`)."""
 
-    @classmethod
-    def declare(cls, c) -> dict[str, Part]:
-        q_width, kv_width = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    heads: int
+
+    def tensors(self) -> dict[str, TensorPlan]:
+        return {"": TensorPlan((self.heads,), Placement(VECTOR_SPLIT), init=ZEROS)}
+
+    def build(self, config, run: Execution):
+        param = paddle.create_parameter([self.heads // run.tp], "float32",
+                                        default_initializer=paddle.nn.initializer.Constant(0.0))
+        if run.tp > 1:
+            param.is_distributed, param.split_axis = True, 0
+        return param
+
+
+@dataclass(frozen=True)
+class Attention(Declared):
+    """One layer's attention. `qk_norm`: HEAD_NORM, PROJECTION_NORM or None, with `norm` the norm
+    used (its eps and form; its dim is set per place)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int | None = None  # None: head_dim
+    qkv_bias: bool = False
+    o_bias: bool = False
+    output: str = "o_proj"
+    qk_norm: str | None = None
+    norm: Norm | None = None
+    spec: CoreSpec = PLAIN
+    rotary: Rotary | None = None
+    sinks: bool = False
+    clip_qkv: float | None = None
+
+    @property
+    def v_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
+
+    def parts(self) -> dict[str, Part]:
+        q_width, k_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
         parts: dict[str, Part] = {
-            "q_proj": ColumnLinear(c.hidden_size, q_width, c.qkv_bias),
-            "k_proj": ColumnLinear(c.hidden_size, kv_width, c.qkv_bias),
-            "v_proj": ColumnLinear(c.hidden_size, kv_width, c.qkv_bias),
-            c.attention_output: RowLinear(q_width, c.hidden_size, c.o_bias),
+            "q_proj": ColumnLinear(self.hidden, q_width, self.qkv_bias),
+            "k_proj": ColumnLinear(self.hidden, k_width, self.qkv_bias),
+            "v_proj": ColumnLinear(self.hidden, self.kv_heads * self.v_dim, self.qkv_bias),
+            self.output: RowLinear(self.heads * self.v_dim, self.hidden, self.o_bias),
         }
-        if c.qk_norm == "head":
-            parts |= {"q_norm": Norm(c.head_dim, c.rms_norm_eps, per_head=True),
-                      "k_norm": Norm(c.head_dim, c.rms_norm_eps, per_head=True)}
-        elif c.qk_norm == "projection":
-            parts |= {"q_norm": Norm(q_width, c.rms_norm_eps, split=True),
-                      "k_norm": Norm(kv_width, c.rms_norm_eps, split=True)}
+        if self.qk_norm == HEAD_NORM:
+            head = Norm(self.head_dim, self.norm.eps, self.norm.offset, per_head=True)
+            parts |= {"q_norm": head, "k_norm": head}
+        elif self.qk_norm == PROJECTION_NORM:
+            parts |= {"q_norm": Norm(q_width, self.norm.eps, split=True), "k_norm": Norm(k_width, self.norm.eps, split=True)}
+        if self.sinks:
+            parts["sinks"] = HeadVector(self.heads)
         return parts
 
-    @classmethod
-    def tp_fields(cls, config) -> tuple[str, ...]:
-        return ("num_attention_heads", "num_key_value_heads")
+    def own_tp_units(self) -> dict[str, int]:
+        return {"num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads}
 
-    def __init__(self, config, run: Execution):
-        super().__init__(config, run)
-        self.local_heads = config.num_attention_heads // run.tp
-        self.local_kv_heads = config.num_key_value_heads // run.tp
+    def local_heads(self, run: Execution) -> Heads:
+        return Heads(self.heads // run.tp, self.kv_heads // run.tp, self.head_dim, self.v_dim)
 
-    def forward(self, hidden):
-        c, run = self.config, self.run
-        hidden = gather_tokens(hidden, run)
-        seq_first = run.sequence_first
-        lead = hidden.shape[:2]  # [batch, seq], or [seq, batch] under sequence parallelism
-        q, k = self.q_proj(hidden), self.k_proj(hidden)
-        if c.qk_norm == "projection":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q.reshape(lead + [self.local_heads, c.head_dim])
-        k = k.reshape(lead + [self.local_kv_heads, c.head_dim])
-        v = self.v_proj(hidden).reshape(lead + [self.local_kv_heads, c.head_dim])
-        if c.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        if c.rotary:
-            q, k = rotate(q, k, c, lead[0] if seq_first else lead[1], seq_first, run.kernels.fused_rope, run.cp)
-        out = run.recompute("core_attn", lambda *qkv: run.attention(*qkv, seq_first), q, k, v, training=self.training)
-        return getattr(self, c.attention_output)(out)
+    def core(self, run: Execution) -> AttentionCore:
+        """The core computing this layer in `run` (the run's, or blockwise where it cannot)."""
+        return run.attention.serving(self.spec, self.sinks, self.local_heads(run))
 
-    @staticmethod
-    def core_bytes(c, run: Execution, batch: int, seq_len: int, dtype_bytes: int) -> tuple[int, int, int]:
+    def core_bytes(self, run: Execution, batch: int, seq_len: int, dtype_bytes: int) -> tuple[int, int, int]:
         """(what the core keeps, its inputs q, k and v, its output) in bytes on this tp rank."""
-        heads, kv_heads = c.num_attention_heads // run.tp, c.num_key_value_heads // run.tp
-        kept = run.attention.saved_bytes(batch, seq_len, heads, kv_heads, c.head_dim, dtype_bytes, run.sequence_first)
-        return (kept, batch * seq_len * (heads + 2 * kv_heads) * c.head_dim * dtype_bytes,
-                batch * seq_len * heads * c.head_dim * dtype_bytes)
+        heads = self.local_heads(run)
+        kept = self.core(run).saved_bytes(batch, seq_len, heads, dtype_bytes, run.sequence_first,
+                                          self.spec.local(self.heads, run.tp, run.tp_rank), self.sinks)
+        return kept, heads.qkv_bytes(batch * seq_len, dtype_bytes), heads.output_bytes(batch * seq_len, dtype_bytes)
 
-    @staticmethod
-    def saved_bytes(c, run: Execution, batch: int, seq_len: int, dtype_bytes: int) -> dict[str, int]:
+    def saved_bytes(self, run: Execution, batch: int, seq_len: int, dtype_bytes: int) -> dict[str, int]:
         """What one call keeps for backward, by its sublayers' names ("" for its own code): q, k and v
         share one saved input, full-size with or without SP; the core keeps what its own model says,
         and the output projection its input unless the core already keeps that tensor. The rotary
         tables are constants every layer shares in fp32, not activations; in a narrower compute dtype
-        each layer keeps its own rounded copy of cos and sin."""
-        tokens, heads = batch * seq_len, c.num_attention_heads // run.tp
-        kept, _, output = SelfAttention.core_bytes(c, run, batch, seq_len, dtype_bytes)
-        rotary = 2 * seq_len * c.head_dim * dtype_bytes if c.rotary and dtype_bytes < FP32_BYTES else 0
-        saved = {"q_proj": tokens * c.hidden_size * dtype_bytes, "": kept + rotary,
-                 c.attention_output: 0 if run.attention.keeps_output(run.sequence_first) else output}
-        kv_heads = c.num_key_value_heads // run.tp
-        if c.qk_norm == "head":
-            saved |= {"q_norm": rms_norm_saved_bytes(tokens, c.head_dim, dtype_bytes, False, heads),
-                      "k_norm": rms_norm_saved_bytes(tokens, c.head_dim, dtype_bytes, False, kv_heads)}
-        elif c.qk_norm == "projection":
-            saved |= {"q_norm": rms_norm_saved_bytes(tokens, heads * c.head_dim, dtype_bytes, False),
-                      "k_norm": rms_norm_saved_bytes(tokens, kv_heads * c.head_dim, dtype_bytes, False)}
+        each layer keeps its own rounded copy of cos and sin. Clipping q, k and v (MPT) keeps them
+        unclipped for its gradient's mask."""
+        tokens, heads = batch * seq_len, self.local_heads(run)
+        kept, qkv, output = self.core_bytes(run, batch, seq_len, dtype_bytes)
+        rotary = 2 * seq_len * self.rotary.dim * dtype_bytes if self.rotary and dtype_bytes < FP32_BYTES else 0
+        clipped = qkv if self.clip_qkv is not None else 0  # the clip keeps q, k and v as they were
+        saved = {"q_proj": tokens * self.hidden * dtype_bytes, "": kept + rotary + clipped,
+                 self.output: 0 if self.core(run).keeps_output(run.sequence_first) else output}
+        if self.qk_norm == HEAD_NORM:
+            saved |= {"q_norm": rms_norm_saved_bytes(tokens, self.head_dim, dtype_bytes, self.norm.offset, heads.heads),
+                      "k_norm": rms_norm_saved_bytes(tokens, self.head_dim, dtype_bytes, self.norm.offset,
+                                                     heads.kv_heads)}
+        elif self.qk_norm == PROJECTION_NORM:
+            saved |= {"q_norm": rms_norm_saved_bytes(tokens, heads.heads * self.head_dim, dtype_bytes, False),
+                      "k_norm": rms_norm_saved_bytes(tokens, heads.kv_heads * self.head_dim, dtype_bytes, False)}
         return saved
+
+
+class SelfAttention(Block):
+    def __init__(self, config, run: Execution, declared: Attention):
+        super().__init__(config, run, declared)
+        self.heads = declared.local_heads(run)
+        self.spec = declared.spec.local(declared.heads, run.tp, run.tp_rank)
+        self.attend = declared.core(run)
+
+    def forward(self, hidden):
+        declared, run, heads = self.declared, self.run, self.heads
+        hidden = gather_tokens(hidden, run)
+        seq_first = run.sequence_first
+        lead = hidden.shape[:2]  # [batch, seq], or [seq, batch] under sequence parallelism
+        q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        if declared.clip_qkv is not None:
+            q, k, v = (paddle.clip(t, -declared.clip_qkv, declared.clip_qkv) for t in (q, k, v))
+        if declared.qk_norm == PROJECTION_NORM:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.reshape(lead + [heads.heads, heads.qk_dim])
+        k = k.reshape(lead + [heads.kv_heads, heads.qk_dim])
+        v = v.reshape(lead + [heads.kv_heads, heads.v_dim])
+        if declared.qk_norm == HEAD_NORM:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if declared.rotary is not None:
+            q, k = declared.rotary.rotate(q, k, seq_first, run.kernels.fused_rope, run.cp)
+        sinks = self.sinks if declared.sinks else None
+        out = run.recompute("core_attn", lambda *qkv: self.attend(*qkv, seq_first, self.spec, sinks), q, k, v,
+                            training=self.training)
+        return getattr(self, declared.output)(out)
+
+
+Attention.layer = SelfAttention

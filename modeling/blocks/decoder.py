@@ -1,17 +1,17 @@
-"""The LLaMA-like decoder layer (LLaMA, Mistral, Qwen2/2.5, Qwen3, Gemma): pre-norm residual blocks
-of self-attention and a gated MLP; and what a decoder layer keeps for backward under each recompute
-granularity (the planner's model)."""
+"""The decoder layer every family is built from, declared per layer (`Decoder`): its attention part,
+its feed-forward part (a gated MLP, a plain MLP, or a mixture of experts) under the family's name for
+it, where its norms sit around them (`NormPlacement`: LLaMA's pre-norms, Gemma 2/3's four, OLMo-2's
+post-norms only) and what multiplies the residual branches (Granite); and what a decoder layer keeps
+for backward under each recompute granularity (the planner's model).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import lru_cache
+from dataclasses import dataclass, field
 
-from modeling.blocks.attention import SelfAttention
-from modeling.blocks.mlp import GatedMLP
-from modeling.blocks.moe import SparseMoE, is_sparse, moe_saved_bytes
-from modeling.blocks.norms import rms_norm_saved_bytes
-from modeling.blocks.parts import Block, Part
+from modeling.blocks.attention import Attention
+from modeling.blocks.norms import layer_norm_saved_bytes, rms_norm_saved_bytes
+from modeling.blocks.parts import Block, Declared, Norm, Part
 from modeling.execution import Execution
 from modeling.sequence_parallel import sequence_shards
 
@@ -19,6 +19,27 @@ from modeling.sequence_parallel import sequence_shards
 def prefixed(prefix: str, saved: dict[str, int]) -> dict[str, int]:
     """A sublayer's `saved_bytes` under its name in the layer ("" stays the sublayer's own)."""
     return {f"{prefix}.{key}".rstrip("."): value for key, value in saved.items()}
+
+
+@dataclass(frozen=True)
+class NormPlacement:
+    """The names of the norms around a layer's two branches (None: no norm there): before and after
+    the attention, before and after the feed-forward part."""
+
+    before_attention: str | None = "input_layernorm"
+    after_attention: str | None = None
+    before_feed_forward: str | None = "post_attention_layernorm"
+    after_feed_forward: str | None = None
+
+    def names(self) -> list[str]:
+        return [name for name in (self.before_attention, self.after_attention, self.before_feed_forward,
+                                  self.after_feed_forward) if name]
+
+
+PRE_NORMS = NormPlacement()  # LLaMA and most families
+SANDWICH_NORMS = NormPlacement("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                               "post_feedforward_layernorm")  # Gemma 2 and 3
+POST_NORMS = NormPlacement(None, "post_attention_layernorm", None, "post_feedforward_layernorm")  # OLMo-2
 
 
 @dataclass(frozen=True)
@@ -30,94 +51,88 @@ class LayerActivations:
     rebuilt: int = 0
 
 
-def layer_activations(layer: type[Block], c, run: Execution, batch: int, seq_len: int,
-                      dtype_bytes: int) -> LayerActivations:
-    """`layer.saved_bytes` (what it keeps with nothing recomputed) under the run's granularity:
-    full keeps the layer's input; full_attn keeps the attention's normed input instead of what
-    the attention keeps; core_attn keeps the core's q, k and v instead of what the core keeps, and
-    the output projection then keeps the core's (recomputed, so new) output."""
-    saved = layer.saved_bytes(c, run, batch, seq_len, dtype_bytes)
+@dataclass(frozen=True)
+class Decoder(Declared):
+    """Decoder layer `index`: x + m * post(attention(pre(x))), then the same around the feed-forward
+    part named `feed_forward_name`, with m the `residual_multiplier` (Granite; 1 elsewhere)."""
+
+    index: int
+    attention: Attention
+    feed_forward: Part
+    norm: Norm
+    feed_forward_name: str = "mlp"
+    attention_name: str = "self_attn"
+    norms: NormPlacement = field(default=PRE_NORMS)
+    residual_multiplier: float = 1.0
+
+    def parts(self) -> dict[str, Part]:
+        return {self.attention_name: self.attention, self.feed_forward_name: self.feed_forward,
+                **dict.fromkeys(self.norms.names(), self.norm)}
+
+    def saved_bytes(self, run: Execution, batch: int, seq_len: int, dtype_bytes: int) -> dict[str, int]:
+        """What the layer keeps for backward on a tp rank with nothing recomputed, by sublayer: equal
+        byte for byte to what `paddle_pp.training.activations` measures in fp32 (tested). The norms
+        are the only activations TP leaves whole and SP splits (over tp ranks); a norm after a branch
+        normalises its output, so it keeps what a norm before one keeps."""
+        tokens = batch * seq_len
+        local = tokens // sequence_shards(run.tp, run.sequence_parallel)
+        if self.norm.layer_norm:
+            norm = layer_norm_saved_bytes(local, self.norm.dim, dtype_bytes)
+        else:
+            norm = rms_norm_saved_bytes(local, self.norm.dim, dtype_bytes, self.norm.offset,
+                                        fused=run.kernels.fused_rms_norm)
+        return {**dict.fromkeys(self.norms.names(), norm),
+                **prefixed(self.attention_name, self.attention.saved_bytes(run, batch, seq_len, dtype_bytes)),
+                **prefixed(self.feed_forward_name, self.feed_forward.saved_bytes(run, tokens, dtype_bytes))}
+
+    def activations(self, run: Execution, batch: int, seq_len: int, dtype_bytes: int) -> LayerActivations:
+        return layer_activations(self, run, batch, seq_len, dtype_bytes)
+
+
+def layer_activations(layer, run: Execution, batch: int, seq_len: int, dtype_bytes: int) -> LayerActivations:
+    """A decoder layer declaration's `saved_bytes` (what it keeps with nothing recomputed) under the
+    run's granularity: full keeps the layer's input; full_attn keeps the attention's input instead of
+    what the attention keeps; core_attn keeps the core's q, k and v instead of what the core keeps,
+    and the output projection then keeps the core's (recomputed, so new) output."""
+    saved = layer.saved_bytes(run, batch, seq_len, dtype_bytes)
     total, granularity = sum(saved.values()), run.recompute.granularity
-    hidden = batch * seq_len // sequence_shards(run.tp, run.sequence_parallel) * c.hidden_size * dtype_bytes
+    hidden = batch * seq_len // sequence_shards(run.tp, run.sequence_parallel) * layer.attention.hidden * dtype_bytes
     if granularity is None:
         return LayerActivations(total)
     if granularity == "full":
         return LayerActivations(hidden, total)
     if granularity == "full_attn":
-        attention = sum(value for key, value in saved.items() if key.split(".")[0] == "self_attn")
+        attention = sum(value for key, value in saved.items() if key.split(".")[0] == layer.attention_name)
         return LayerActivations(total - attention + hidden, attention)
-    kept, inputs, output = SelfAttention.core_bytes(c, run, batch, seq_len, dtype_bytes)
-    new_output = output if run.attention.keeps_output(run.sequence_first) else 0
+    kept, inputs, output = layer.attention.core_bytes(run, batch, seq_len, dtype_bytes)
+    new_output = output if layer.attention.core(run).keeps_output(run.sequence_first) else 0
     return LayerActivations(total - kept + inputs + new_output, kept)
 
 
 class DecoderLayer(Block):
-    @classmethod
-    def feed_forward(cls, c) -> tuple[str, Part]:
-        """The feed-forward part's name and part."""
-        return "mlp", GatedMLP
+    """Built from a `Decoder` declaration (its class name keeps "DecoderLayer": fleet's pipeline
+    segment pattern finds decoder layers by it)."""
 
-    @classmethod
-    def declare(cls, c) -> dict[str, Part]:
-        name, part = cls.feed_forward(c)
-        return {"self_attn": SelfAttention, name: part, "input_layernorm": c.hidden_norm(),
-                "post_attention_layernorm": c.hidden_norm()}
+    def __init__(self, config, run: Execution, declared: Decoder):
+        super().__init__(config, run, declared)
+        self.index = declared.index
+
+    def _branch(self, hidden, before: str | None, branch, after: str | None, scope: str | None = None):
+        normed = getattr(self, before)(hidden) if before else hidden
+        out = self.run.recompute(scope, branch, normed, training=self.training) if scope else branch(normed)
+        out = getattr(self, after)(out) if after else out
+        multiplier = self.declared.residual_multiplier
+        return hidden + (out if multiplier == 1.0 else out * multiplier)
 
     def _block(self, hidden):
-        normed = self.input_layernorm(hidden)
-        hidden = hidden + self.run.recompute("full_attn", self.self_attn, normed, training=self.training)
-        return hidden + getattr(self, self.feed_forward(self.config)[0])(self.post_attention_layernorm(hidden))
+        declared, norms = self.declared, self.declared.norms
+        hidden = self._branch(hidden, norms.before_attention, getattr(self, declared.attention_name),
+                              norms.after_attention, "full_attn")
+        return self._branch(hidden, norms.before_feed_forward, getattr(self, declared.feed_forward_name),
+                            norms.after_feed_forward)
 
     def forward(self, hidden):
         return self.run.recompute("full", self._block, hidden, training=self.training)
 
-    @classmethod
-    def saved_bytes(cls, c, run: Execution, batch: int, seq_len: int, dtype_bytes: int) -> dict[str, int]:
-        """What the layer keeps for backward on a tp rank with nothing recomputed, by sublayer: equal
-        byte for byte to what `paddle_pp.training.activations` measures in fp32 (tested). The norms
-        are the only activations TP leaves whole and SP splits (over tp ranks)."""
-        tokens = batch * seq_len
-        norm = rms_norm_saved_bytes(tokens // sequence_shards(run.tp, run.sequence_parallel), c.hidden_size,
-                                    dtype_bytes, c.norm_offset, fused=run.kernels.fused_rms_norm)
-        return {"input_layernorm": norm, "post_attention_layernorm": norm,
-                **prefixed("self_attn", SelfAttention.saved_bytes(c, run, batch, seq_len, dtype_bytes)),
-                **prefixed(cls.feed_forward(c)[0], cls.feed_forward_bytes(c, run, tokens, dtype_bytes))}
 
-    @classmethod
-    def feed_forward_bytes(cls, c, run: Execution, tokens: int, dtype_bytes: int) -> dict[str, int]:
-        return GatedMLP.saved_bytes(c, run, tokens, dtype_bytes)
-
-
-class SparseDecoderLayer(DecoderLayer):
-    """A mixture-of-experts family's decoder layer: the MoE block (named `moe_block`: "mlp", Mixtral's
-    "block_sparse_moe") where `is_sparse` says so, else the dense layer; `index` is its place."""
-
-    index = 0
-
-    @classmethod
-    def for_layer(cls, config, index: int) -> type[Block]:
-        if not is_sparse(config, index):
-            return DecoderLayer
-        return _placed(cls, index)
-
-    @classmethod
-    def kind(cls) -> type[Block]:
-        return SparseDecoderLayer
-
-    @classmethod
-    def feed_forward(cls, c) -> tuple[str, Part]:
-        return c.moe_block, SparseMoE
-
-    @classmethod
-    def feed_forward_bytes(cls, c, run: Execution, tokens: int, dtype_bytes: int) -> dict[str, int]:
-        return moe_saved_bytes(c, run, tokens, dtype_bytes)
-
-    def __init__(self, config, run: Execution):
-        super().__init__(config, run)
-        getattr(self, config.moe_block).layer_index = self.index
-
-
-@lru_cache(maxsize=None)
-def _placed(layer: type[SparseDecoderLayer], index: int) -> type[SparseDecoderLayer]:
-    """`layer` built for place `index` (its name keeps "DecoderLayer": the pipeline's segment pattern)."""
-    return type(f"{layer.__name__}{index}", (layer,), {"index": index, "__module__": __name__})
+Decoder.layer = DecoderLayer

@@ -10,6 +10,7 @@ import numpy as np
 import paddle
 from paddle import nn
 
+from modeling.blocks.parts import Leaf
 from modeling.execution import Execution
 from modeling.sequence_parallel import gather_sequence, scatter_sequence
 from modeling.tp_layers import vocab_logits
@@ -19,12 +20,12 @@ _NUMPY_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32
 
 
 def embed(config, run: Execution, tokens: nn.Layer, positions: nn.Layer | None, input_ids) -> paddle.Tensor:
-    """The first hidden states: token embeddings, times `config.embedding_multiplier` (Gemma's
-    sqrt(hidden), rounded to the compute dtype as transformers does) and plus learned positions
+    """The first hidden states: token embeddings, times `config.embedding_scale` (Gemma's
+    sqrt(hidden), Granite's multiplier; rounded to the compute dtype as transformers does) and plus learned positions
     when the model has them (of this rank's tokens under context parallelism); scattered along the
     sequence under sequence parallelism."""
     hidden = tokens(input_ids)
-    multiplier = getattr(config, "embedding_multiplier", None)
+    multiplier = config.embedding_scale
     if multiplier:  # a scale op keeps nothing for backward; a product with a tensor would keep the embeddings
         dtype = str(hidden.dtype).removeprefix("paddle.")
         hidden = paddle.scale(hidden, float(np.asarray(multiplier, _NUMPY_DTYPES[dtype]).astype(np.float32)))
@@ -35,29 +36,36 @@ def embed(config, run: Execution, tokens: nn.Layer, positions: nn.Layer | None, 
     return scatter_sequence(hidden, run)
 
 
-def logits(run: Execution, hidden: paddle.Tensor, weight: paddle.Tensor, tied: bool) -> paddle.Tensor:
+def logits(config, run: Execution, hidden: paddle.Tensor, weight: paddle.Tensor, tied: bool) -> paddle.Tensor:
     """Logits over this rank's vocabulary slice, from the head's [hidden, vocab] weight or a tied
-    embedding's [vocab, hidden]; the sequence is gathered back first under sequence parallelism."""
-    return vocab_logits(gather_sequence(hidden, run), weight, run.tp, transpose_y=tied)
+    embedding's [vocab, hidden]; the sequence is gathered back first under sequence parallelism.
+    Granite divides them by `logits_divisor`; Gemma 2 soft-caps them (cap x tanh(logits / cap)),
+    elementwise, so each rank's slice alone."""
+    out = vocab_logits(gather_sequence(hidden, run), weight, run.tp, transpose_y=tied)
+    if config.logits_divisor is not None:
+        out = out / config.logits_divisor
+    if config.final_logit_softcap is not None:
+        out = paddle.tanh(out / config.final_logit_softcap) * config.final_logit_softcap
+    return out
 
 
 class HeadLayer(nn.Layer):
     """The untied head [hidden, vocab]; under TP each rank holds a vocabulary slice."""
 
-    def __init__(self, run: Execution, hidden_size: int, vocab_size: int):
+    def __init__(self, config, run: Execution, hidden_size: int, vocab_size: int):
         super().__init__()
-        self.run = run
+        self.config, self.run = config, run
         self.weight = self.create_parameter(shape=[hidden_size, vocab_size // run.tp])
         if run.tp > 1:
             self.weight.is_distributed = True
             self.weight.split_axis = 1
 
     def forward(self, hidden):
-        return logits(self.run, hidden, self.weight, tied=False)
+        return logits(self.config, self.run, hidden, self.weight, tied=False)
 
 
 @dataclass(frozen=True)
-class LMHead:
+class LMHead(Leaf):
     """The untied head's part: its weight is a column-parallel linear's."""
 
     hidden_size: int
@@ -67,7 +75,7 @@ class LMHead:
         return {"weight": TensorPlan((self.hidden_size, self.vocab_size), Placement(COLUMN), linear=True)}
 
     def build(self, config, run: Execution) -> nn.Layer:
-        return HeadLayer(run, self.hidden_size, self.vocab_size)
+        return HeadLayer(config, run, self.hidden_size, self.vocab_size)
 
 
 class TiedHeadLayer(nn.Layer):
@@ -76,7 +84,7 @@ class TiedHeadLayer(nn.Layer):
 
     def __init__(self, config, run: Execution):
         super().__init__()
-        self.run = run
+        self.config, self.run = config, run
         self.weight = self.create_parameter(shape=[config.vocab_size // run.tp, config.hidden_size])
         if run.tp > 1:
             self.weight.is_distributed = True
@@ -87,4 +95,4 @@ class TiedHeadLayer(nn.Layer):
         return self.weight
 
     def forward(self, hidden):
-        return logits(self.run, hidden, self.weight, tied=True)
+        return logits(self.config, self.run, hidden, self.weight, tied=True)

@@ -27,8 +27,8 @@ from paddle.autograd import PyLayer
 from paddle.distributed.fleet.utils import sequence_parallel_utils as sp_utils
 
 from modeling.autocast import full_precision
-from modeling.blocks.mlp import gated_mlp
-from modeling.blocks.parts import Block, Part
+from modeling.blocks.mlp import GatedMLP
+from modeling.blocks.parts import Block, Declared, Leaf, Part
 from modeling.execution import Execution
 from modeling.expert_parallel import run_dispatched
 from modeling.tp_plan import REPLICATED, Placement, TensorPlan
@@ -36,7 +36,7 @@ from paddle_pp.runtime.experts import mark_experts
 
 
 @dataclass(frozen=True)
-class Router:
+class Router(Leaf):
     """A bias-free linear hidden -> `outputs` (router scores, or Qwen2-MoE's shared-expert gate),
     whole on every tp rank: every tp rank routes the same tokens, so its gradient is the same too."""
 
@@ -50,29 +50,34 @@ class Router:
         return nn.Linear(self.hidden, self.outputs, bias_attr=False)
 
 
-class Experts(Block):
-    """The experts, children "0" .. "E-1" under their global ids (transformers' on-disk names), each
-    tensor's placement naming its expert. Under expert parallelism a rank builds only its share,
+@dataclass(frozen=True)
+class Experts(Declared):
+    """`count` experts, children "0" .. "count-1" under their global ids (transformers' on-disk names),
+    each tensor's placement naming its expert. Under expert parallelism a rank builds only its share,
     under the same global names, so checkpoints keep single-card names whatever the ep."""
 
-    @classmethod
-    def declare(cls, c) -> dict[str, Part]:
-        expert = gated_mlp(c.expert_width, c.expert_names)
-        return {str(e): expert for e in range(c.num_experts)}
+    count: int
+    expert: GatedMLP
 
-    @classmethod
-    def tensors(cls, config) -> dict[str, TensorPlan]:
-        return {name: row.placed(expert=int(name.split(".")[0])) for name, row in super().tensors(config).items()}
+    def parts(self) -> dict[str, Part]:
+        return {str(e): self.expert for e in range(self.count)}
 
-    @classmethod
-    def built_parts(cls, config, run: Execution) -> dict[str, Part]:
-        parts = cls.declare(config)
-        return parts if run.experts is None else {str(e): parts[str(e)] for e in run.experts.local(config.num_experts)}
+    def tensors(self) -> dict[str, TensorPlan]:
+        return {name: row.placed(expert=int(name.split(".")[0])) for name, row in super().tensors().items()}
 
-    def __init__(self, config, run: Execution):
-        super().__init__(config, run)
+    def built_parts(self, run: Execution) -> dict[str, Part]:
+        parts = self.parts()
+        return parts if run.experts is None else {str(e): parts[str(e)] for e in run.experts.local(self.count)}
+
+
+class ExpertsLayer(Block):
+    def __init__(self, config, run: Execution, declared: Experts):
+        super().__init__(config, run, declared)
         if run.experts is not None:
             mark_experts(self)
+
+
+Experts.layer = ExpertsLayer
 
 
 class _AddAuxLoss(PyLayer):
@@ -96,24 +101,37 @@ def switch_aux_loss(probs: paddle.Tensor, counts: paddle.Tensor, top_k: int) -> 
     return experts * (share * probs.mean(axis=0)).sum()
 
 
-class SparseMoE(Block):
-    """Router, experts and (Qwen2-MoE) a shared expert whose output is gated by sigmoid(gate(x))."""
+@dataclass(frozen=True)
+class MoE(Declared):
+    """Decoder layer `index`'s mixture of experts: a router over `experts`, and (Qwen2-MoE) a shared
+    expert whose output is gated by sigmoid(shared_expert_gate(x)). Routing reads the family's
+    config (top-k, renormalisation, aux-loss coefficient)."""
 
-    @classmethod
-    def declare(cls, c) -> dict[str, Part]:
-        parts: dict[str, Part] = {"gate": Router(c.hidden_size, c.num_experts), "experts": Experts}
-        if getattr(c, "shared_expert_intermediate_size", 0):
-            parts |= {"shared_expert": gated_mlp("shared_expert_intermediate_size"),
-                      "shared_expert_gate": Router(c.hidden_size, 1)}
+    index: int
+    hidden: int
+    experts: Experts
+    top_k: int
+    shared: GatedMLP | None = None
+
+    def parts(self) -> dict[str, Part]:
+        parts: dict[str, Part] = {"gate": Router(self.hidden, self.experts.count), "experts": self.experts}
+        if self.shared is not None:
+            parts |= {"shared_expert": self.shared, "shared_expert_gate": Router(self.hidden, 1)}
         return parts
 
-    layer_index = 0  # its decoder layer's, for the metrics (set by the layer)
+    def saved_bytes(self, run: Execution, tokens: int, dtype_bytes: int) -> dict[str, int]:
+        return moe_saved_bytes(self, run, tokens, dtype_bytes)
 
-    def __init__(self, config, run: Execution):
+
+class SparseMoE(Block):
+    """Router, experts and the shared expert of a `MoE` declaration."""
+
+    def __init__(self, config, run: Execution, declared: MoE):
         """Its linears are plain tp ones even under sequence parallelism: the block gathers the
         sequence first (see `forward`)."""
-        super().__init__(config, replace(run, sequence_parallel=False))
+        super().__init__(config, replace(run, sequence_parallel=False), declared)
         self.sequence_first = run.sequence_first
+        self.layer_index = declared.index  # its decoder layer's, for the metrics
 
     def route(self, flat: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
         """(fp32 probabilities [tokens, E], chosen experts [tokens, k], their weights [tokens, k])."""
@@ -140,7 +158,8 @@ class SparseMoE(Block):
         flat = hidden.reshape([-1, c.hidden_size])
         probs, chosen, weights = self.route(flat)
         out, counts = (self._local(flat, chosen, weights) if self.run.experts is None
-                       else run_dispatched(flat, chosen, weights, self.experts, self.run.experts, c.num_experts))
+                       else run_dispatched(flat, chosen, weights, self.experts, self.run.experts,
+                                           self.declared.experts.count))
         if hasattr(self, "shared_expert"):
             out = out + F.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         out = out.reshape(hidden.shape)
@@ -168,6 +187,9 @@ class SparseMoE(Block):
         return out, counts
 
 
+MoE.layer = SparseMoE
+
+
 def tie_margin(probs: paddle.Tensor, top_k: int) -> paddle.Tensor:
     """The least gap between a token's k-th and (k+1)-th router logit (log of the probabilities'
     ratio): how far routing is from a tie that fp32 noise could flip (inf when every expert is chosen)."""
@@ -183,15 +205,15 @@ def is_sparse(c, index: int) -> bool:
     return c.num_experts > 0 and index not in (c.mlp_only_layers or ()) and (index + 1) % c.decoder_sparse_step == 0
 
 
-def moe_saved_bytes(c, run: Execution, tokens: int, dtype_bytes: int) -> dict[str, int]:
+def moe_saved_bytes(moe: MoE, run: Execution, tokens: int, dtype_bytes: int) -> dict[str, int]:
     """What an MoE block keeps for backward with balanced routing (each expert gets tokens x k / E):
     the router's input and fp32 probabilities, each expert's gated-MLP activations on its tokens, the
     gathered rows and the weighted outputs (the planner's model; not measured)."""
-    routed = tokens * c.num_experts_per_tok
-    expert = gated_mlp(c.expert_width, c.expert_names).saved_bytes(c, run, routed, dtype_bytes)
-    saved = {"gate": tokens * c.hidden_size * dtype_bytes + tokens * c.num_experts * 4,
-             "experts": sum(expert.values()) + 2 * routed * c.hidden_size * dtype_bytes}
-    if getattr(c, "shared_expert_intermediate_size", 0):
-        shared = gated_mlp("shared_expert_intermediate_size").saved_bytes(c, run, tokens, dtype_bytes)
-        saved["shared_expert"] = sum(shared.values()) + 2 * tokens * c.hidden_size * dtype_bytes
+    routed = tokens * moe.top_k
+    expert = moe.experts.expert.saved_bytes(run, routed, dtype_bytes)
+    saved = {"gate": tokens * moe.hidden * dtype_bytes + tokens * moe.experts.count * 4,
+             "experts": sum(expert.values()) + 2 * routed * moe.hidden * dtype_bytes}
+    if moe.shared is not None:
+        shared = moe.shared.saved_bytes(run, tokens, dtype_bytes)
+        saved["shared_expert"] = sum(shared.values()) + 2 * tokens * moe.hidden * dtype_bytes
     return saved

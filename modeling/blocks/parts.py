@@ -1,18 +1,21 @@
-"""What a block is made of, declared once: each part says its parameters' plans (shape, tp
-placement, initial values, whether the gradient is partial per tp rank) and builds its layer; the
-model adds the stage placement and the experts block the expert one (`tp_plan.Placement`).
+"""What a block is made of, declared once: each part is a value with its arguments, says its
+parameters' plans (shape, tp placement, initial values, whether the gradient is partial per tp rank)
+and builds its layer; the model adds the stage placement and the experts block the expert one
+(`tp_plan.Placement`).
 
-A block (`Block`) declares its parts by name in `declare(config)`; its `__init__` builds each part as
-the child of that name for the run's `Execution` (single card, or fleet's parallel layers under TP),
-and `tensors(config)` collects the parts' placements under the same names. So a model's TP plan is
-read off the declarations its layers are built from, never kept by hand, and does not depend on
-how a run computes it.
+A leaf (a linear, an embedding, a norm) builds one Paddle layer. A block declaration (`Declared`)
+names its parts and the `Block` class it builds; the block's `__init__` builds each part as the
+child of that name for the run's `Execution` (single card, or fleet's parallel layers under TP), and
+`tensors()` collects the parts' placements under the same names. So a model's TP plan is read off
+the declarations its layers are built from, never kept by hand, and does not depend on how a run
+computes it; and a layer that differs by its place (its window, its rotary, dense or sparse) is a
+declaration with other arguments, not another class.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Union
+from typing import ClassVar, Protocol
 
 from paddle import nn
 
@@ -34,64 +37,72 @@ from modeling.tp_plan import (
 )
 
 
-class Leaf(Protocol):
+class Part(Protocol):
+    """A piece of a model: its parameters' plans under their names, the layer it builds, and the
+    units tensor parallelism splits (each must divide by tp)."""
+
     def tensors(self) -> dict[str, TensorPlan]: ...
 
     def build(self, config, run: Execution) -> nn.Layer: ...
 
+    def tp_units(self) -> dict[str, int]: ...
 
-Part = Union[Leaf, type["Block"]]
+
+class Leaf:
+    """A part that builds one layer and splits no unit of its own."""
+
+    def tp_units(self) -> dict[str, int]:
+        return {}
+
+
+class Declared:
+    """A block's declaration: its named parts (`parts`) and the `Block` class built from it (`layer`)."""
+
+    layer: ClassVar[type[Block]]
+
+    def parts(self) -> dict[str, Part]:
+        raise NotImplementedError
+
+    def built_parts(self, run: Execution) -> dict[str, Part]:
+        """The parts this rank builds: all of them, unless the run holds only a share (experts under
+        expert parallelism)."""
+        return self.parts()
+
+    def own_tp_units(self) -> dict[str, int]:
+        """Units this block's own code splits over tp (heads, MLP width)."""
+        return {}
+
+    def tensors(self) -> dict[str, TensorPlan]:
+        """Every parameter's plan under its name in the block (a part that is one parameter: its own)."""
+        return {f"{name}.{key}" if key else name: row for name, part in self.parts().items()
+                for key, row in part.tensors().items()}
+
+    def tp_units(self) -> dict[str, int]:
+        units = dict(self.own_tp_units())
+        for part in self.parts().values():
+            units |= part.tp_units()
+        return units
+
+    def build(self, config, run: Execution) -> nn.Layer:
+        return self.layer(config, run, self)
 
 
 class Block(nn.Layer):
-    """A layer whose children are its declared parts (leaves or other blocks)."""
+    """A layer whose children are its declaration's parts."""
 
-    @classmethod
-    def declare(cls, config) -> dict[str, Part]:
-        raise NotImplementedError
-
-    @classmethod
-    def tp_fields(cls, config) -> tuple[str, ...]:
-        """Config fields whose units tensor parallelism splits (heads, MLP width): each must divide by tp."""
-        return ()
-
-    @classmethod
-    def for_layer(cls, config, index: int) -> type["Block"]:
-        """The class decoder layer `index` is built from (a layer whose parts depend on its place
-        returns a subclass that knows it)."""
-        return cls
-
-    @classmethod
-    def kind(cls) -> type["Block"]:
-        """The class whose parts this one declares (itself, unless it only adds a place)."""
-        return cls
-
-    @classmethod
-    def built_parts(cls, config, run: Execution) -> dict[str, Part]:
-        """The declared parts this rank builds: all of them, unless the run holds only a share
-        (experts under expert parallelism)."""
-        return cls.declare(config)
-
-    def __init__(self, config, run: Execution):
+    def __init__(self, config, run: Execution, declared: Declared):
         super().__init__()
-        self.config, self.run = config, run
-        for name, part in self.built_parts(config, run).items():
-            self.add_sublayer(name, part(config, run) if isinstance(part, type) else part.build(config, run))
-
-    @classmethod
-    def tensors(cls, config) -> dict[str, TensorPlan]:
-        return {f"{name}.{key}": row for name, part in cls.declare(config).items()
-                for key, row in (part.tensors(config) if isinstance(part, type) else part.tensors()).items()}
-
-    @classmethod
-    def all_tp_fields(cls, config) -> tuple[str, ...]:
-        """`tp_fields` of this block and of every block it is made of."""
-        nested = [part.all_tp_fields(config) for part in cls.declare(config).values() if isinstance(part, type)]
-        return tuple(dict.fromkeys(cls.tp_fields(config) + sum(nested, ())))
+        self.config, self.run, self.declared = config, run, declared
+        for name, part in declared.built_parts(run).items():
+            built = part.build(config, run)
+            if isinstance(built, nn.Layer):
+                self.add_sublayer(name, built)
+            else:  # a part that is one parameter of its block (per-head sinks)
+                self.add_parameter(name, built)
 
 
 @dataclass(frozen=True)
-class ColumnLinear:
+class ColumnLinear(Leaf):
     """Output features split over tp (and the bias with them); the output stays split."""
 
     in_features: int
@@ -107,7 +118,7 @@ class ColumnLinear:
 
 
 @dataclass(frozen=True)
-class RowLinear:
+class RowLinear(Leaf):
     """Input features split over tp; partial outputs summed. The bias is added once, whole on every
     rank; under sequence parallelism each rank adds it to its positions only."""
 
@@ -125,7 +136,7 @@ class RowLinear:
 
 
 @dataclass(frozen=True)
-class VocabEmbedding:
+class VocabEmbedding(Leaf):
     """Token embedding [vocab, hidden], vocabulary rows split over tp."""
 
     num_embeddings: int
@@ -137,9 +148,12 @@ class VocabEmbedding:
     def build(self, config, run: Execution) -> nn.Layer:
         return tp_layers.vocab_embedding(run, self.num_embeddings, self.dim)
 
+    def tp_units(self) -> dict[str, int]:
+        return {"vocab_size": self.num_embeddings}
+
 
 @dataclass(frozen=True)
-class Embedding:
+class Embedding(Leaf):
     """An embedding every tp rank holds whole (learned positions)."""
 
     num_embeddings: int
@@ -153,12 +167,13 @@ class Embedding:
 
 
 @dataclass(frozen=True)
-class Norm:
-    """RMSNorm (LayerNorm with `layer_norm`) over `dim`, whole on every tp rank. Over the hidden size
-    each rank sees every position unless sequence parallelism cuts them (its gradient is then summed
-    over tp); over a head (`per_head`, q/k norms) each rank sees only its heads, so always. Over a
-    whole projection that tp splits by heads (`split`, OLMoE's q/k norms) the weight is split with
-    the projection's columns, each rank's block complete, and the mean square is summed over tp."""
+class Norm(Leaf):
+    """RMSNorm (LayerNorm with `layer_norm`, without its bias when not `bias`) over `dim`, whole on
+    every tp rank. Over the hidden size each rank sees every position unless sequence parallelism cuts
+    them (its gradient is then summed over tp); over a head (`per_head`, q/k norms) each rank sees only
+    its heads, so always. Over a whole projection that tp splits by heads (`split`, OLMoE's and
+    OLMo-2's q/k norms) the weight is split with the projection's columns, each rank's block complete,
+    and the mean square is summed over tp."""
 
     dim: int
     eps: float
@@ -166,6 +181,7 @@ class Norm:
     layer_norm: bool = False
     per_head: bool = False
     split: bool = False
+    bias: bool = True  # a LayerNorm's (MPT's have none)
 
     def tensors(self) -> dict[str, TensorPlan]:
         if self.split:
@@ -173,11 +189,13 @@ class Norm:
         partial = ALWAYS if self.per_head else UNDER_SEQUENCE_PARALLEL
         scale = TensorPlan((self.dim,), Placement(REPLICATED), init=ZEROS if self.offset else ONES, tp_partial_grad=partial)
         bias = TensorPlan((self.dim,), Placement(REPLICATED), init=ZEROS, tp_partial_grad=partial)
-        return {"weight": scale, "bias": bias} if self.layer_norm else {"weight": scale}
+        return {"weight": scale, "bias": bias} if self.layer_norm and self.bias else {"weight": scale}
 
     def build(self, config, run: Execution) -> nn.Layer:
         if self.split and run.tp > 1:
             return SplitRMSNorm(self.dim, self.eps, tp_layers.tp_group())
-        norm = nn.LayerNorm(self.dim, epsilon=self.eps) if self.layer_norm else \
-            RMSNorm(self.dim, self.eps, self.offset, fused=run.kernels.fused_rms_norm)
+        if self.layer_norm:
+            norm = nn.LayerNorm(self.dim, epsilon=self.eps, bias_attr=None if self.bias else False)
+        else:
+            norm = RMSNorm(self.dim, self.eps, self.offset, fused=run.kernels.fused_rms_norm)
         return tp_gradients.mark(norm, run, always=self.per_head)

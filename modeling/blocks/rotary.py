@@ -1,15 +1,25 @@
-"""Rotary position embedding: the frequency tables with their scalings, and the rotation op.
+"""Rotary position embedding as a layer declares it (`Rotary`): which channels of a head rotate (the
+first `dim`: partial rotary), in which pairing (halves, as LLaMA; or interleaved pairs, as ERNIE 4.5
+and DeepSeek), with which frequencies (theta and a scaling), and the rotation op.
 
-Scalings are transformers' `rope_type`s: "default", "linear" (positions divided by `factor`) and
-"llama3" (Llama 3.1+: long wavelengths divided by `factor`, short ones kept, a smooth blend between;
-transformers' `_compute_llama3_parameters`). Any other type is refused by name before a model is
-built (`rope_scaling_error`), since silently ignoring it trains another model.
+Scalings are transformers' `rope_type`s: "default", "linear" (positions divided by `factor`),
+"llama3" (Llama 3.1+: long wavelengths divided by `factor`, short ones kept, a smooth blend between),
+"yarn" (NTK-by-parts interpolation between `beta_fast` and `beta_slow` rotations, with an attention
+factor on cos and sin from `mscale`/`mscale_all_dim`), "longrope" (Phi-3/4: per-frequency `long_factor`
+past `original_max_position_embeddings` tokens, `short_factor` within, and its attention factor);
+transformers' `_compute_*_parameters` are the reference (tests compare tables). Any other type is
+refused by name before a model is built (`rope_scaling_error`), since silently ignoring it trains
+another model. Interleaved pairs are rotated as halves after a fixed channel permutation (evens, then
+odds) of q and k alike: q.k is unchanged by a permutation applied to both, and the permutation is a
+transpose that keeps nothing for backward.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import paddle
@@ -18,8 +28,13 @@ from paddle.autograd import PyLayer
 from modeling.autocast import full_precision
 from modeling.context_parallel import local_positions
 
-ROPE_TYPES = ("default", "linear", "llama3")
-LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+NEEDED = {"linear": ("factor",),
+          "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+          "yarn": ("factor",), "longrope": ("long_factor", "short_factor")}
+OPTIONAL = {"yarn": ("original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                     "attention_factor", "truncate"),
+            "longrope": ("factor", "attention_factor", "original_max_position_embeddings")}
 
 
 def rope_type(scaling: dict | None) -> str:
@@ -34,53 +49,167 @@ def rope_scaling_error(scaling: dict | None) -> str | None:
     kind = rope_type(scaling)
     if kind not in ROPE_TYPES:
         return f"rope_type {kind!r} is not modelled (only {', '.join(ROPE_TYPES)}); it changes the positions"
-    needed = {"linear": ("factor",), "llama3": LLAMA3_KEYS}.get(kind, ())
+    needed = NEEDED.get(kind, ())
     missing = [key for key in needed if key not in scaling]
     if missing:
         return f"rope_type {kind!r} needs {', '.join(missing)}"
-    unknown = sorted(set(scaling or {}) - set(needed) - {"rope_type", "type"})
+    unknown = sorted(set(scaling or {}) - set(needed) - set(OPTIONAL.get(kind, ())) - {"rope_type", "type"})
     return f"{', '.join(unknown)} not modelled for rope_type {kind!r}" if unknown else None
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> np.ndarray:
-    """1 / theta^(2i / head_dim) for each rotated pair, scaled as `scaling` says (float32)."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
-    kind = rope_type(scaling)
-    if kind == "linear":
-        return (inv_freq / scaling["factor"]).astype(np.float32)
-    if kind == "llama3":
-        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-        original = scaling["original_max_position_embeddings"]
-        wavelength = 2 * math.pi / inv_freq
-        scaled = np.where(wavelength > original / low, inv_freq / factor, inv_freq)
-        smooth = (original / wavelength - low) / (high - low)
-        blended = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelength >= original / high) & (wavelength <= original / low)
-        return np.where(medium, blended, scaled).astype(np.float32)
-    return inv_freq.astype(np.float32)
+def frozen(value: Any) -> Any:
+    """A config value made hashable (lists as tuples, dicts as sorted item tuples)."""
+    if isinstance(value, dict):
+        return tuple(sorted((key, frozen(item)) for key, item in value.items()))
+    if isinstance(value, list):
+        return tuple(frozen(item) for item in value)
+    return value
 
 
-@functools.lru_cache(maxsize=8)
-def _tables(head_dim: int, theta: float, scaling: tuple | None, seq_len: int, seq_first: bool,
-            cp: tuple[int, int]) -> tuple[paddle.Tensor, paddle.Tensor]:
-    inv_freq = paddle.to_tensor(inverse_frequencies(head_dim, theta, dict(scaling) if scaling else None))
+@dataclass(frozen=True)
+class Rotary:
+    """A layer's rotary embedding: the first `dim` channels of each q and k head rotate (partial
+    rotary keeps the rest), by halves or `interleaved` pairs, at frequencies from `theta` and
+    `scaling` (a frozen rope_scaling: `frozen(dict)`); `max_positions` is the config's
+    max_position_embeddings (yarn's and longrope's defaults read it)."""
+
+    dim: int
+    theta: float
+    scaling: tuple = ()
+    interleaved: bool = False
+    max_positions: int = 0
+
+    @property
+    def kind(self) -> str:
+        return rope_type(dict(self.scaling))
+
+    def frequencies(self, seq_len: int) -> tuple[np.ndarray, float]:
+        """(inverse frequencies per rotated pair (float32), the attention factor cos and sin are
+        multiplied by) for a sequence of `seq_len` positions (longrope's choice depends on it)."""
+        scaling, dim = dict(self.scaling), self.dim
+        exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim
+        inv_freq = (1.0 / (self.theta ** exponents)).astype(np.float32)
+        kind = self.kind
+        if kind == "linear":
+            return (inv_freq / scaling["factor"]).astype(np.float32), 1.0
+        if kind == "llama3":
+            return _llama3(inv_freq, scaling), 1.0
+        if kind == "yarn":
+            return _yarn(inv_freq, exponents, self.theta, dim, scaling, self.max_positions)
+        if kind == "longrope":
+            return _longrope(exponents, self.theta, scaling, self.max_positions, seq_len)
+        return inv_freq, 1.0
+
+    def tables(self, seq_len: int, seq_first: bool, cp: tuple[int, int]) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """cos and sin [1, seq, 1, dim] (or [seq, 1, 1, dim] for sequence-first activations) in the
+        half-rotation layout, for the positions of `seq_len` tokens: 0.. without context parallelism,
+        the ones cp rank `cp[1]` of `cp[0]` holds with it (the whole sequence's length chooses
+        longrope's factors)."""
+        return _tables(self, seq_len, seq_first, tuple(cp))
+
+    def rotate(self, q, k, seq_first: bool, fused: bool, cp: tuple[int, int] = (1, 0)):
+        """q and k rotated by position, the tables rounded once to their dtype. `fused` (a GPU run's
+        --use_fused_rope) calls Paddle's `fused_rotary_position_embedding` as PaddleNLP's LLaMA does
+        (use_neox_rotary_style=False) where the rotary is the plain whole-head one; it has no CPU
+        kernel (untested here)."""
+        seq_len = q.shape[0 if seq_first else 1]
+        cos, sin = (table.astype(q.dtype) for table in self.tables(seq_len, seq_first, cp))
+        head_dim = q.shape[-1]
+        if fused and self.dim == head_dim and not self.interleaved:
+            from paddle.incubate.nn.functional import fused_rotary_position_embedding
+
+            flat = [table.reshape([seq_len, self.dim]) for table in (sin, cos)]
+            q, k, _ = fused_rotary_position_embedding(q, k, None, sin=flat[0], cos=flat[1],
+                                                      use_neox_rotary_style=False, time_major=seq_first)
+            return q, k
+        return self._rotated(q, cos, sin, head_dim), self._rotated(k, cos, sin, head_dim)
+
+    def _rotated(self, x, cos, sin, head_dim: int):
+        rotated, kept = (x, None) if self.dim == head_dim else paddle.split(x, [self.dim, head_dim - self.dim], -1)
+        if self.interleaved:
+            rotated = deinterleave(rotated)
+        rotated = apply_rotary(rotated, cos, sin)
+        return rotated if kept is None else paddle.concat([rotated, kept], axis=-1)
+
+
+def deinterleave(x):
+    """Channels (0, 1, 2, 3, ...) as (0, 2, 4, ..., 1, 3, 5, ...): interleaved pairs become halves."""
+    shape = x.shape
+    return x.reshape(shape[:-1] + [shape[-1] // 2, 2]).transpose(list(range(len(shape) - 1)) + [len(shape), len(shape) - 1]) \
+        .reshape(shape)
+
+
+def _llama3(inv_freq: np.ndarray, scaling: dict) -> np.ndarray:
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    scaled = np.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelength >= original / high) & (wavelength <= original / low)
+    return np.where(medium, blended, scaled).astype(np.float32)
+
+
+def _mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(inv_freq: np.ndarray, exponents: np.ndarray, theta: float, dim: int, scaling: dict,
+          max_positions: int) -> tuple[np.ndarray, float]:
+    """transformers 5's `_compute_yarn_parameters`: `factor` as given (transformers 4.55 replaced it by
+    max_position_embeddings / original when the latter is in rope_scaling: the two agree on released
+    configs, and this reads the folder as transformers 5 does)."""
+    factor = scaling["factor"]
+    original = scaling.get("original_max_position_embeddings") or max_positions
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = _mscale(factor, mscale) / _mscale(factor, mscale_all_dim) if mscale and mscale_all_dim \
+            else _mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction(beta_fast), correction(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
+    extrapolation = (1 - ramp).astype(np.float32)
+    positions = (theta ** exponents).astype(np.float32)
+    interpolated = (1.0 / (factor * positions)).astype(np.float32)
+    return (interpolated * (1 - extrapolation) + inv_freq * extrapolation).astype(np.float32), float(attention)
+
+
+def _longrope(exponents: np.ndarray, theta: float, scaling: dict, max_positions: int,
+              seq_len: int) -> tuple[np.ndarray, float]:
+    """transformers' `_compute_longrope_parameters` with its dynamic update: the long factors once the
+    sequence is longer than `original_max_position_embeddings`, else the short ones."""
+    original = scaling.get("original_max_position_embeddings") or max_positions
+    factor = scaling.get("factor") or max_positions / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    chosen = np.asarray(scaling["long_factor" if seq_len > original else "short_factor"], np.float32)
+    return (1.0 / (chosen * (theta ** exponents).astype(np.float32))).astype(np.float32), float(attention)
+
+
+@functools.lru_cache(maxsize=32)
+def _tables(rotary: Rotary, seq_len: int, seq_first: bool, cp: tuple[int, int]) -> tuple[paddle.Tensor, paddle.Tensor]:
     degree, rank = cp
+    inv_freq, attention = rotary.frequencies(seq_len * degree)
     positions = local_positions(seq_len * degree, degree, rank) if degree > 1 else np.arange(seq_len)
     with full_precision():  # O2 white-lists einsum: positions past 256 would round in bf16
-        freqs = paddle.einsum("i,j->ij", paddle.to_tensor(positions.astype(np.float32)), inv_freq)
+        freqs = paddle.einsum("i,j->ij", paddle.to_tensor(positions.astype(np.float32)), paddle.to_tensor(inv_freq))
         emb = paddle.concat([freqs, freqs], axis=-1)
-        shape = [seq_len, 1, 1, head_dim] if seq_first else [1, seq_len, 1, head_dim]
-        return emb.cos().reshape(shape), emb.sin().reshape(shape)
-
-
-def rotary_tables(config, seq_len: int, seq_first: bool = False,
-                  cp: tuple[int, int] = (1, 0)) -> tuple[paddle.Tensor, paddle.Tensor]:
-    """cos and sin tables [1, seq, 1, head_dim] (or [seq, 1, 1, head_dim] for sequence-first
-    activations) in the half-rotation layout PaddleNLP and transformers use, built once per length
-    (they are constants), for the positions of `seq_len` tokens: 0.. without context parallelism,
-    the ones cp rank `cp[1]` of `cp[0]` holds with it."""
-    scaling = tuple(sorted(config.rope_scaling.items())) if config.rope_scaling else None
-    return _tables(config.head_dim, float(config.rope_theta), scaling, seq_len, seq_first, tuple(cp))
+        shape = [seq_len, 1, 1, rotary.dim] if seq_first else [1, seq_len, 1, rotary.dim]
+        cos, sin = emb.cos(), emb.sin()
+        if attention != 1.0:
+            cos, sin = cos * attention, sin * attention
+        return cos.reshape(shape), sin.reshape(shape)
 
 
 def rotate_half(x):
@@ -108,25 +237,9 @@ class _Rotary(PyLayer):
         return dy * cos.expand(dy.shape) + paddle.concat([second, -first], axis=-1), None, None
 
 
-def rotate(q, k, config, seq_len: int, seq_first: bool, fused: bool, cp: tuple[int, int] = (1, 0)):
-    """q and k rotated by position, the tables rounded once to their dtype. `fused` (a GPU run's
-    --use_fused_rope) calls Paddle's `fused_rotary_position_embedding` as PaddleNLP's LLaMA does (the
-    half-rotation layout: use_neox_rotary_style=False) with the same tables; it has no CPU kernel
-    (untested here)."""
-    cos, sin = (table.astype(q.dtype) for table in rotary_tables(config, seq_len, seq_first, cp))
-    if fused:
-        from paddle.incubate.nn.functional import fused_rotary_position_embedding
-
-        flat = [table.reshape([seq_len, config.head_dim]) for table in (sin, cos)]
-        q, k, _ = fused_rotary_position_embedding(q, k, None, sin=flat[0], cos=flat[1],
-                                                  use_neox_rotary_style=False, time_major=seq_first)
-        return q, k
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-
-
 def apply_rotary(x, cos, sin):
-    """Rotate [batch, seq, heads, head_dim] (or sequence first) by position; cos and sin are the
-    broadcastable tables of `rotary_tables`, computed in fp32 and rounded to x's dtype (as
+    """Rotate [batch, seq, heads, dim] (or sequence first) by position; cos and sin are the
+    broadcastable tables of `Rotary.tables`, computed in fp32 and rounded to x's dtype (as
     transformers does): an fp32 table would promote bf16 q and k to fp32, and the attention would
     then multiply fp32 probabilities by bf16 values, which Paddle refuses."""
     if cos.dtype != x.dtype:

@@ -4,12 +4,14 @@ transformers' GPT-2 (`gpt2`, Conv1D weights stored [in, out], q/k/v fused in `c_
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import paddle.nn.functional as F
 
-from modeling.blocks.attention import SelfAttention
-from modeling.blocks.decoder import prefixed
+from modeling.blocks.attention import Attention
+from modeling.blocks.decoder import LayerActivations, layer_activations, prefixed
 from modeling.blocks.norms import layer_norm_saved_bytes
-from modeling.blocks.parts import Block, ColumnLinear, Norm, Part, RowLinear
+from modeling.blocks.parts import Block, ColumnLinear, Declared, Norm, Part, RowLinear
 from modeling.causal_lm import Skeleton
 from modeling.config import CausalLMConfig, ModelConfigError
 from modeling.config_fields import any_value, zero
@@ -27,8 +29,6 @@ class GPTConfig(CausalLMConfig):
     model_type = "gpt"
     attention_output = "out_proj"
     has_dropout = True
-    qkv_bias = o_bias = True
-    qk_norm, rotary = None, False
 
     def __init__(self, vocab_size: int = 50304, hidden_size: int = 768, num_hidden_layers: int = 12,
                  num_attention_heads: int = 12, intermediate_size: int | None = None,
@@ -57,25 +57,50 @@ class GPTConfig(CausalLMConfig):
     def hidden_norm(self) -> Norm:
         return Norm(self.hidden_size, self.layer_norm_eps, layer_norm=True)
 
+    def decoder_layer(self, index: int) -> GPTDecoder:
+        attention = Attention(self.hidden_size, self.num_attention_heads, self.num_attention_heads, self.head_dim,
+                              qkv_bias=True, o_bias=True, output=self.attention_output)
+        return GPTDecoder(index, attention, self.hidden_size, self.intermediate_size, self.hidden_norm())
+
     def validate(self) -> None:
         if self.hidden_size % self.num_attention_heads:
             raise ModelConfigError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
                                    f"{self.num_attention_heads}; pick a head count that divides it")
 
 
+@dataclass(frozen=True)
+class GPTDecoder(Declared):
+    """Decoder layer `index`: x + attn(norm1(x)), then x + linear2(gelu(linear1(norm2(x))))."""
+
+    index: int
+    attention: Attention
+    hidden: int
+    width: int
+    norm: Norm
+    attention_name = "self_attn"
+
+    def parts(self) -> dict[str, Part]:
+        return {self.attention_name: self.attention, "linear1": ColumnLinear(self.hidden, self.width, bias=True),
+                "linear2": RowLinear(self.width, self.hidden, bias=True), "norm1": self.norm, "norm2": self.norm}
+
+    def own_tp_units(self) -> dict[str, int]:
+        return {"intermediate_size": self.width}
+
+    def saved_bytes(self, run: Execution, batch: int, seq_len: int, dtype_bytes: int) -> dict[str, int]:
+        """As `Decoder.saved_bytes`; the MLP's glue ("") keeps the GeLU's input."""
+        tokens = batch * seq_len
+        norm = layer_norm_saved_bytes(tokens // sequence_shards(run.tp, run.sequence_parallel), self.hidden,
+                                      dtype_bytes)
+        width = self.width // run.tp * dtype_bytes
+        return {"norm1": norm, "norm2": norm,
+                **prefixed("self_attn", self.attention.saved_bytes(run, batch, seq_len, dtype_bytes)),
+                "linear1": tokens * self.hidden * dtype_bytes, "": tokens * width, "linear2": tokens * width}
+
+    def activations(self, run: Execution, batch: int, seq_len: int, dtype_bytes: int) -> LayerActivations:
+        return layer_activations(self, run, batch, seq_len, dtype_bytes)
+
+
 class GPTDecoderLayer(Block):
-    """x + attn(norm1(x)), then x + linear2(gelu(linear1(norm2(x))))."""
-
-    @classmethod
-    def declare(cls, c) -> dict[str, Part]:
-        h, f = c.hidden_size, c.intermediate_size
-        return {"self_attn": SelfAttention, "linear1": ColumnLinear(h, f, bias=True),
-                "linear2": RowLinear(f, h, bias=True), "norm1": c.hidden_norm(), "norm2": c.hidden_norm()}
-
-    @classmethod
-    def tp_fields(cls, config) -> tuple[str, ...]:
-        return ("intermediate_size",)
-
     def _block(self, hidden):
         hidden = hidden + self.run.recompute("full_attn", self.self_attn, self.norm1(hidden), training=self.training)
         mlp_input = gather_tokens(self.norm2(hidden), self.run)
@@ -84,16 +109,8 @@ class GPTDecoderLayer(Block):
     def forward(self, hidden):
         return self.run.recompute("full", self._block, hidden, training=self.training)
 
-    @staticmethod
-    def saved_bytes(c, run: Execution, batch: int, seq_len: int, dtype_bytes: int) -> dict[str, int]:
-        """As `DecoderLayer.saved_bytes`; the MLP's glue ("") keeps the GeLU's input."""
-        tokens = batch * seq_len
-        norm = layer_norm_saved_bytes(tokens // sequence_shards(run.tp, run.sequence_parallel), c.hidden_size,
-                                      dtype_bytes)
-        width = c.intermediate_size // run.tp * dtype_bytes
-        return {"norm1": norm, "norm2": norm,
-                **prefixed("self_attn", SelfAttention.saved_bytes(c, run, batch, seq_len, dtype_bytes)),
-                "linear1": tokens * c.hidden_size * dtype_bytes, "": tokens * width, "linear2": tokens * width}
+
+GPTDecoder.layer = GPTDecoderLayer
 
 
 _GPT2_LAYER = {"self_attn.out_proj": "attn.c_proj", "linear1": "mlp.c_fc", "linear2": "mlp.c_proj", "norm1": "ln_1",
@@ -119,7 +136,7 @@ def _gpt2_stored(name: str, row: TensorPlan) -> Stored:
 
 GPT = ModelFamily(
     GPTConfig, "GPTForCausalLM",
-    Skeleton(GPTDecoderLayer, tokens="gpt.embeddings.word_embeddings", positions="gpt.embeddings.position_embeddings",
+    Skeleton(tokens="gpt.embeddings.word_embeddings", positions="gpt.embeddings.position_embeddings",
              layers="gpt.decoder.layers", norm="gpt.decoder.norm"),
     TransformersAdapter(
         model_type="gpt2", architecture="GPT2LMHeadModel", locate=_gpt2_stored,

@@ -1,9 +1,9 @@
-"""Mistral: LLaMA's architecture with GQA by default; its sliding window is modelled only where it
-covers the whole training sequence (null, or not shorter than --max_seq_length)."""
+"""Mistral: LLaMA's architecture with GQA by default and a sliding window on every layer (Mistral 7B
+v0.1: 4096 keys; null in later releases)."""
 
 from __future__ import annotations
 
-from modeling.config import DecoderConfig
+from modeling.config import FULL, SLIDING, DecoderConfig
 from modeling.decoder_family import decoder_family
 
 
@@ -16,8 +16,9 @@ class MistralConfig(DecoderConfig):
         super().__init__(intermediate_size=intermediate_size, num_key_value_heads=num_key_value_heads,
                          max_position_embeddings=max_position_embeddings, **kwargs)
 
-    def sliding_windows(self) -> dict[str, int]:
-        return {"sliding_window": self.sliding_window} if self.sliding_window else {}
+    def attention_types(self) -> list[str]:
+        """transformers' Mistral: every layer slides when `sliding_window` is set."""
+        return [SLIDING if self.sliding_window else FULL] * self.num_hidden_layers
 
 
 MISTRAL = decoder_family(MistralConfig, "MistralForCausalLM", "mistral", paddlenlp=True)

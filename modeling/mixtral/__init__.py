@@ -5,7 +5,6 @@ scaling while training) is refused unless 0."""
 
 from __future__ import annotations
 
-from modeling.blocks.decoder import SparseDecoderLayer
 from modeling.config_fields import MOE_ACCEPTED, zero
 from modeling.decoder_family import decoder_family
 from modeling.mistral import MistralConfig
@@ -29,7 +28,7 @@ class MixtralConfig(MoEConfig, MistralConfig):
         return True
 
 
-MIXTRAL = decoder_family(MixtralConfig, "MixtralForCausalLM", "mixtral", paddlenlp=False, layer=SparseDecoderLayer,
+MIXTRAL = decoder_family(MixtralConfig, "MixtralForCausalLM", "mixtral", paddlenlp=False,
                          renamed={"num_local_experts": "num_experts"},
                          accepted={**MOE_ACCEPTED, "router_jitter_noise": zero})
 MixtralForCausalLM, MixtralForCausalLMPipe = MIXTRAL.causal_lm, MIXTRAL.pipe

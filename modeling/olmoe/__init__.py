@@ -5,7 +5,6 @@ of the weight and the mean square is summed over tp, `blocks.norms.SplitRMSNorm`
 
 from __future__ import annotations
 
-from modeling.blocks.decoder import SparseDecoderLayer
 from modeling.config_fields import MOE_ACCEPTED, zero
 from modeling.decoder_family import decoder_family
 from modeling.moe_config import MoEConfig
@@ -28,6 +27,6 @@ class OlmoeConfig(MoEConfig):
                          num_experts=num_experts, router_aux_loss_coef=router_aux_loss_coef, **kwargs)
 
 
-OLMOE = decoder_family(OlmoeConfig, "OlmoeForCausalLM", "olmoe", paddlenlp=False, layer=SparseDecoderLayer,
+OLMOE = decoder_family(OlmoeConfig, "OlmoeForCausalLM", "olmoe", paddlenlp=False,
                        accepted={**MOE_ACCEPTED, "clip_qkv": zero})
 OlmoeForCausalLM, OlmoeForCausalLMPipe = OLMOE.causal_lm, OLMOE.pipe

@@ -1,9 +1,9 @@
 """Qwen2 / Qwen2.5: biases on q, k and v (not o), tied embeddings in the small sizes; sliding
-windows modelled only where they cover the whole training sequence."""
+windows on the layers `use_sliding_window` and `max_window_layers` (or `layer_types`) say."""
 
 from __future__ import annotations
 
-from modeling.config import DecoderConfig, ModelConfigError
+from modeling.config import FULL, SLIDING, DecoderConfig
 from modeling.decoder_family import decoder_family
 from modeling.paddlenlp_fused import FFN, QKV
 
@@ -17,16 +17,16 @@ class QwenWindows(DecoderConfig):
         self.max_window_layers, self.layer_types = max_window_layers, layer_types
         super().__init__(**kwargs)
 
-    def sliding_windows(self) -> dict[str, int]:
-        """transformers' rule: a layer slides over `sliding_window` tokens when its layer type says
-        so, the types defaulting to sliding from `max_window_layers` on under `use_sliding_window`."""
-        window = self.sliding_window if self.use_sliding_window else None
-        types = self.layer_types or ["sliding_attention" if window is not None and i >= self.max_window_layers
-                                     else "full_attention" for i in range(self.num_hidden_layers)]
-        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
-        if unknown:
-            raise ModelConfigError(f"layer_types {unknown} are not modelled (only full and sliding attention)")
-        return {"sliding_window": window} if window and "sliding_attention" in types else {}
+    def attention_types(self) -> list[str]:
+        """transformers' rule: the types given, else sliding from `max_window_layers` on under
+        `use_sliding_window` (with a window)."""
+        sliding = self.use_sliding_window and self.sliding_window is not None
+        return list(self.layer_types or [SLIDING if sliding and i >= self.max_window_layers else FULL
+                                          for i in range(self.num_hidden_layers)])
+
+    def window(self, index: int) -> int | None:
+        """transformers drops the window without `use_sliding_window`, whatever the layer types say."""
+        return super().window(index) if self.use_sliding_window else None
 
 
 class Qwen2Config(QwenWindows):

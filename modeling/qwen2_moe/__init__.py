@@ -4,7 +4,6 @@ where `mlp_only_layers` / `decoder_sparse_step` say (which PaddleNLP 3.0.0b4's Q
 
 from __future__ import annotations
 
-from modeling.blocks.decoder import SparseDecoderLayer
 from modeling.config_fields import MOE_ACCEPTED
 from modeling.decoder_family import decoder_family
 from modeling.moe_config import QwenMoEFields
@@ -31,5 +30,5 @@ class Qwen2MoeConfig(QwenMoEFields, QwenWindows):
 
 
 QWEN2_MOE = decoder_family(Qwen2MoeConfig, "Qwen2MoeForCausalLM", "qwen2_moe", paddlenlp=False,
-                           layer=SparseDecoderLayer, accepted=MOE_ACCEPTED)
+                           accepted=MOE_ACCEPTED)
 Qwen2MoeForCausalLM, Qwen2MoeForCausalLMPipe = QWEN2_MOE.causal_lm, QWEN2_MOE.pipe

@@ -4,7 +4,6 @@ both are read, `num_experts` is written (both versions read it). PaddleNLP 3.0.0
 
 from __future__ import annotations
 
-from modeling.blocks.decoder import SparseDecoderLayer
 from modeling.config_fields import MOE_ACCEPTED
 from modeling.decoder_family import decoder_family
 from modeling.moe_config import QwenMoEFields
@@ -27,6 +26,6 @@ class Qwen3MoeConfig(QwenMoEFields, QwenWindows):
 
 
 QWEN3_MOE = decoder_family(Qwen3MoeConfig, "Qwen3MoeForCausalLM", "qwen3_moe", paddlenlp=False,
-                           layer=SparseDecoderLayer, aliases={"num_local_experts": "num_experts"},
+                           aliases={"num_local_experts": "num_experts"},
                            accepted=MOE_ACCEPTED)
 Qwen3MoeForCausalLM, Qwen3MoeForCausalLMPipe = QWEN3_MOE.causal_lm, QWEN3_MOE.pipe

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -89,7 +90,7 @@ def open_pretrained(folder: Path, weights: bool = True, allow_unsafe_pickle: boo
     if _kind(model_family, config, shapes) == TRANSFORMERS:
         ours = config_from_dict(config)
         plan = plan_of(ours)
-        locate = lambda name: model_family.transformers.locate(name, plan[name])  # noqa: E731
+        locate = lambda name: model_family.transformers.stored(name, plan[name], ours)  # noqa: E731
         if stores_fused_experts(shapes):
             locate = lambda name, per_expert=locate: fused_expert_stored(per_expert(name), ours)  # noqa: E731
         return _checked(folder, TRANSFORMERS, config, shapes, read, locate, model_family.transformers.buffers)
@@ -122,14 +123,14 @@ def _header_shapes(readers: dict[str, ShardReader]) -> dict[str, list[int]]:
 
 def _kind(model_family: ModelFamily, config: dict, shapes: dict) -> str:
     """TRANSFORMERS or PADDLENLP for a safetensors folder, from the tensor names in its headers."""
-    plan = plan_of(config_from_dict(config))
-    theirs = model_family.transformers is not None and _theirs(plan, model_family, shapes)
+    ours = config_from_dict(config)
+    theirs = model_family.transformers is not None and _theirs(plan_of(ours), ours, model_family, shapes)
     return TRANSFORMERS if theirs else PADDLENLP
 
 
-def _theirs(plan: ModelPlan, model_family: ModelFamily, shapes: dict) -> bool:
+def _theirs(plan: ModelPlan, config, model_family: ModelFamily, shapes: dict) -> bool:
     """Whether the folder's names are transformers' rather than PaddleNLP's (= ours)."""
-    theirs = {model_family.transformers.locate(name, row).name for name, row in plan.items()}
+    theirs = {model_family.transformers.stored(name, row, config).name for name, row in plan.items()}
     return len(theirs & set(shapes)) > len(set(plan) & set(shapes))
 
 
@@ -211,7 +212,9 @@ def _pdparams(folder: Path, allow_unsafe_pickle: bool) -> dict[str, np.ndarray]:
 def stored_shape(shape, stored: Stored) -> list[int]:
     """The shape of the tensor a folder stores for one of ours of `shape`."""
     shape = list(shape)[::-1] if stored.transposed else list(shape)
-    if stored.parts > 1:
+    if stored.sizes is not None:
+        shape[stored.axis] = sum(stored.sizes)
+    elif stored.parts > 1:
         shape[stored.axis] *= stored.parts
     if stored.interleave is not None:
         group, _, width = stored.interleave
@@ -250,6 +253,8 @@ def _checked(folder: Path, kind: str, config: dict, shapes: dict[str, list[int]]
             source = lambda _, axis, parts, part: split_tensor(entry, axis, parts, part)  # noqa: E731
         if stored.interleave is not None:  # a tp rank's kv heads are whole groups of the stored tensor
             return stored.select(source(stored.name, None if axis is None else stored.axis, parts, part))
+        if stored.sizes is not None:  # our tensor is an unequal slice of a fused one: this rank's piece of it
+            return _span_piece(source, stored, axis, parts, part)
         if stored.parts > 1 and axis == stored.axis and not stored.transposed:  # this rank's piece of our slice
             return source(stored.name, axis, stored.parts * parts, stored.part * parts + part)
         if stored.parts > 1:  # our tensor is a slice of a fused one: cut it out, then this rank's piece
@@ -260,6 +265,21 @@ def _checked(folder: Path, kind: str, config: dict, shapes: dict[str, list[int]]
         return piece.T if flip else piece
 
     return PretrainedFolder(folder, kind, config, read)
+
+
+def _span_piece(source: Read, stored: Stored, axis: int | None, parts: int, part: int) -> np.ndarray:
+    """This rank's piece of our part of a tensor fused from parts of unequal widths (`Stored.sizes`),
+    read as the equal units of their greatest common width that make it up."""
+    start, width = stored.span()
+    along = None if axis is None else (1 - axis if stored.transposed else axis)
+    if along == stored.axis:  # tp cuts our part along the fused axis: read only this rank's rows of it
+        start, width = start + part * width // parts, width // parts
+    total = sum(stored.sizes)
+    unit = math.gcd(start, width, total)
+    piece = np.concatenate([source(stored.name, stored.axis, total // unit, index)
+                            for index in range(start // unit, (start + width) // unit)], axis=stored.axis)
+    piece = piece.T if stored.transposed else piece
+    return piece if along == stored.axis else split_tensor(piece, axis, parts, part)
 
 
 def load_pretrained(pretrained: PretrainedFolder, model, axes: dict, topo: Topology | None) -> None:

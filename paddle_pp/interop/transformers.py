@@ -91,9 +91,9 @@ def export_hf(folder: Path, target: Path, max_shard_bytes: int = 5 << 30,
     """A transformers-loadable folder (config.json, model.safetensors[ + index], tokenizer) from a
     unified checkpoint, its weights in `dtype` (shards.EXPORT_DTYPES)."""
     saved = json.loads((Path(folder) / CONFIG_FILE).read_text())
-    adapter = _transformers_family(saved, Path(folder)).transformers
-    return export_stored(folder, target, adapter.locate, adapter.their_config(config_from_dict(saved), dtype), "pt",
-                         max_shard_bytes, on_tensor, dtype)
+    adapter, config = _transformers_family(saved, Path(folder)).transformers, config_from_dict(saved)
+    return export_stored(folder, target, lambda name, row: adapter.stored(name, row, config),
+                         adapter.their_config(config, dtype), "pt", max_shard_bytes, on_tensor, dtype)
 
 
 def export_paddlenlp_fused(folder: Path, target: Path, fused: frozenset[str], max_shard_bytes: int = 5 << 30,

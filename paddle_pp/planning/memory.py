@@ -9,9 +9,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from modeling.context_parallel import ring_traffic_bytes
+from modeling.attention_core.ring import ring_traffic_bytes
 from modeling.execution import GRANULARITIES, Execution, choose_execution
 from modeling.registry import execution_for, family_of, plan_of, validate_layout
+from modeling.tp_plan import layer_stage
 from paddle_pp.runtime.flags import flag
 from paddle_pp.runtime.layout import Layout
 
@@ -71,15 +72,17 @@ def decoder_activation_bytes(config, layout: Layout, workload: Workload, stage: 
     that (Megatron's count). Each layer keeps `kept` bytes per micro-batch in flight, and with
     recompute one layer at a time rebuilds its `rebuilt` bytes. Under context parallelism a rank
     holds 1/cp of every sequence, and its ring core keeps what the blockwise core keeps for those
-    tokens. Embedding, head and loss are not included."""
+    tokens. Layers may differ (a sliding or a full layer under the dense core, dense and MoE layers):
+    each of the stage's layers counts its own. Embedding, head and loss are not included."""
     run = workload.execution(layout, compute_bytes, config.head_dim)
-    layer = family_of(config).layer_activations(config, run, workload.per_device_train_batch_size,
-                                                workload.max_seq_length // layout.cp, compute_bytes)
-    layers = config.num_hidden_layers // layout.pp
+    layers = [family_of(config).layer_activations(config, run, workload.per_device_train_batch_size,
+                                                  workload.max_seq_length // layout.cp, compute_bytes, index)
+              for index in range(config.num_hidden_layers)
+              if layer_stage(index, config.num_hidden_layers, layout.pp, layout.vpp) == stage]
     in_flight = 1.0 if layout.pp == 1 else min(layout.pp - stage, workload.gradient_accumulation_steps)
     if layout.vpp > 1:
         in_flight *= 1 + (layout.pp - 1) / (layout.pp * layout.vpp)
-    return int(layers * in_flight * layer.kept) + layer.rebuilt
+    return int(in_flight * sum(layer.kept for layer in layers)) + max(layer.rebuilt for layer in layers)
 
 
 def ring_bytes_per_step(config, layout: Layout, workload: Workload, compute_bytes: int = 4) -> int:
@@ -102,7 +105,7 @@ def plan_layout(config, layout: Layout, compute_bytes: int = 4, workload: Worklo
     `--stage3_segment_size`, the norm weights, stay whole: left out here); with a `workload`, the
     decoder layers' activations too (`decoder_activation_bytes`). Raises the layout's own errors
     when invalid."""
-    validate_layout(config, layout)
+    validate_layout(config, layout, workload.max_seq_length if workload else None)
     if workload:
         layout.check_sequence_length(workload.max_seq_length)
     plan = plan_of(config)
@@ -127,7 +130,6 @@ def dispatch_bytes_per_step(config, layout: Layout, workload: Workload, compute_
     recomputed forward; balanced routing keeps 1/ep of the rows on their own rank, the worst case none.
     Under sequence parallelism every tp rank exchanges the whole sequence's rows (`SparseMoE`)."""
     from modeling.blocks.moe import is_sparse
-    from modeling.tp_plan import layer_stage
 
     if layout.ep == 1:
         return 0, 0

@@ -15,7 +15,7 @@ from typing import Callable
 import paddle
 from paddle import nn
 
-from modeling.blocks.rotary import rotary_tables
+from modeling.blocks.attention import SelfAttention
 
 
 def saved_activation_bytes(model: nn.Layer, run: Callable[[], object], constants: frozenset[int] = frozenset()
@@ -62,11 +62,19 @@ def decoder_layer_activations(model: nn.Layer, vocab_size: int, batch: int, seq_
     layer = next(name for name, _ in model.named_sublayers() if name.endswith("layers.0"))
     paddle.seed(0)  # the same tokens on every tp rank
     ids = paddle.randint(0, vocab_size, [batch, seq_len])
-    tables = rotary_tables(model.config, seq_len, model.run.sequence_first) if model.config.rotary else ()
     by_layer = saved_activation_bytes(model, lambda: model(ids, labels=ids),
-                                      frozenset(table.data_ptr() for table in tables))
+                                      rotary_constants(model, seq_len, model.run.sequence_first))
     return {name.removeprefix(layer).lstrip("."): size for name, size in by_layer.items()
             if name == layer or name.startswith(layer + ".")}
+
+
+def rotary_constants(model: nn.Layer, seq_len: int, seq_first: bool = False,
+                     cp: tuple[int, int] = (1, 0)) -> frozenset[int]:
+    """The data pointers of the rotary tables `model`'s attention layers use for `seq_len` local
+    tokens: constants built once per layer kind and length, not activations."""
+    rotaries = {layer.declared.rotary for layer in model.sublayers(include_self=True)
+                if isinstance(layer, SelfAttention) and layer.declared.rotary is not None}
+    return frozenset(table.data_ptr() for rotary in rotaries for table in rotary.tables(seq_len, seq_first, cp))
 
 
 def host_allocated() -> int:

@@ -24,7 +24,7 @@ from checkpoint.single_card_state import init_single_card_weights
 from modeling import tp_gradients
 from modeling.context_parallel import split_sequence
 from modeling.execution import Execution, choose_execution
-from modeling.registry import build_causal_lm, plan_of, validate_layout
+from modeling.registry import build_causal_lm, core_notes, plan_of, validate_layout
 from paddle_pp.data.sampler import SequentialBatches
 from paddle_pp.data.source import build_data, dataset_sizes, plan_data
 from paddle_pp.data.tokenizer import load_text_tokenizer
@@ -134,8 +134,9 @@ class Pretrainer:
         if self.compute_dtype == "float16" and getattr(self.config, "num_experts", 0):
             raise TrainingConfigError("--fp16 with a mixture-of-experts model: the aux loss's gradient is injected at "
                                       "each layer without the fp16 loss scale (not implemented); train with --bf16")
-        validate_layout(self.config, self.layout)
+        validate_layout(self.config, self.layout, data.max_seq_length)
         self.execution, notes = run_execution(args.model, self.layout, self.compute_dtype, self.config.head_dim)
+        notes += core_notes(self.config, self.execution)
         self.execution = replace(self.execution, accumulate_steps=self.batches.accumulate_steps)
         if launched_rank() == 0:
             for note in (*self.layout.notes, *notes):

@@ -1,10 +1,11 @@
 """Ring attention and the context-parallel loss on real cp ranks against one process's computation of
 the whole sequence, which every rank also runs (same seed).
 
-For each case (batch-first and sequence-first, GQA, blocks that split the chunks unevenly): the
-blockwise core on the whole sequence, and `ring_attention` on this rank's two chunks; this rank's
-rows of the output and of dq, dk, dv are compared. Each case runs the ring twice: with the blockwise
-kernel, and with the flash kernel's calls and bookkeeping (argument order, layouts, log-sum-exp
+For each case (batch-first and sequence-first, GQA, blocks that split the chunks unevenly; a layer
+of its own scale, and one with a scale, a soft-cap and sinks): the blockwise core on the whole
+sequence, and `ring_attention` on this rank's two chunks; this rank's rows of the output and of dq,
+dk, dv (and of the sinks' gradient) are compared. Each case runs the ring twice: with the blockwise
+kernel, and (where the layer is one Paddle's flash kernel computes) with the flash kernel's calls and bookkeeping (argument order, layouts, log-sum-exp
 transposes and padding) around `FlashOps`, a CPU stand-in for `paddle._C_ops.flash_attn` and
 `flash_attn_grad` with their signatures and returns (their GPU kernels cannot run here). The loss: logits and labels whose ignored labels all sit
 in one rank's chunk; the cp ranks' losses summed and this rank's logit gradients against the
@@ -89,10 +90,9 @@ def measure(cp: int, ring, topo, seq_len: int) -> dict:
     import paddle
 
     from modeling.attention_core import CORES
-    from modeling.blocks.rotary import rotary_tables
     from modeling.execution import Execution
     from modeling.registry import config_from_dict, execution_for, family_of
-    from paddle_pp.training.activations import saved_activation_bytes
+    from paddle_pp.training.activations import rotary_constants, saved_activation_bytes
 
     config = config_from_dict(dict(model_type="llama", vocab_size=4096, hidden_size=64, intermediate_size=128,
                                    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -105,8 +105,7 @@ def measure(cp: int, ring, topo, seq_len: int) -> dict:
         layer.train()
         hidden = paddle.randn([1, tokens, config.hidden_size])
         hidden.stop_gradient = False
-        tables = frozenset(t.data_ptr() for t in rotary_tables(config, tokens, False, run.cp))
-        result[name] = saved_activation_bytes(layer, lambda: layer(hidden), tables)
+        result[name] = saved_activation_bytes(layer, lambda: layer(hidden), rotary_constants(layer, tokens, False, run.cp))
         result[f"{name}_planned"] = family_of(config).layer_saved_bytes(config, run, 1, tokens)
     return result
 
@@ -130,8 +129,10 @@ def main(cp: int, measure_len: int = 0):
     import paddle
 
     import modeling.attention_core.flash as flash
-    from modeling.attention_core import BlockwiseCore
-    from modeling.context_parallel import ring_attention, ring_traffic_bytes, split_sequence
+    from modeling.attention_core import CORES, BlockwiseCore
+    from modeling.attention_core.ring import ring_attention, ring_traffic_bytes
+    from modeling.attention_core.spec import PLAIN, CoreSpec
+    from modeling.context_parallel import split_sequence
     from modeling.execution import Execution
     from modeling.loss import IGNORE_INDEX, CausalLMCriterion
     from paddle_pp.runtime.layout import Layout
@@ -141,14 +142,16 @@ def main(cp: int, measure_len: int = 0):
     flash._C_ops = FlashOps
     ring = topo.ring
     errors, ring_bytes = {}, {}
-    # (batch, chunk length, heads, kv heads, head_dim, block, sequence first)
-    for batch, chunk, heads, kv_heads, head_dim, block, seq_first in [(2, 10, 4, 2, 8, 4, False),
-                                                                      (1, 12, 6, 2, 16, 5, True),
-                                                                      (2, 7, 4, 1, 8, 512, False)]:
+    # (batch, chunk length, heads, kv heads, head_dim, block, sequence first, spec, sinks)
+    for batch, chunk, heads, kv_heads, head_dim, block, seq_first, spec, sinks in [
+            (2, 10, 4, 2, 8, 4, False, PLAIN, False), (1, 12, 6, 2, 16, 5, True, PLAIN, False),
+            (2, 7, 4, 1, 8, 512, False, CoreSpec(scale=0.21), False),
+            (2, 9, 4, 2, 8, 4, True, CoreSpec(scale=0.3, softcap=2.0), True)]:
         seq = 2 * cp * chunk
         rng = np.random.default_rng(7)
         lead = [seq, batch] if seq_first else [batch, seq]
         whole = [rng.standard_normal(lead + [n, head_dim]).astype("float32") for n in (heads, kv_heads, kv_heads)]
+        logits = [rng.standard_normal([heads]).astype("float32")] if sinks else []
         upstream = rng.standard_normal(lead + [heads * head_dim]).astype("float32")
         axis = 0 if seq_first else 1
 
@@ -158,15 +161,23 @@ def main(cp: int, measure_len: int = 0):
             grads = paddle.grad((out * paddle.to_tensor(dout)).sum(), tensors)
             return out.numpy(), [g.numpy() for g in grads]
 
-        expected, expected_grads = run(whole, lambda q, k, v: BlockwiseCore(block)(q, k, v, seq_first), upstream)
+        expected, expected_grads = run(whole + logits, lambda q, k, v, *s: BlockwiseCore(block)(
+            q, k, v, seq_first, spec, s[0] if s else None), upstream)
         mine = lambda a: split_sequence(a, cp, ring.rank, axis)  # noqa: E731
-        for kernel in ("blockwise", "flash"):
+        inners = {"blockwise": BlockwiseCore(block), "flash": CORES["flash"]}
+        for kernel, inner in inners.items():
+            if sinks and kernel == "flash":
+                continue  # a layer with a soft-cap and sinks takes the blockwise kernel (RingCore.serving)
             counting = CountingRing(ring)
-            got, grads = run([mine(a) for a in whole],
-                             lambda q, k, v: ring_attention(q, k, v, counting, seq_first, block, kernel), mine(upstream))
-            case = f"{kernel}_b{batch}_chunk{chunk}_h{heads}_kv{kv_heads}_block{block}{'_seq_first' * seq_first}"
+            got, grads = run([mine(a) for a in whole] + logits, lambda q, k, v, *s: ring_attention(
+                q, k, v, counting, seq_first, inner, spec, s[0] if s else None), mine(upstream))
+            case = f"{kernel}_b{batch}_chunk{chunk}_h{heads}_kv{kv_heads}_block{block}{'_seq_first' * seq_first}" \
+                   f"{'_spec' * (spec != PLAIN)}{'_sinks' * sinks}"
             errors[case] = {"out": _relative(got, mine(expected)),
                             **{f"d{name}": _relative(g, mine(e)) for name, g, e in zip("qkv", grads, expected_grads)}}
+            if sinks:  # each rank's sink gradient is its tokens' part: the parts sum to the whole
+                errors[case]["dsinks"] = _relative(ring.all_reduce(paddle.to_tensor(grads[3])).numpy(),
+                                                   expected_grads[3])
             ring_bytes[case] = [counting.sent, ring_traffic_bytes(batch, 2 * chunk, kv_heads, head_dim, cp, 4)]
 
     seq, vocab = 2 * cp * 6, 11

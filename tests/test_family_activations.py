@@ -1,0 +1,76 @@
+"""The planner's activation model holds for the families whose layers differ (one process, fp32): what
+each decoder layer keeps for backward, measured by sublayer (saved-tensor hooks), equals its
+declaration's `saved_bytes` under the dense and the blockwise core, for a sliding and a full layer
+of each (Gemma 2's soft-capped dense core keeps its tanh; OLMo-2's post-norms and projection-wide
+q/k norms; Phi-3's partial rotary; MPT's ALiBi, bias-free LayerNorms and q/k/v clipping; Granite's
+residual multiplier; SmolLM3's NoPE layers; ERNIE 4.5's interleaved rotary and biases); what a layer's
+training forward leaves allocated under each recompute granularity equals the model's `kept`; and
+the planner's per-stage total is the sum of its layers' own models. tp and SP do not change what a
+part keeps per head or position (tests/test_sequence_parallel.py measures them on real ranks)."""
+
+from __future__ import annotations
+
+import paddle
+import pytest
+
+from modeling.attention_core import CORES
+from modeling.execution import Execution, Recompute
+from modeling.registry import config_from_dict, family
+from paddle_pp.planning.memory import Workload, decoder_activation_bytes
+from paddle_pp.runtime.layout import Layout
+from paddle_pp.training.activations import held_bytes, rotary_constants, saved_activation_bytes
+
+BATCH, SEQ = 2, 64
+BASE = dict(vocab_size=512, hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=6,
+            num_key_value_heads=2, max_position_embeddings=SEQ)
+FAMILIES = {  # model_type -> our config fields (layer 0 sliding where the family slides)
+    "gemma2": dict(BASE, head_dim=16, sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+    "gemma3_text": dict(BASE, head_dim=16, sliding_window=8, sliding_window_pattern=2),
+    "olmo2": dict(BASE),
+    "phi3": dict(BASE, partial_rotary_factor=0.5, sliding_window=8),
+    "mpt": dict(vocab_size=512, hidden_size=96, num_hidden_layers=2, num_attention_heads=6,
+                max_position_embeddings=SEQ, attn_config={"clip_qkv": 0.5}),
+    "granite": dict(BASE, residual_multiplier=0.2, embedding_multiplier=3.0),
+    "smollm3": dict(BASE, no_rope_layer_interval=2),
+    "ernie4_5": dict(BASE, head_dim=16, use_bias=True),
+}
+
+
+def _layers(model):
+    return next(layers for name, layers in model.named_sublayers() if name.endswith(".layers"))
+
+
+@pytest.mark.parametrize("core", ["dense", "blockwise"])
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_each_layers_saved_bytes_equal_its_declarations_model(model_type, core):
+    config = config_from_dict(dict(model_type=model_type, **FAMILIES[model_type]))
+    run = Execution(attention=CORES[core])
+    layers = _layers(family(model_type).causal_lm(config, run))
+    layers.train()
+    for index, layer in enumerate(layers):
+        hidden = paddle.randn([BATCH, SEQ, config.hidden_size])
+        hidden.stop_gradient = False
+        measured = saved_activation_bytes(layer, lambda: layer(hidden), rotary_constants(layer, SEQ))
+        assert measured == family(model_type).layer_saved_bytes(config, run, BATCH, SEQ, index=index), index
+    workload = Workload(per_device_train_batch_size=BATCH, max_seq_length=SEQ, use_flash_attention=core == "blockwise")
+    assert decoder_activation_bytes(config, Layout(world_size=1), workload, 0) == sum(
+        family(model_type).layer_activations(config, run, BATCH, SEQ, index=i).kept for i in range(2))
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "olmo2", "mpt"])
+def test_what_each_recompute_granularity_keeps_equals_the_model(model_type):
+    """Paddle's CPU allocator: a layer's training forward leaves allocated, beyond its input, the
+    model's `kept` under full, full_attn and core_attn recompute, for the sandwich (Gemma 2), post
+    (OLMo-2) and LayerNorm (MPT) layers."""
+    config = config_from_dict(dict(model_type=model_type, **FAMILIES[model_type]))
+    layer_input = BATCH * SEQ * config.hidden_size * 4
+    for core in ("dense", "blockwise"):
+        for granularity in (None, "full", "full_attn", "core_attn"):
+            run = Execution(attention=CORES[core], recompute=Recompute(granularity))
+            layer = _layers(family(model_type).causal_lm(config, run))[0]
+            layer.train()
+            hidden = paddle.randn([BATCH, SEQ, config.hidden_size])
+            hidden.stop_gradient = False
+            layer(hidden)  # the constants first used here (rotary tables, masks)
+            kept = family(model_type).layer_activations(config, run, BATCH, SEQ, index=0).kept
+            assert held_bytes(lambda: layer(hidden)) == kept - layer_input, (core, granularity)
