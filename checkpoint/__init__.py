@@ -14,3 +14,5 @@ folders are read and written by `paddle_pp/interop`.
 This layer knows models only as plans (`modeling.tp_plan`: every tensor's shape, split and stage),
 never a family.
 """
+
+import paddle_pp  # noqa: E402,F401  (its start-up: Paddle imported quietly)

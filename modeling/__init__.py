@@ -10,3 +10,7 @@ constructor, never a config field. Models import the runtime's topology and layo
 hints; they use its errors, its expert groups (expert parallelism's exchange) and fleet's gradient
 hook that the tp sums run in (`tp_gradients`).
 """
+
+from paddle_pp.runtime.startup import lean_paddlenlp
+
+lean_paddlenlp()

@@ -3,3 +3,7 @@
 `paddle_pp.runtime` is the bottom layer (layout, topology, launch, Paddle backends); models,
 then the unified checkpoint, build on it; `paddle_pp.training` and `paddle_pp.data` sit on top.
 """
+
+from paddle_pp.runtime.startup import quiet_known_notes
+
+quiet_known_notes()
