@@ -29,7 +29,9 @@ def save_items(plan: ModelPlan, layout: Layout, compute_bytes: int = 4) -> list[
     """What a save of this model under `layout` writes, and who holds each tensor: the model in
     fp32, AdamW's states (and fp32 master weights under bf16/fp16), each parameter's states held by
     the sharding rank Paddle's stage1 or stage2 optimizer gives it, in every dp and cp replica (under
-    stage3 every sharding rank holds a slice, so every replica can write it). The tensors of a
+    stage3 every sharding rank holds a slice, so every replica can write it); a buffer (an MoE
+    router's correction bias) is written with the model only and is not in the optimizer's
+    partition. The tensors of a
     (stage, expert rank) are its placement's (`Placement.held_at`); Paddle partitions a rank's own
     parameters over sharding, so each expert rank's partition is over its own (the same shapes on
     every one), and an expert's tensors are held by the dp ranks of its expert rank only."""
@@ -37,11 +39,12 @@ def save_items(plan: ModelPlan, layout: Layout, compute_bytes: int = 4) -> list[
     mesh = plan.mesh(layout.pp, layout.vpp, layout.ep, layout.tp)
     holders: dict[str, set] = defaultdict(set)  # one entry per tensor, however many (stage, expert rank) hold it
     for stage, expert_rank in mesh.positions():
-        names = plan.held_at(stage, expert_rank, mesh)
+        held = plan.held_at(stage, expert_rank, mesh)
+        names = [name for name in held if not plan[name].buffer]  # what the optimizer partitions
         owners = (stage2_owners if layout.sharding_stage == "stage2" else sharding_owners)(
             [plan[name].local_numel(mesh) for name in names], layout.sharding_degree)
         dps = [dp for dp in range(layout.dp) if layout.expert_rank(dp) == expert_rank]
-        for name, owner in zip(names, owners):
+        for name, owner in [*zip(names, owners), *((name, 0) for name in held if plan[name].buffer)]:
             holders[name] |= {(stage, dp, owner) for dp in dps}
     return [item for name, held in holders.items() for item in _tensor_items(plan, name, layout, sorted(held), states)]
 
@@ -59,6 +62,8 @@ def _tensor_items(plan: ModelPlan, name: str, layout: Layout, holders: list[tupl
     updating = holding if layout.sharding_stage == "stage3" else \
         tuple(sorted({(stage, layout.weight_replica(dp, owner, cp)) for stage, dp, owner in holders
                       for cp in range(layout.cp)}))
+    if row.buffer:  # saved with the model, never updated by the optimizer
+        return [WriteItem(MODEL, name, numel * 4, split, gathered, holding)]
     return [WriteItem(MODEL, name, numel * 4, split, gathered, holding),
             *(WriteItem(OPTIMIZER, f"{name}{STATE_SEPARATOR}{state}", numel * 4, split, gathered, updating)
               for state in states),

@@ -38,6 +38,7 @@ class CausalLMConfig(PretrainedConfig):
     embedding_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden), Granite: a field)
     final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     logits_divisor: float | None = None  # logits divided by this (Granite's logits_scaling)
+    derived_fields: tuple[str, ...] = ()  # computed from other fields here and in transformers: not exported
 
     def __init__(self, vocab_size: int, hidden_size: int, intermediate_size: int, num_hidden_layers: int,
                  num_attention_heads: int, max_position_embeddings: int, initializer_range: float = 0.02, **kwargs):

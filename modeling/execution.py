@@ -42,10 +42,32 @@ class Recompute:
     def __call__(self, scope: str, function: Callable, *inputs: paddle.Tensor, training: bool = True):
         """`function(*inputs)`, recomputed in backward when `scope` is this run's granularity. Only
         when an input carries a gradient: recomputing a stop_gradient pipeline input hangs the
-        schedule in reentrant mode (PaddleNLP#7235), and a region without gradients needs nothing."""
+        schedule in reentrant mode (PaddleNLP#7235), and a region without gradients needs nothing.
+        Its second run (the recomputation) runs under `recomputing()`, so what a layer counts once per
+        forward (the experts' loads the balancing rule reads) is not counted twice."""
         if self.granularity == scope and training and any(not t.stop_gradient for t in inputs):
-            return fleet_recompute(function, *inputs, use_reentrant=self.use_reentrant)
+            runs = [0]
+
+            def counted(*args):
+                runs[0] += 1
+                if runs[0] == 1:
+                    return function(*args)
+                _RECOMPUTING[0] += 1
+                try:
+                    return function(*args)
+                finally:
+                    _RECOMPUTING[0] -= 1
+
+            return fleet_recompute(counted, *inputs, use_reentrant=self.use_reentrant)
         return function(*inputs)
+
+
+_RECOMPUTING = [0]  # how many recomputations are running (they nest: a layer's within the whole step's)
+
+
+def recomputing() -> bool:
+    """Whether the code running is a recomputation in backward of a forward that already ran."""
+    return _RECOMPUTING[0] > 0
 
 
 @dataclass(frozen=True)

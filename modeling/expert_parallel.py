@@ -44,16 +44,24 @@ def run_dispatched(flat: paddle.Tensor, chosen: paddle.Tensor, weights: paddle.T
     received = group.exchange(paddle.gather(flat, token_of), sent)
     mine = every[:, group.rank]
     by_expert = paddle.to_tensor(expert_order(mine))
-    rows = paddle.gather(received, by_expert)
-    outputs, idle, start = [], paddle.zeros([], flat.dtype), 0
-    for e, expert in enumerate(experts.children()):
-        n = int(mine[:, e].sum())
-        if n:
-            outputs.append(expert(rows[start:start + n]))
-        else:
-            idle = idle + (expert(paddle.zeros([1, flat.shape[1]], flat.dtype)) * 0).sum()
-        start += n
-    computed = paddle.scatter(paddle.zeros_like(received), by_expert, paddle.concat(outputs)) if outputs else received
+    outputs, idle = run_experts(paddle.gather(received, by_expert), mine.sum(axis=0).tolist(), experts)
+    computed = paddle.scatter(paddle.zeros_like(received), by_expert, outputs) if outputs is not None else received
     returned = group.exchange(computed, sent.T)
     weighted = returned * paddle.gather(weights.reshape([-1]), order).unsqueeze(-1)
     return paddle.index_add(paddle.zeros_like(flat), token_of, 0, weighted) + idle, counts.tolist()
+
+
+def run_experts(rows: paddle.Tensor, counts: list[int], experts: nn.Layer) -> tuple[paddle.Tensor | None, paddle.Tensor]:
+    """(each expert's output on its rows, concatenated in expert order, or None when no row came; a
+    zero scalar to add to the layer's output) for `rows` sorted by expert, `counts[e]` of them for
+    the e-th of `experts`. One split, not a slice per expert: a slice's backward writes a zero tensor
+    of the whole input, 64 of them per layer at 64 experts. An expert no row chose runs on one zero
+    row whose output, times zero, is the scalar: its gradient is a zero, never missing."""
+    slices = iter(paddle.split(rows, [count for count in counts if count])) if any(counts) else iter(())
+    outputs, idle = [], paddle.zeros([], rows.dtype)
+    for count, expert in zip(counts, experts.children()):
+        if count:
+            outputs.append(expert(next(slices)))
+        else:
+            idle = idle + (expert(paddle.zeros([1, rows.shape[1]], rows.dtype)) * 0).sum()
+    return (paddle.concat(outputs) if outputs else None), idle

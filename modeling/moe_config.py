@@ -10,6 +10,7 @@ from __future__ import annotations
 from modeling.blocks.mlp import GATED_NAMES, GatedMLP
 from modeling.blocks.moe import Experts, MoE, is_sparse
 from modeling.blocks.parts import Part
+from modeling.blocks.router import SEQUENCE, SIGMOID, Routing
 from modeling.config import DecoderConfig, ModelConfigError
 
 
@@ -41,8 +42,12 @@ class MoEConfig(DecoderConfig):
         width = getattr(self, "shared_expert_intermediate_size", 0)
         shared = GatedMLP(self.hidden_size, width, self.hidden_act, self.mlp_bias,
                           unit="shared_expert_intermediate_size") if width else None
-        return self.moe_block, MoE(index, self.hidden_size, Experts(self.num_experts, expert), self.num_experts_per_tok,
-                                   shared)
+        return self.moe_block, MoE(index, self.hidden_size, Experts(self.num_experts, expert), self.routing(), shared)
+
+    def routing(self) -> Routing:
+        """transformers' softmax router: top-k of the fp32 probabilities, renormalised as the family
+        says, with the Switch aux loss."""
+        return Routing(self.num_experts_per_tok, renormalize=self.renormalize_topk, aux_coef=self.router_aux_loss_coef)
 
     def validate(self) -> None:
         super().validate()
@@ -63,3 +68,60 @@ class QwenMoEFields(MoEConfig):
         self.decoder_sparse_step = decoder_sparse_step
         self.mlp_only_layers = list(mlp_only_layers or [])
         super().__init__(**kwargs)
+
+
+V3_AUX_ALPHA = 1e-4  # DeepSeek-V3's sequence-wise balance weight; its released configs omit aux_loss_alpha
+
+
+class DeepSeekMoEFields(MoEConfig):
+    """DeepSeek-V3's mixture of experts (also GLM-4.5's): dense MLPs in the first
+    `first_k_dense_replace` layers, then experts of `moe_intermediate_size` with `n_shared_experts`
+    shared ones (one ungated MLP that much wider), routed by sigmoid scores with a correction bias,
+    `n_group` groups of which `topk_group` are kept, renormalised, times `routed_scaling_factor`
+    (`blocks/router.py`); balanced by the bias update and the sequence-wise loss (`aux_loss_alpha`,
+    1e-4 when the config is silent). `num_nextn_predict_layers` (multi-token prediction) above 0 is
+    refused by name: the MTP module is not modelled, and training without it would silently drop
+    its weights and its loss."""
+
+    moe_block = "mlp"
+
+    def __init__(self, moe_intermediate_size: int = 2048, n_shared_experts: int = 1, num_experts: int = 256,
+                 routed_scaling_factor: float = 2.5, n_group: int | None = 8, topk_group: int | None = 4,
+                 num_experts_per_tok: int = 8, first_k_dense_replace: int = 3, norm_topk_prob: bool = True,
+                 aux_loss_alpha: float | None = None, num_nextn_predict_layers: int = 0, **kwargs):
+        self.moe_intermediate_size, self.n_shared_experts = moe_intermediate_size, n_shared_experts
+        self.routed_scaling_factor, self.n_group, self.topk_group = routed_scaling_factor, n_group or 1, topk_group or 1
+        self.first_k_dense_replace, self.norm_topk_prob = first_k_dense_replace, norm_topk_prob
+        self.aux_loss_alpha, self.num_nextn_predict_layers = aux_loss_alpha, num_nextn_predict_layers
+        if kwargs.setdefault("router_aux_loss_coef", 0.0):  # our own saves write the field, as 0.0
+            raise ModelConfigError(f"router_aux_loss_coef={kwargs['router_aux_loss_coef']}: a DeepSeek-style model's "
+                                   "balance loss weight is aux_loss_alpha; set router_aux_loss_coef to 0 or remove it")
+        super().__init__(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok, **kwargs)
+
+    def routing(self) -> Routing:
+        alpha = V3_AUX_ALPHA if self.aux_loss_alpha is None else self.aux_loss_alpha
+        return Routing(self.num_experts_per_tok, SIGMOID, renormalize=self.norm_topk_prob, renormalize_eps=1e-20,
+                       scale=self.routed_scaling_factor, groups=self.n_group, kept_groups=self.topk_group,
+                       correction_bias=True, aux=SEQUENCE, aux_coef=alpha)
+
+    def feed_forward(self, index: int) -> tuple[str, Part]:
+        if index < self.first_k_dense_replace:
+            return "mlp", GatedMLP(self.hidden_size, self.intermediate_size, self.hidden_act)
+        expert = GatedMLP(self.hidden_size, self.moe_intermediate_size, self.hidden_act, unit="moe_intermediate_size")
+        shared = GatedMLP(self.hidden_size, self.moe_intermediate_size * self.n_shared_experts, self.hidden_act,
+                          unit="moe_intermediate_size") if self.n_shared_experts else None
+        return "mlp", MoE(index, self.hidden_size, Experts(self.num_experts, expert), self.routing(), shared,
+                          shared_gate=False, names=("gate", "shared_experts"))
+
+    def validate(self) -> None:
+        super().validate()
+        if self.num_experts % self.n_group or (self.n_group > 1 and self.num_experts // self.n_group < 2):
+            raise ModelConfigError(f"n_group={self.n_group} must divide n_routed_experts={self.num_experts} into "
+                                   "groups of at least 2 experts (a group is ranked by its top two)")
+        if self.topk_group > self.n_group:
+            raise ModelConfigError(f"topk_group={self.topk_group} exceeds n_group={self.n_group}")
+        if self.num_nextn_predict_layers:
+            raise ModelConfigError(
+                f"num_nextn_predict_layers={self.num_nextn_predict_layers}: multi-token prediction is not modelled "
+                "(its layer and loss would be dropped from training); set it to 0 in config.json to train the main "
+                "model alone (transformers drops the MTP layer too)")

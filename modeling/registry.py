@@ -11,12 +11,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from modeling.attention_core.ring import Ring, RingCore, context_parallel_refusal
+from modeling.deepseek import DEEPSEEK_V2, DEEPSEEK_V3
 from modeling.ernie4_5 import ERNIE4_5
 from modeling.execution import Execution
 from modeling.family import ModelFamily
 from modeling.gemma import GEMMA
 from modeling.gemma2 import GEMMA2, GEMMA3_TEXT
+from modeling.glm4_moe import GLM4_MOE
 from modeling.gpt import GPT
+from modeling.gpt_oss import GPT_OSS
 from modeling.granite import GRANITE
 from modeling.llama import LLAMA
 from modeling.mistral import MISTRAL
@@ -41,32 +44,32 @@ if TYPE_CHECKING:
 
 FAMILIES: dict[str, ModelFamily] = {family.model_type: family for family in (
     LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GPT, GEMMA2, GEMMA3_TEXT, PHI3, OLMO2, SMOLLM3, GRANITE, ERNIE4_5, MPT, QWEN2_MOE,
-    QWEN3_MOE, MIXTRAL, OLMOE)}
+    QWEN3_MOE, MIXTRAL, OLMOE, DEEPSEEK_V3, DEEPSEEK_V2, GLM4_MOE, GPT_OSS)}
 BY_TRANSFORMERS_TYPE = {family.transformers.model_type: family for family in FAMILIES.values() if family.transformers}
+ALIASES = {"kimi_k2": DEEPSEEK_V3}  # Kimi-K2's folders are DeepSeek-V3's (transformers' kimi_k25 rewrites it so)
 
 
 class UnknownModelError(UserError, ValueError):
     """A config whose model_type no family is registered for."""
 
 
-_DEEPSEEK = ("DeepSeek's MLA attention and group-limited sigmoid routing with a correction bias are not modelled "
-             "yet")
 _LATER_MOE = "its routing and experts are not modelled yet"
 NOT_YET = {  # families users bring that are refused with why
-    "deepseek_v2": _DEEPSEEK, "deepseek_v3": _DEEPSEEK, "kimi_k2": _DEEPSEEK, "glm4_moe": _LATER_MOE,
-    "ernie4_5_moe": _LATER_MOE, "gpt_oss": _LATER_MOE,
+    "ernie4_5_moe": _LATER_MOE,
     "gemma3": "a Gemma 3 multimodal folder: its text model (text_config, language_model weights) is a gemma3_text "
               "model; save it as one (transformers' Gemma3ForCausalLM) and pass that folder",
     "llama4": "Llama 4's chunked attention, NoPE temperature tuning and input-side routing are not modelled",
     "llama4_text": "Llama 4's chunked attention, NoPE temperature tuning and input-side routing are not modelled",
     "qwen3_next": "Qwen3-Next's gated DeltaNet (linear attention) layers are not modelled",
     "gemma3n": "Gemma 3n's per-layer embeddings and AltUp are not modelled",
+    "deepseek_v32": "DeepSeek-V3.2's sparse attention (its indexer) is not modelled",
+    "deepseek_v4": "DeepSeek-V4 is not modelled", "kimi_linear": "Kimi-Linear's linear attention is not modelled",
 }
 
 
 def family(model_type: str) -> ModelFamily:
     """The family of a config.json "model_type": ours, PaddleNLP's or transformers' (e.g. "gpt2")."""
-    found = FAMILIES.get(model_type) or BY_TRANSFORMERS_TYPE.get(model_type)
+    found = FAMILIES.get(model_type) or BY_TRANSFORMERS_TYPE.get(model_type) or ALIASES.get(model_type)
     if found is None:
         why = f"; {NOT_YET[model_type]}" if model_type in NOT_YET else ""
         raise UnknownModelError(f"model_type {model_type!r} is not one of {sorted(FAMILIES)} "

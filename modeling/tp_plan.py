@@ -101,6 +101,7 @@ class TensorPlan:
     linear: bool = False
     init: str = NORMAL
     tp_partial_grad: str | None = None
+    buffer: bool = False  # a persistent buffer (saved, loaded, resharded), not a parameter: no gradient, no optimizer
 
     def placed(self, **axes) -> TensorPlan:
         """This tensor with its placement on the given axes set (`stage=`, `expert=`)."""

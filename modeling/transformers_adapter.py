@@ -10,7 +10,7 @@ spelling (`rope_parameters`, `dtype`) is read as transformers 4.x's.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -64,7 +64,15 @@ class Stored:
 
 
 def join(members: list[tuple[Stored, np.ndarray]]) -> np.ndarray:
-    """The stored tensor made of our `members` (each array in the stored orientation, with where it sits)."""
+    """The stored tensor made of our `members` (each array in the stored orientation, with where it sits):
+    a stack's entries each joined from its members, then stacked in order."""
+    if members[0][0].stack is not None:
+        entries: dict[int, list[tuple[Stored, np.ndarray]]] = {}
+        for stored, array in members:
+            entries.setdefault(stored.stack[0], []).append((replace(stored, stack=None), array))
+        if sorted(entries) != list(range(members[0][0].stack[1])):
+            raise ValueError(f"{members[0][0].name}: the entries given do not fill its stack")
+        return np.stack([join(entries[index]) for index in sorted(entries)])
     first = members[0][0]
     if len(members) == 1 and not first.fused:
         return members[0][1]
@@ -125,7 +133,8 @@ class TransformersAdapter:
     def their_config(self, config, dtype: str) -> dict:
         """transformers' config.json for `config` (transformers 4.x spelling, which 5 reads too)."""
         theirs = {ours: name for name, ours in self.renamed.items()}
-        values = {theirs.get(name, name): getattr(config, name) for name in model_fields(type(config))}
+        values = {theirs.get(name, name): getattr(config, name) for name in model_fields(type(config))
+                  if name not in config.derived_fields}
         return {"architectures": [self.architecture], "model_type": self.model_type, "torch_dtype": dtype,
                 **self.fixed, **values}
 

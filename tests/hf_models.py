@@ -77,6 +77,9 @@ KINDS = {
 }
 
 MOE = dict(SHAPE, num_key_value_heads=2, num_experts_per_tok=2)
+DEEPSEEK = dict(SHAPE, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32, num_experts_per_tok=2,
+                first_k_dense_replace=1, num_nextn_predict_layers=0)
 # mixture-of-experts kinds (4 experts, top-2; kept apart from KINDS, which every family test walks)
 MOE_KINDS = {
     "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(MOE, head_dim=32, num_experts=4, moe_intermediate_size=32,
@@ -85,10 +88,33 @@ MOE_KINDS = {
                                                                 shared_expert_intermediate_size=48, mlp_only_layers=[1])),
     "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(MOE, num_local_experts=4)),
     "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(MOE, num_experts=4)),
+    # DeepSeek-class routers: 8 experts in 2 groups (one kept), correction biases that change the choice, a dense
+    # first layer, shared experts; V3 with yarn (mscale_all_dim), V2 without a q latent and group_limited_greedy
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
+        DEEPSEEK, q_lora_rank=32, n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 0.707,
+                      "mscale_all_dim": 1.0})),
+    "deepseek_v2": ("DeepseekV2ForCausalLM", "DeepseekV2Config", dict(
+        DEEPSEEK, q_lora_rank=None, topk_method="group_limited_greedy", n_group=2, topk_group=1,
+        routed_scaling_factor=16.0)),
+    "glm4_moe": ("Glm4MoeForCausalLM", "Glm4MoeConfig", dict(
+        MOE, head_dim=16, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32, n_group=2, topk_group=1,
+        routed_scaling_factor=1.5, first_k_dense_replace=1, attention_bias=True, use_qk_norm=True,
+        partial_rotary_factor=0.5, num_nextn_predict_layers=0)),
+    # sinks, windows of 8 on even layers, yarn (no truncation), stacked interleaved experts with biases
+    "gpt_oss": ("GptOssForCausalLM", "GptOssConfig", dict(
+        MOE, head_dim=16, num_local_experts=4, sliding_window=8,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                      "original_max_position_embeddings": 16})),
 }
+STACKED_ON_DISK = ("gpt_oss",)  # kinds whose experts both versions store stacked (no per-expert layout)
 FUSED = "_fused"  # suffix of a kind's folder re-saved by transformers 5 in its in-memory layout (fused experts)
 ROUTER_SCALE = 30.0  # router weights times this: scores spread, so test tokens sit far from top-k ties
-SEEDS = {"qwen2_moe": 1}  # kinds whose seed-0 weights route some token of the layout runs within 1e-4 of a tie
+SIGMOID_ROUTER_SCALE = 10.0  # sigmoid routers' (30 would saturate their scores at 0 and 1: ties again)
+SIGMOID_ROUTED = ("deepseek_v3", "glm4_moe")
+BIAS_SCALE = 0.05  # correction biases drawn from U(0, this): they change which experts are chosen, and none is
+# negative, where transformers 4.55 (groups left out filled with 0.0) and 5 (-inf) would route differently
+SEEDS = {"qwen2_moe": 1, "deepseek_v3": 5, "gpt_oss": 6}  # kinds whose seed-0 weights route some token of the layout runs within 1e-4 of a tie
 
 # the hub tokenizer a kind's folder ships (the others ship the repo's SentencePiece tokenizer.model)
 KIND_TOKENIZERS = {"llama3": "llama3", "qwen2": "qwen2", "llama_tied": "smollm"}
@@ -128,8 +154,13 @@ def make(kind: str, folder: Path, seed: int = 0) -> Path:
         for name, param in model.named_parameters():
             if param.dim() == 1:
                 param.add_(0.1 * torch.randn_like(param))
-            elif name.endswith("gate.weight") and kind in MOE_KINDS:
-                param.mul_(ROUTER_SCALE)
+            elif name.endswith(("gate.weight", "router.weight")) and kind in MOE_KINDS:
+                param.mul_(SIGMOID_ROUTER_SCALE if kind in SIGMOID_ROUTED else ROUTER_SCALE)
+            elif name.endswith("experts.gate_up_proj") and kind == "gpt_oss":
+                param.normal_(0.0, 0.5)  # wide enough for its SwiGLU clamps (at 7) to cut some values
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(BIAS_SCALE * torch.rand_like(buffer))
     model.save_pretrained(folder, safe_serialization=True)
     return Path(folder)
 

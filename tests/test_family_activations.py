@@ -3,7 +3,8 @@ each decoder layer keeps for backward, measured by sublayer (saved-tensor hooks)
 declaration's `saved_bytes` under the dense and the blockwise core, for a sliding and a full layer
 of each (Gemma 2's soft-capped dense core keeps its tanh; OLMo-2's post-norms and projection-wide
 q/k norms; Phi-3's partial rotary; MPT's ALiBi, bias-free LayerNorms and q/k/v clipping; Granite's
-residual multiplier; SmolLM3's NoPE layers; ERNIE 4.5's interleaved rotary and biases); what a layer's
+residual multiplier; SmolLM3's NoPE layers; ERNIE 4.5's interleaved rotary and biases; DeepSeek's
+latent attention with and without a q latent); what a layer's
 training forward leaves allocated under each recompute granularity equals the model's `kept`; and
 the planner's per-stage total is the sum of its layers' own models. tp and SP do not change what a
 part keeps per head or position (tests/test_sequence_parallel.py measures them on real ranks)."""
@@ -33,6 +34,13 @@ FAMILIES = {  # model_type -> our config fields (layer 0 sliding where the famil
     "granite": dict(BASE, residual_multiplier=0.2, embedding_multiplier=3.0),
     "smollm3": dict(BASE, no_rope_layer_interval=2),
     "ernie4_5": dict(BASE, head_dim=16, use_bias=True),
+    # latent attention only (every layer dense): its q and kv latents, their norms, 24-wide q/k heads, 16-wide v
+    "deepseek_v3": dict(BASE, num_key_value_heads=6, q_lora_rank=24, kv_lora_rank=20, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=2, num_experts=4, n_group=1,
+                        topk_group=1, num_experts_per_tok=2),
+    "deepseek_v2": dict(BASE, num_key_value_heads=6, q_lora_rank=None, kv_lora_rank=20, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=2, num_experts=4, n_group=1,
+                        topk_group=1, num_experts_per_tok=2),
 }
 
 

@@ -69,7 +69,8 @@ REFUSED = {  # kind, config.json fields, what the refusal names
     # PaddleNLP's Mistral has no fused projections: a folder saying so has an unknown layout
     "fused_paddlenlp_weights": ("mistral", {"fuse_attention_qkv": True},
                                 "sets fuse_attention_qkv, which PaddleNLP's MistralForCausalLM does not have"),
-    "other_architecture": ("llama", {"model_type": "deepseek_v3"}, "model_type 'deepseek_v3' is not one of .*MLA"),
+    "other_architecture": ("llama", {"model_type": "deepseek_v32"},
+                           "model_type 'deepseek_v32' is not one of .*sparse attention"),
 }
 
 
@@ -187,13 +188,14 @@ def test_a_paddlenlp_moe_folder_loads_exactly_its_tensors(name, tmp_path):
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
 def test_every_family_builds_from_flags(model_type):
+    latent = model_type in ("deepseek_v3", "deepseek_v2")  # MLA: kv heads are the heads, head sizes its own fields
     args = parse_args(["--model_type", model_type, "--hidden_size", "64", "--num_attention_heads", "4",
                        "--intermediate_size", "96", "--num_hidden_layers", "2"]
-                      + ([] if model_type == "gpt" else ["--num_key_value_heads", "2", "--head_dim", "24"]))
+                      + ([] if model_type == "gpt" or latent else ["--num_key_value_heads", "2", "--head_dim", "24"]))
     config = model_config(args.model, 32, 4096, None, args.given)
     assert (config.model_type, config.vocab_size, config.hidden_size, config.num_hidden_layers) == \
         (model_type, 4096, 64, 2)
-    if model_type != "gpt":
+    if model_type != "gpt" and not latent:
         assert (config.num_key_value_heads, config.head_dim) == (2, 24)
     model = family_of(config).causal_lm(config)
     family_of(config).check_built(model, config, model.run, pp=1, stage=0)

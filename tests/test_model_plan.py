@@ -37,6 +37,16 @@ CONFIGS = {  # each family with what sets it apart: GQA, tied embeddings, biases
     "smollm3": dict(SHAPE, num_key_value_heads=2, no_rope_layer_interval=2, tie_word_embeddings=True),
     "granite": dict(SHAPE, num_key_value_heads=2, attention_bias=True, residual_multiplier=0.2),
     "ernie4_5": dict(SHAPE, num_key_value_heads=2, use_bias=True),
+    "deepseek_v3": dict(SHAPE, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+                        qk_rope_head_dim=4, v_head_dim=8, num_experts=4, n_group=2, topk_group=1, num_experts_per_tok=2,
+                        moe_intermediate_size=16, first_k_dense_replace=1),
+    "deepseek_v2": dict(SHAPE, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+                        qk_rope_head_dim=4, v_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                        first_k_dense_replace=1),
+    "glm4_moe": dict(SHAPE, num_key_value_heads=2, head_dim=8, num_experts=4, n_group=1, topk_group=1,
+                     num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1, use_qk_norm=True,
+                     attention_bias=True),
+    "gpt_oss": dict(SHAPE, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, sliding_window=4),
     "mpt": dict(vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
                 max_position_embeddings=16, attn_config={"clip_qkv": 0.5}),
 }
@@ -77,10 +87,13 @@ def test_every_split_divides_and_reassembles_at_every_allowed_tp(built):
 def test_linears_split_by_column_or_row_and_every_layer_sits_on_one_stage(built):
     family, config, _ = built
     plan = family.tensor_plan(config)
-    routers = {name for name in plan if name.endswith((".gate.weight", ".shared_expert_gate.weight"))}
+    routers = {name for name in plan
+               if name.endswith((".gate.weight", ".shared_expert_gate.weight", ".router.weight", ".router.bias"))}
     assert all(plan[name].placement.tp is None for name in routers), "every tp rank routes the same tokens"
+    latents = {name for name in plan if name.endswith(("q_a_proj.weight", "kv_a_proj_with_mqa.weight"))}
+    assert all(plan[name].placement.tp is None for name in latents), "every head reads the whole latent"
     assert all(row.placement.tp in (COLUMN, ROW) for name, row in plan.items()
-               if row.linear and len(row.shape) == 2 and name not in routers)
+               if row.linear and len(row.shape) == 2 and name not in routers | latents)
     for pp, vpp in ((2, 1), (2, 2), (4, 1)):
         stages = {name: plan.stages(name, pp, vpp) for name in plan}
         assert all(len(held) == 1 for name, held in stages.items() if isinstance(plan[name].placement.stage, int))

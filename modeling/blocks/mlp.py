@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
+import paddle
 import paddle.nn.functional as F
 
 from modeling.blocks.parts import Block, ColumnLinear, Declared, Part, RowLinear
@@ -33,6 +34,8 @@ class GatedMLP(Declared):
     bias: bool = False
     names: tuple[str, str, str] = GATED_NAMES
     unit: str = "intermediate_size"  # the config field its width is (named when tp does not divide it)
+    limit: float | None = None  # GPT-OSS: gate clamped above, up to [-limit, limit], (up + 1) x gate x sigmoid(alpha gate)
+    alpha: float = 1.0
 
     def parts(self) -> dict[str, Part]:
         gate, up, down = self.names
@@ -43,7 +46,7 @@ class GatedMLP(Declared):
         return {self.unit: self.width}
 
     def fused(self, run: Execution) -> bool:
-        return run.kernels.swiglu and self.activation in SILU
+        return run.kernels.swiglu and self.activation in SILU and self.limit is None
 
     def saved_bytes(self, run: Execution, tokens: int, dtype_bytes: int) -> dict[str, int]:
         """gate and up share one saved input (full-size under SP); the activation's input, its output
@@ -60,6 +63,8 @@ class GatedMLPLayer(Block):
         super().__init__(config, run, declared)
         if declared.fused(run):
             self.gated = F.swiglu
+        elif declared.limit is not None:
+            self.gated = partial(clamped_swiglu, limit=declared.limit, alpha=declared.alpha)
         else:
             act = ACTIVATIONS[declared.activation]
             self.gated = lambda gate, up: act(gate) * up
@@ -71,6 +76,13 @@ class GatedMLPLayer(Block):
 
 
 GatedMLP.layer = GatedMLPLayer
+
+
+def clamped_swiglu(gate, up, limit: float, alpha: float):
+    """GPT-OSS's gated activation: gate clamped above at `limit`, up to [-limit, limit], then
+    (up + 1) x gate x sigmoid(alpha x gate)."""
+    gate = paddle.clip(gate, max=limit)
+    return (paddle.clip(up, -limit, limit) + 1) * gate * F.sigmoid(alpha * gate)
 
 
 @dataclass(frozen=True)

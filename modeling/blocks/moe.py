@@ -20,34 +20,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
 import paddle
 import paddle.nn.functional as F
-from paddle import nn
 from paddle.autograd import PyLayer
 from paddle.distributed.fleet.utils import sequence_parallel_utils as sp_utils
 
 from modeling.autocast import full_precision
 from modeling.blocks.mlp import GatedMLP
-from modeling.blocks.parts import Block, Declared, Leaf, Part
-from modeling.execution import Execution
-from modeling.expert_parallel import run_dispatched
-from modeling.tp_plan import REPLICATED, Placement, TensorPlan
+from modeling.blocks.parts import Block, Declared, Part
+from modeling.blocks.router import Router, Routing
+from modeling.execution import Execution, recomputing
+from modeling.expert_parallel import run_dispatched, run_experts
+from modeling.tp_plan import TensorPlan
 from paddle_pp.runtime.experts import mark_experts
-
-
-@dataclass(frozen=True)
-class Router(Leaf):
-    """A bias-free linear hidden -> `outputs` (router scores, or Qwen2-MoE's shared-expert gate),
-    whole on every tp rank: every tp rank routes the same tokens, so its gradient is the same too."""
-
-    hidden: int
-    outputs: int
-
-    def tensors(self) -> dict[str, TensorPlan]:
-        return {"weight": TensorPlan((self.hidden, self.outputs), Placement(REPLICATED), linear=True)}
-
-    def build(self, config, run: Execution) -> nn.Layer:
-        return nn.Linear(self.hidden, self.outputs, bias_attr=False)
 
 
 @dataclass(frozen=True)
@@ -94,29 +80,32 @@ class _AddAuxLoss(PyLayer):
         return grad, paddle.ones(ctx.aux_shape, ctx.aux_dtype)
 
 
-def switch_aux_loss(probs: paddle.Tensor, counts: paddle.Tensor, top_k: int) -> paddle.Tensor:
-    """E * sum_e f_e * P_e over one micro-batch's tokens (probs [tokens, E] fp32, counts [E])."""
-    tokens, experts = probs.shape
-    share = counts.astype("float32") / float(tokens * top_k)
-    return experts * (share * probs.mean(axis=0)).sum()
-
-
 @dataclass(frozen=True)
 class MoE(Declared):
-    """Decoder layer `index`'s mixture of experts: a router over `experts`, and (Qwen2-MoE) a shared
-    expert whose output is gated by sigmoid(shared_expert_gate(x)). Routing reads the family's
-    config (top-k, renormalisation, aux-loss coefficient)."""
+    """Decoder layer `index`'s mixture of experts: a router over `experts` routing as the family's
+    `Routing` says, and a shared expert (Qwen2-MoE's gated by sigmoid(shared_expert_gate(x)),
+    DeepSeek's `shared_experts` ungated) whose output is added; `names` are the router's and the
+    shared expert's (transformers' names of the family)."""
 
     index: int
     hidden: int
     experts: Experts
-    top_k: int
+    routing: Routing
     shared: GatedMLP | None = None
+    shared_gate: bool = True
+    names: tuple[str, str] = ("gate", "shared_expert")
+
+    @property
+    def top_k(self) -> int:
+        return self.routing.top_k
 
     def parts(self) -> dict[str, Part]:
-        parts: dict[str, Part] = {"gate": Router(self.hidden, self.experts.count), "experts": self.experts}
+        router, shared = self.names
+        parts: dict[str, Part] = {router: Router(self.hidden, self.experts.count, self.routing), "experts": self.experts}
         if self.shared is not None:
-            parts |= {"shared_expert": self.shared, "shared_expert_gate": Router(self.hidden, 1)}
+            parts[shared] = self.shared
+            if self.shared_gate:
+                parts[f"{shared}_gate"] = Router(self.hidden, 1)
         return parts
 
     def saved_bytes(self, run: Execution, tokens: int, dtype_bytes: int) -> dict[str, int]:
@@ -133,15 +122,18 @@ class SparseMoE(Block):
         self.sequence_first = run.sequence_first
         self.layer_index = declared.index  # its decoder layer's, for the metrics
 
+    @property
+    def router_layer(self):
+        return getattr(self, self.declared.names[0])
+
     def route(self, flat: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
-        """(fp32 probabilities [tokens, E], chosen experts [tokens, k], their weights [tokens, k])."""
-        c = self.config
+        """(fp32 scores [tokens, E], chosen experts [tokens, k], their weights [tokens, k] in the
+        activations' dtype)."""
+        routing = self.declared.routing
+        logits = self.router_layer.logits(flat, routing.fp32)
         with full_precision():
-            probs = F.softmax(paddle.matmul(flat.astype("float32"), self.gate.weight.astype("float32")), axis=-1)
-            weights, chosen = paddle.topk(probs, c.num_experts_per_tok, axis=-1)
-            if c.renormalize_topk:
-                weights = weights / weights.sum(axis=-1, keepdim=True)
-        return probs, chosen, weights.astype(flat.dtype)
+            scores, chosen, weights = routing.route(logits, self.router_layer.correction)
+        return scores, chosen, weights.astype(flat.dtype)
 
     def forward(self, hidden):
         """Under sequence parallelism every tp rank gathers the whole sequence (backward: keeps its
@@ -154,49 +146,54 @@ class SparseMoE(Block):
         return self._forward(hidden)
 
     def _forward(self, hidden):
-        c = self.config
-        flat = hidden.reshape([-1, c.hidden_size])
-        probs, chosen, weights = self.route(flat)
+        declared = self.declared
+        flat = hidden.reshape([-1, declared.hidden])
+        scores, chosen, weights = self.route(flat)
         out, counts = (self._local(flat, chosen, weights) if self.run.experts is None
                        else run_dispatched(flat, chosen, weights, self.experts, self.run.experts,
-                                           self.declared.experts.count))
-        if hasattr(self, "shared_expert"):
-            out = out + F.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+                                           declared.experts.count))
+        if declared.shared is not None:
+            shared = getattr(self, declared.names[1])(flat)
+            if declared.shared_gate:
+                shared = F.sigmoid(getattr(self, f"{declared.names[1]}_gate")(flat)) * shared
+            out = out + shared
         out = out.reshape(hidden.shape)
-        if self.training and paddle.is_grad_enabled():  # not in evaluation (under no_grad, in train mode too)
+        learning = self.training and paddle.is_grad_enabled()
+        counting = self.training and not recomputing()  # a recomputed forward routed the same tokens already
+        if learning or counting:
             counts = paddle.to_tensor(counts, "int64")
-            aux = switch_aux_loss(probs, counts, c.num_experts_per_tok) * c.router_aux_loss_coef
-            self.run.router_stats.record(self.layer_index, aux, counts, tie_margin(probs, c.num_experts_per_tok))
-            if c.router_aux_loss_coef:
+            sequences = hidden.shape[1 if self.sequence_first else 0]
+            with full_precision():
+                aux = declared.routing.aux_loss(self._by_sequence(scores, hidden), counts, sequences) \
+                    * declared.routing.aux_coef
+            if counting:
+                self.run.router_stats.record(self.layer_index, aux, counts,
+                                             declared.routing.margin(scores, self.router_layer.correction))
+            if learning and declared.routing.aux_coef:
                 out = _AddAuxLoss.apply(out, aux / self.run.accumulate_steps)
         return out
 
+    def _by_sequence(self, scores: paddle.Tensor, hidden: paddle.Tensor) -> paddle.Tensor:
+        """Scores with each sequence's tokens together (under SP the gathered tokens are sequence-major)."""
+        if not self.sequence_first:
+            return scores
+        seq, batch = hidden.shape[:2]
+        return scores.reshape([seq, batch, -1]).transpose([1, 0, 2]).reshape([seq * batch, -1])
+
     def _local(self, flat, chosen, weights) -> tuple[paddle.Tensor, list[int]]:
-        """Every expert on this rank: each runs on its tokens, its weighted output added in expert order."""
-        out, counts = paddle.zeros_like(flat), []
-        for e, expert in enumerate(self.experts.children()):
-            hit = chosen == e
-            token = paddle.nonzero(hit)[:, 0]
-            counts.append(token.shape[0])
-            if token.shape[0]:
-                routed, weight = paddle.gather(flat, token), paddle.masked_select(weights, hit).unsqueeze(-1)
-            else:  # no token chose it: a zero row with weight zero keeps its gradient a zero
-                token = paddle.zeros([1], "int64")
-                routed, weight = paddle.zeros([1, flat.shape[1]], flat.dtype), paddle.zeros([1, 1], flat.dtype)
-            out = paddle.index_add(out, token, 0, expert(routed) * weight)
-        return out, counts
+        """Every expert on this rank, on its rows, in one pass: the (token, choice) rows sorted by
+        expert once, their counts read once (one host synchronisation per layer, however many experts),
+        each expert run on its slice, the weighted outputs added back to their tokens in expert order.
+        An expert no token chose runs on one zero row with weight zero: its gradient is a zero."""
+        choice = chosen.reshape([-1])
+        order = paddle.argsort(choice, stable=True)
+        counts = np.bincount(choice.numpy(), minlength=self.declared.experts.count).tolist()
+        outputs, idle = run_experts(paddle.gather(flat, order // chosen.shape[1]), counts, self.experts)
+        weighted = outputs * paddle.gather(weights.reshape([-1]), order).unsqueeze(-1)
+        return paddle.index_add(paddle.zeros_like(flat), order // chosen.shape[1], 0, weighted) + idle, counts
 
 
 MoE.layer = SparseMoE
-
-
-def tie_margin(probs: paddle.Tensor, top_k: int) -> paddle.Tensor:
-    """The least gap between a token's k-th and (k+1)-th router logit (log of the probabilities'
-    ratio): how far routing is from a tie that fp32 noise could flip (inf when every expert is chosen)."""
-    if top_k == probs.shape[-1]:
-        return paddle.full([], float("inf"))
-    top = paddle.topk(probs.detach(), top_k + 1, axis=-1)[0]
-    return paddle.log(top[:, top_k - 1] / top[:, top_k]).min()
 
 
 def is_sparse(c, index: int) -> bool:

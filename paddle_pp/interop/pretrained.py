@@ -145,12 +145,13 @@ def _is_unified(folder: Path) -> bool:
 
 def _config_fields(raw: dict) -> dict:
     """The fields of our own config.json the family's config class takes (it also holds PaddleNLP's
-    defaults for generation and kernels); None means unset."""
+    defaults for generation and kernels), None included: written from our config, a null is its value
+    (V2-Lite's `q_lora_rank`, a window that is off), not a field left unset."""
     accepted = set()
     for cls in family(raw.get("model_type")).config_class.__mro__:
         if "__init__" in cls.__dict__:
             accepted |= set(inspect.signature(cls.__init__).parameters)
-    return {k: v for k, v in raw.items() if k in accepted and k not in RUN_FIELDS and v is not None}
+    return {k: v for k, v in raw.items() if k in accepted and k not in RUN_FIELDS}
 
 
 def _our_config(folder: Path, raw: dict) -> tuple[ModelFamily, dict, frozenset[str]]:

@@ -112,7 +112,8 @@ def plan_layout(config, layout: Layout, compute_bytes: int = 4, workload: Worklo
     mesh = plan.mesh(layout.pp, layout.vpp, layout.ep, layout.tp)
     counts = np.zeros([layout.pp, layout.tp], dtype=np.int64)
     for stage in range(layout.pp):  # expert rank 0's share: every expert rank holds as many experts alike
-        counts[stage] += sum(plan[name].local_numel(mesh) for name in plan.held_at(stage, 0, mesh))
+        counts[stage] += sum(plan[name].local_numel(mesh) for name in plan.held_at(stage, 0, mesh)
+                             if not plan[name].buffer)  # a router's correction bias: no grad, no states
     state_bytes = ADAM_STATE_BYTES + (4 if compute_bytes < 4 else 0)
     shard = layout.sharding_degree
     grad_shards = shard if layout.group_sharded_level else 1  # stage2 and stage3

@@ -98,6 +98,9 @@ class OptimizerArguments:
     amp_master_grad: bool = flag(False, "keep fp32 gradients under --bf16/--fp16")
     scale_loss: float = flag(2.0**15, "initial loss scale of --fp16's dynamic loss scaling (halved after each "
                                       "overflowed step, doubled after 1000 clean ones)")
+    moe_router_bias_update_rate: float = flag(1e-3, "DeepSeek-V3's aux-loss-free balancing: each step, each MoE "
+                                                    "layer's correction bias moves by this x sign(mean load - load) "
+                                                    "(routers with a correction bias only; 0 freezes it)")
 
 
 @dataclass

@@ -75,12 +75,16 @@ def eval_loss(model, criterion, inputs, labels, topo: Topology, compute_dtype: s
     the compute dtype, so evaluating without it mixes dtypes). The pipeline's p2p meta cache
     (`p2p_cache_shape`) is cleared before and after, as PaddleNLP does: train and eval share it, and
     evaluation sends activations of another dtype and without gradients, whose cached meta would
-    make the next `train_batch` skip sending gradients back, hanging the first stage."""
+    make the next `train_batch` skip sending gradients back, hanging the first stage. The model is
+    in eval mode meanwhile on every layout (fleet's `eval_batch` sets it under pp): no dropout, and
+    an MoE layer's routing is not counted into the step's expert loads."""
+    model.eval()
     with paddle.no_grad(), autocast(compute_dtype):
         if topo.layout.pp == 1:
-            return mean_over_replicas(criterion(model(inputs), labels), topo)
-        model._p2p_helper.clear_meta_cache()
-        loss = model.eval_batch([inputs, labels], compute_loss=True)
-        model._p2p_helper.clear_meta_cache()
+            loss = criterion(model(inputs), labels)
+        else:
+            model._p2p_helper.clear_meta_cache()
+            loss = model.eval_batch([inputs, labels], compute_loss=True)
+            model._p2p_helper.clear_meta_cache()
     model.train()
     return mean_over_replicas(loss, topo)

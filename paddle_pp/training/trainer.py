@@ -36,6 +36,7 @@ from paddle_pp.runtime.stage3 import SLICE_PREFIX
 from paddle_pp.runtime.topology import Topology, align_ranks, gather_objects, init_distributed, rank0_first
 from paddle_pp.training import precision
 from paddle_pp.training.arguments import DataArguments, ModelArguments, OptimizerArguments, PretrainArguments
+from paddle_pp.training.expert_balance import update_correction_biases
 from paddle_pp.training.grad_norm import ReportingGlobalNormClip, report_clipped_norm
 from paddle_pp.training.gradient_record import record_gradients, recorded_gradients
 from paddle_pp.training.model_config import check_dropout, model_config, tokenizer_dir
@@ -274,9 +275,12 @@ class Pretrainer:
         return record
 
     def _updated(self) -> None:
-        """Right after each optimizer update: the TP replicas' sync under stage2/3, then the hook."""
+        """Right after each optimizer update: the TP replicas' sync under stage2/3, the experts'
+        correction biases by the step's loads (DeepSeek-V3's balancing), then the hook."""
         if needs_replicated_sync(self.topo):
             sync_replicated(self.raw_model, self.optimizer, self.axes, self.topo)
+        update_correction_biases(self.raw_model, self.execution.router_stats, self.topo,
+                                 self.args.optim.moe_router_bias_update_rate)
         if self.after_update:
             self.after_update(self)
 
@@ -298,7 +302,8 @@ class Pretrainer:
         seconds = time.perf_counter() - started
         record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": self.clip.pop_norm(),
                   "tokens_per_sec": self.batches.global_batch * self.args.data.max_seq_length / seconds,
-                  "consumed_samples": consumed, **router_metrics(self.execution.router_stats, self.config, self.topo)}
+                  "consumed_samples": consumed, **router_metrics(self.execution.router_stats, self.config, self.topo,
+                                                   self.raw_model)}
         return record if updated else {**record, "update_skipped": True}
 
     def evaluate(self) -> float:

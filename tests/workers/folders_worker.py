@@ -1,12 +1,15 @@
 """Model folders as users bring them, each started under one layout in one launch: for every folder,
 the model its config.json describes is built for this rank (`build_causal_lm`), its weights read as
-`--model_name_or_path` reads them (each rank its tp pieces), evaluated on a batch (the loss
-transformers computed on the same rows is the test's), trained two steps and saved as a unified
-checkpoint (single-card names; the test exports it back to transformers). One launch serves every
-family: the process group, fleet's hybrid topology and Paddle's start-up are paid once.
+`--model_name_or_path` reads them (each rank its tp pieces and its experts), evaluated on a batch (the
+loss transformers computed on the same rows is the test's), trained two steps (the experts'
+correction biases moved after each by the balancing rule, as the trainer does) and saved as a
+unified checkpoint (single-card names; the test exports it back to transformers and compares it with
+other layouts'). One launch serves every family: the process group, fleet's hybrid topology and
+Paddle's start-up are paid once.
 
-argv: ROWS.npy OUT_DIR BLOCK FOLDER... [layout flags]. Result: per folder its loss on the rows and the
-two training losses; checkpoints under OUT_DIR/<folder name>/checkpoint-2.
+argv: ROWS.npy OUT_DIR BLOCK FOLDER... [layout flags] [--recompute] [--micro_batch_size N]. Result: per folder its loss on
+the rows, the two training losses and each MoE layer's correction bias this rank holds after the
+first step; checkpoints under OUT_DIR/<folder name>/checkpoint-2.
 """
 
 from __future__ import annotations
@@ -21,33 +24,47 @@ import paddle
 from checkpoint.save import save_checkpoint
 from modeling import tp_gradients
 from modeling.attention_core import BlockwiseCore
-from modeling.execution import Execution
+from modeling.execution import Execution, Recompute
 from modeling.registry import build_causal_lm, config_from_dict, plan_of, validate_layout
 from paddle_pp.interop.pretrained import load_pretrained, open_pretrained
-from paddle_pp.runtime.fleet_wrappers import wrap_model, wrap_optimizer
+from paddle_pp.runtime.fleet_wrappers import wrap_for_layout
 from paddle_pp.runtime.launch import write_result
 from paddle_pp.runtime.layout import Layout, add_layout_args
 from paddle_pp.runtime.topology import end_job, init_distributed
+from paddle_pp.training.expert_balance import balanced_layers, update_correction_biases
+from paddle_pp.training.grad_norm import ReportingGlobalNormClip, report_clipped_norm
 from paddle_pp.training.step import eval_loss, replica_slice, train_step
 
-ACCUMULATE = 4  # micro-batches per step: the pipeline's 1F1B has more than one in flight
+ACCUMULATE = 4  # micro-batches per step unless --micro_batch_size says: the pipeline's 1F1B has more than one in flight
+BIAS_RATE = 1e-3  # the trainer's default --moe_router_bias_update_rate
 
 
-def start(folder: Path, rows: np.ndarray, out: Path, block: int, topo) -> dict:
+def start(folder: Path, rows: np.ndarray, out: Path, choices: Execution, topo) -> dict:
+    accumulate = choices.accumulate_steps
     pretrained = open_pretrained(folder)
     config = config_from_dict(pretrained.config)
     validate_layout(config, topo.layout)
-    raw = build_causal_lm(config, topo, Execution(attention=BlockwiseCore(block)))
+    raw = build_causal_lm(config, topo, choices)
     plan = plan_of(config)
     load_pretrained(pretrained, raw, plan.axes(), topo)
-    optimizer = paddle.optimizer.AdamW(learning_rate=1e-3, parameters=raw.parameters(),
-                                       grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0))
-    model, optimizer = wrap_model(raw, topo), wrap_optimizer(optimizer)
+    clip = ReportingGlobalNormClip(1.0)  # the trainer's: every expert's gradient counted once under ep
+    # epsilon 1e-6: at 1e-8 Adam's first steps move an entry whose gradient is only summation noise (an
+    # expert few tokens reached) by up to lr, and layouts sum in different orders
+    optimizer = paddle.optimizer.AdamW(learning_rate=1e-3, parameters=raw.parameters(), grad_clip=clip, epsilon=1e-6)
+    model, optimizer = wrap_for_layout(raw, optimizer, topo)
     tp_gradients.sum_before_update(optimizer, raw, topo.tp_group)
+    report_clipped_norm(optimizer, clip, raw, topo)
     criterion, mine = getattr(raw, "criterion", None), replica_slice(len(rows), topo)
     inputs, labels = (paddle.to_tensor(rows[mine, :-1]), paddle.to_tensor(rows[mine, 1:]))
-    result = {"loss": eval_loss(model, criterion, inputs, labels, topo),
-              "losses": [train_step(model, optimizer, criterion, inputs, labels, topo, ACCUMULATE) for _ in range(2)]}
+    stats = raw.run.router_stats
+    result = {"loss": eval_loss(model, criterion, inputs, labels, topo), "losses": []}
+    for step in range(2):
+        result["losses"].append(train_step(model, optimizer, criterion, inputs, labels, topo, accumulate,
+                                           after_update=lambda: update_correction_biases(raw, stats, topo, BIAS_RATE)))
+        stats.take()
+        if step == 0:
+            result["biases"] = {str(layer.layer_index): layer.router_layer.correction.numpy().tolist()
+                                for layer in balanced_layers(raw)}
     save_checkpoint(out / folder.name, 2, raw, optimizer, topo, plan, config=config, trainer_state={"step": 2})
     return result
 
@@ -58,13 +75,18 @@ def main(argv: list[str]) -> None:
     parser.add_argument("out")
     parser.add_argument("block", type=int)
     parser.add_argument("folders", nargs="+")
+    parser.add_argument("--recompute", action="store_true", help="recompute whole decoder layers")
+    parser.add_argument("--micro_batch_size", type=int, help="the same on every layout compared: an MoE layer's "
+                        "Switch aux loss is a micro-batch's statistic")
     args = parser.parse_args(argv)
     rows = np.load(args.rows).astype("int64")
     layout = Layout.from_args(args)
-    topo = init_distributed(layout, micro_batch_size=len(rows) // layout.data_replicas // ACCUMULATE,
-                            accumulate_steps=ACCUMULATE)
-    results = {Path(folder).name: start(Path(folder), rows, Path(args.out), args.block, topo)
-               for folder in args.folders}
+    micro_batch = args.micro_batch_size or len(rows) // layout.data_replicas // ACCUMULATE
+    accumulate = len(rows) // layout.data_replicas // micro_batch
+    topo = init_distributed(layout, micro_batch_size=micro_batch, accumulate_steps=accumulate)
+    choices = Execution(attention=BlockwiseCore(args.block), recompute=Recompute("full" if args.recompute else None),
+                        accumulate_steps=accumulate)
+    results = {Path(folder).name: start(Path(folder), rows, Path(args.out), choices, topo) for folder in args.folders}
     write_result({"rank": topo.global_rank, "folders": results})
     end_job(topo)
 

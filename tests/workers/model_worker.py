@@ -3,7 +3,8 @@
 The test writes the single-card weights (`--init`, .npz) and an HF-style config with "model_type"
 (`--config`, JSON); rank 0 writes the gathered single-card parameters after training to `--out`.
 `--optimizer sgd` makes global-norm clipping visible in the update (AdamW is nearly invariant to it).
-`--attention blockwise --block N` runs the blockwise attention core with N positions per block.
+`--attention blockwise --block N` runs the blockwise attention core with N positions per block (under
+`--context_parallel_degree`, the ring's kernel; each cp rank reads its two chunks of every sequence).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import paddle
 from checkpoint.single_card_state import gather_single_card_state, load_single_card_state
 from modeling import tp_gradients
 from modeling.attention_core import CORES, BlockwiseCore
+from modeling.context_parallel import split_sequence
 from modeling.execution import Execution
 from modeling.registry import build_causal_lm, config_from_dict, plan_of
 from paddle_pp.runtime.fleet_wrappers import wrap_model, wrap_optimizer
@@ -76,7 +78,10 @@ def main(argv: list[str]) -> None:
 
     def batch(step):
         x, y = global_batch(step, args.global_batch, args.seq, config.vocab_size)
-        return paddle.to_tensor(x[rows]), paddle.to_tensor(y[rows])
+        x, y = x[rows], y[rows]
+        if topo.ring is not None:  # context parallelism: this rank's two chunks of every sequence
+            x, y = (split_sequence(t, topo.ring.degree, topo.ring.rank) for t in (x, y))
+        return paddle.to_tensor(x), paddle.to_tensor(y)
 
     evaluation = eval_loss(model, criterion, *batch(0), topo)
     losses = [train_step(model, optimizer, criterion, *batch(step), topo, args.accumulate_steps)

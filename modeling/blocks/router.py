@@ -1,0 +1,160 @@
+"""The router of a mixture-of-experts layer, configured per family (torchtitan's
+`TokenChoiceTopKRouter`, Megatron's `moe_router_*` fields): how a token's router logits become its k
+experts and their weights, and what balances the experts.
+
+`Routing` is the family's rule:
+- `score`: "softmax" over the experts (Qwen-MoE, Mixtral, OLMoE, DeepSeek-V2), "sigmoid" per expert
+  (DeepSeek-V3, GLM-4.5), or "softmax_of_top_k" (GPT-OSS: the k largest logits, softmax over them);
+- `correction_bias`: DeepSeek-V3's `e_score_correction_bias`, added to the scores for choosing the
+  experts only (the weights are the unbiased scores), moved after each optimizer step by the
+  aux-loss-free balancing rule (`paddle_pp/training/expert_balance.py`), never by the optimizer;
+- groups: the experts in `groups` equal groups, each scored by the sum of its top two choice scores
+  ("top2_sum", V3) or its largest ("max", V2's group_limited_greedy); only the `kept_groups` best
+  groups' experts may be chosen, the others' scores filled with `masked_fill` (transformers 5 and
+  DeepSeek's current code: -inf; transformers 4.55 and V2: 0.0; they differ when a kept choice score
+  is negative);
+- `renormalize` (the k weights over their sum, plus `renormalize_eps`), then times `scale`
+  (`routed_scaling_factor`);
+- `fp32`: the logits in fp32 (every family but GPT-OSS, whose router runs in the activations' dtype);
+- `aux`: the balancing loss injected at the layer, "switch" (E x sum_e f_e x P_e over the micro-batch)
+  or "sequence" (DeepSeek-V3 section 2.1.2: the same per sequence, on the sigmoid scores normalised
+  over all experts and the top-k of those unbiased scores, averaged over the sequences), times `aux_coef`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import paddle
+import paddle.nn.functional as F
+from paddle import nn
+
+from modeling.autocast import full_precision
+from modeling.blocks.parts import Leaf
+from modeling.execution import Execution
+from modeling.tp_plan import REPLICATED, ZEROS, Placement, TensorPlan
+
+SOFTMAX, SIGMOID, SOFTMAX_OF_TOP_K = "softmax", "sigmoid", "softmax_of_top_k"
+SWITCH, SEQUENCE = "switch", "sequence"
+CORRECTION_BIAS = "e_score_correction_bias"
+
+
+@dataclass(frozen=True)
+class Routing:
+    top_k: int
+    score: str = SOFTMAX
+    renormalize: bool = False
+    renormalize_eps: float = 0.0
+    scale: float = 1.0
+    groups: int = 1
+    kept_groups: int = 1
+    group_score: str = "top2_sum"
+    masked_fill: float = float("-inf")
+    correction_bias: bool = False
+    linear_bias: bool = False
+    fp32: bool = True
+    aux: str = SWITCH
+    aux_coef: float = 0.0
+
+    def route(self, logits: paddle.Tensor, bias: paddle.Tensor | None) -> tuple[paddle.Tensor, paddle.Tensor,
+                                                                                  paddle.Tensor]:
+        """(the scores the balancing statistics read [tokens, E] fp32, chosen experts [tokens, k],
+        their weights [tokens, k] fp32) from the router logits (`bias`: the correction bias)."""
+        if self.score == SOFTMAX_OF_TOP_K:
+            top, chosen = paddle.topk(logits, self.top_k, axis=-1)
+            return F.softmax(logits.astype("float32"), axis=-1), chosen, F.softmax(top, axis=-1).astype("float32")
+        scores = F.softmax(logits, axis=-1) if self.score == SOFTMAX else F.sigmoid(logits)
+        choice = scores + bias if bias is not None else scores
+        if self.groups > 1:
+            choice = self._within_kept_groups(choice)
+        _, chosen = paddle.topk(choice, self.top_k, axis=-1)
+        weights = paddle.take_along_axis(scores, chosen, axis=-1)
+        if self.renormalize:
+            weights = weights / (weights.sum(axis=-1, keepdim=True) + self.renormalize_eps)
+        return scores, chosen, weights * self.scale if self.scale != 1.0 else weights
+
+    def _within_kept_groups(self, choice: paddle.Tensor) -> paddle.Tensor:
+        """`choice` with the experts outside the `kept_groups` best groups set to `masked_fill`."""
+        tokens, experts = choice.shape
+        grouped = choice.reshape([tokens, self.groups, experts // self.groups])
+        ranked = paddle.topk(grouped, 2, axis=-1)[0].sum(-1) if self.group_score == "top2_sum" else grouped.max(-1)
+        kept = paddle.topk(ranked, self.kept_groups, axis=-1)[1]
+        mask = paddle.zeros_like(ranked).put_along_axis(kept, paddle.ones_like(kept, "float32"), axis=-1)
+        keep = mask.unsqueeze(-1).expand(grouped.shape).reshape([tokens, experts]) > 0
+        return paddle.where(keep, choice, paddle.full_like(choice, self.masked_fill))
+
+    def margin(self, scores: paddle.Tensor, bias: paddle.Tensor | None) -> paddle.Tensor:
+        """How far routing is from a tie that fp32 noise could flip: the least gap between a token's
+        k-th and (k+1)-th choice and, with groups, between the kept_groups-th and next group score
+        (softmax scores: the log of their ratio, a router-logit gap; inf when nothing is left out)."""
+        choice = scores.detach() + bias if bias is not None else scores.detach()
+
+        def least_gap(values: paddle.Tensor, kept: int) -> paddle.Tensor:
+            top = paddle.topk(values, kept + 1, axis=-1)[0]
+            first, second = top[:, kept - 1], top[:, kept]
+            return (paddle.log(first / second) if self.score != SIGMOID else first - second).min()
+
+        gaps = []
+        if self.groups > 1 and self.kept_groups < self.groups:
+            grouped = choice.reshape([choice.shape[0], self.groups, -1])
+            ranked = paddle.topk(grouped, 2, axis=-1)[0].sum(-1) if self.group_score == "top2_sum" else grouped.max(-1)
+            gaps.append(least_gap(ranked, self.kept_groups))
+            choice = self._within_kept_groups(choice)
+        if self.top_k < choice.shape[-1]:
+            gaps.append(least_gap(choice, self.top_k))
+        return paddle.stack(gaps).min() if gaps else paddle.full([], float("inf"))
+
+    def aux_loss(self, scores: paddle.Tensor, counts: paddle.Tensor, sequences: int) -> paddle.Tensor:
+        """The balancing statistic (1 at balanced routing) over one micro-batch of `sequences` equal
+        sequences: scores [tokens, E] fp32, counts [E] of the experts chosen."""
+        tokens, experts = scores.shape
+        if self.aux == SWITCH:
+            share = counts.astype("float32") / float(tokens * self.top_k)
+            return experts * (share * scores.mean(axis=0)).sum()
+        normalised = scores / (scores.sum(axis=-1, keepdim=True) + 1e-20)
+        per_sequence = normalised.reshape([sequences, tokens // sequences, experts])
+        chosen = paddle.topk(per_sequence, self.top_k, axis=-1)[1]
+        hits = F.one_hot(chosen, experts).sum(axis=2)  # [sequences, tokens, E]: 1 where chosen
+        share = hits.mean(axis=1) * experts / self.top_k  # f_i per sequence
+        return (share * per_sequence.mean(axis=1)).sum(-1).mean()
+
+
+@dataclass(frozen=True)
+class Router(Leaf):
+    """A linear hidden -> `outputs` (router logits, or Qwen2-MoE's shared-expert gate) stored [hidden,
+    outputs], with GPT-OSS's bias and DeepSeek-V3's fp32 correction bias (a buffer: saved and loaded
+    by its single-card name, moved by the balancing rule, never by the optimizer) as the routing
+    says; whole on every tp rank: every tp rank routes the same tokens, so its gradient is the same."""
+
+    hidden: int
+    outputs: int
+    routing: Routing | None = None
+
+    def tensors(self) -> dict[str, TensorPlan]:
+        rows = {"weight": TensorPlan((self.hidden, self.outputs), Placement(REPLICATED), linear=True)}
+        if self.routing is not None and self.routing.linear_bias:
+            rows["bias"] = TensorPlan((self.outputs,), Placement(REPLICATED), init=ZEROS)
+        if self.routing is not None and self.routing.correction_bias:
+            rows[CORRECTION_BIAS] = TensorPlan((self.outputs,), Placement(REPLICATED), init=ZEROS, buffer=True)
+        return rows
+
+    def build(self, config, run: Execution) -> nn.Layer:
+        return RouterLayer(self.hidden, self.outputs, self.routing)
+
+
+class RouterLayer(nn.Linear):
+    def __init__(self, hidden: int, outputs: int, routing: Routing | None):
+        super().__init__(hidden, outputs, bias_attr=None if routing is not None and routing.linear_bias else False)
+        if routing is not None and routing.correction_bias:
+            self.register_buffer(CORRECTION_BIAS, paddle.zeros([outputs], "float32"), persistable=True)
+
+    @property
+    def correction(self) -> paddle.Tensor | None:
+        return getattr(self, CORRECTION_BIAS, None)
+
+    def logits(self, flat: paddle.Tensor, fp32: bool) -> paddle.Tensor:
+        if not fp32:
+            return self(flat)
+        with full_precision():
+            logits = paddle.matmul(flat.astype("float32"), self.weight.astype("float32"))
+            return logits + self.bias.astype("float32") if self.bias is not None else logits
