@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+SHARED_FOLDERS = ("blocks", "attention_core")  # folders under modeling/ that every family builds on
 
 
 def _files(revision: str | None) -> dict[str, str]:
@@ -35,7 +36,7 @@ def count(revision: str | None) -> dict[str, int]:
     lines: dict[str, int] = {}
     for path, text in _files(revision).items():
         parts = Path(path).parts
-        owner = parts[1] if len(parts) > 2 and parts[1] != "blocks" else "shared"
+        owner = parts[1] if len(parts) > 2 and parts[1] not in SHARED_FOLDERS else "shared"
         lines[owner] = lines.get(owner, 0) + sum(1 for line in text.splitlines() if line.strip())
     return lines
 

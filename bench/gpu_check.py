@@ -2,8 +2,7 @@
 fit (bf16 held to the fp32 single-card curve within 2e-2, fp32 layouts within 1e-4 with TF32 off),
 evaluation at the last step, a bf16 save resumed under another layout in bf16 and in fp32, and fp16
 with its loss scaler saved. Prints a table; exits 1 if a row fails, 2 on a machine without a GPU.
-It has never run: no GPU with Paddle 3 is reachable from this repository's machines (README,
-"Mixed precision").
+It has never run: no GPU with Paddle 3 is reachable from this repository's machines (docs/mixed-precision.md).
 
   .venv/bin/python bench/gpu_check.py [--work_dir output/gpu_check]
 """

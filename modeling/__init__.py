@@ -6,9 +6,11 @@ and checks from one declaration, and `<family>/__init__.py` holds only its confi
 differs (each decoder layer's declaration is read off it: `config.decoder_layer(index)`).
 `registry.py` lists the families by model_type. How a run computes a model (parallel degrees,
 attention core, recompute, fused kernels) is its `Execution` (`execution.py`), handed to the model's
-constructor, never a config field. Models import the runtime's topology and layout only for type
-hints; they use its errors, its expert groups (expert parallelism's exchange) and fleet's gradient
-hook that the tp sums run in (`tp_gradients`).
+constructor, never a config field. Models use the runtime's topology and layout as type hints only
+(imported under TYPE_CHECKING); from the runtime they import its errors, its expert groups (expert
+parallelism's exchange and which experts a rank holds), the optimizer hook the tp sums run in
+(`tp_gradients`, through `fleet_wrappers.reduce_first`) and, first of all, its start-up
+(`runtime/startup.py`: PaddleNLP's base classes imported without PaddleNLP's package init).
 """
 
 from paddle_pp.runtime.startup import lean_paddlenlp

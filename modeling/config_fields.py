@@ -1,7 +1,7 @@
 """Which config.json fields leave the model's computation alone, and the one translation of other
 spellings into transformers 4.x's (the form our configs keep).
 
-`HARMLESS` is the documented list (README, "Start from a model"): bookkeeping, inference and
+`HARMLESS` is the documented list (docs/models.md): bookkeeping, inference and
 generation settings, other tasks' heads, and PaddleNLP's run and kernel settings. A few of them are
 harmless only at one value (an encoder-decoder flag): the predicate says which. PaddleNLP's fused-
 projection flags say where a folder stores tensors (`paddle_pp.interop.pretrained` reads them). A
@@ -92,5 +92,5 @@ def as_transformers4(raw: dict) -> dict:
     return values
 
 # Read and dropped in every mixture-of-experts family: transformers adds its pooled aux loss to the loss
-# it returns when set; paddle-pp always trains with the per-layer aux loss (README, "Mixture of experts")
+# it returns when set; paddle-pp always trains with the per-layer aux loss (docs/moe.md)
 MOE_ACCEPTED: dict[str, Check] = {"output_router_logits": any_value}

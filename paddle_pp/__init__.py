@@ -1,4 +1,4 @@
-"""paddle-pp's runtime and training layers (see README, "Layers").
+"""paddle-pp's runtime and training layers (see docs/architecture.md).
 
 `paddle_pp.runtime` is the bottom layer (layout, topology, launch, Paddle backends); models,
 then the unified checkpoint, build on it; `paddle_pp.training` and `paddle_pp.data` sit on top.

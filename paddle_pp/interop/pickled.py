@@ -23,7 +23,7 @@ from paddle_pp.runtime.errors import UserError
 
 NAME_TABLE = "StructuredToParameterName@@"
 ALLOW_UNSAFE_PICKLE_HELP = ("read pickled .pdparams/.pdopt files with paddle.load, which runs any code they carry: only "
-                            "for files you trust (default: data only; see README, Security)")
+                            "for files you trust (default: data only; see docs/known-problems.md, Security)")
 
 
 class UnsafePickleError(UserError, pickle.UnpicklingError):

@@ -119,7 +119,7 @@ def launch(
     exactly as a user starts a multi-node job, so the multi-node rendezvous path is exercised.
 
     `retries_on_silent_abort` relaunches a job in which a rank died of SIGABRT without printing any
-    error: a rare crash inside Paddle's gloo runtime on oversubscribed CPUs (README, "Known
+    error: a rare crash inside Paddle's gloo runtime on oversubscribed CPUs (docs/known-problems.md, "Known
     problems"). Any other failure, and any wrong result, is never retried. Scripts that report
     through files of their own (run_pretrain.py) are launched with `collect_results=False`.
     """

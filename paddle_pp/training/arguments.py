@@ -39,7 +39,7 @@ class ModelArguments:
                                             "Gemma tie, the others do not)")
     allow_unsafe_pickle: bool = flag(False, "with a pdparams --model_name_or_path: read it with paddle.load, which "
                                             "runs any code the file carries (only for a folder you trust; default: "
-                                            "data only, see README, Security)")
+                                            "data only, see docs/known-problems.md, Security)")
     initializer_range: float = flag(0.02, "std of the initial matrices")
     recompute: bool = flag(False, "recompute activations in backward instead of keeping them (what: "
                                   "--recompute_granularity)")

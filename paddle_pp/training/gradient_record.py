@@ -12,7 +12,7 @@ GRADIENT = "grad"
 
 
 def record_gradients(optimizer) -> None:
-    """Wrap the inner optimizer's `_apply_optimize` (Paddle 3.3.1; see README, "Paddle internals
+    """Wrap the inner optimizer's `_apply_optimize` (Paddle 3.3.1; see docs/paddle-internals.md, "Paddle internals
     we replace") so every update leaves its gradients behind."""
     inner = inner_optimizer(optimizer)
     apply = inner._apply_optimize

@@ -114,7 +114,7 @@ def read_recipe(path: Path, known: set[str], booleans: set[str]) -> tuple[dict[s
             flags[dest] = bool(value) if dest in booleans else value
         elif key not in REFUSED and key not in COMMUNICATION_OPTIONS and key != "overwrite_output_dir":
             refused.append(f"{key}={value!r} (a field paddle-pp does not know: it may change what is trained; "
-                           "remove it, or see the README's list of recipe fields)")
+                           "remove it, or see docs/models.md's list of recipe fields)")
     if refused:
         raise RecipeError(f"{path} asks for what paddle-pp cannot honour: {'; '.join(refused)}")
     if flags.get("report_to") == "all":
