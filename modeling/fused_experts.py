@@ -3,7 +3,8 @@
 expert of a layer stacked, gate and up fused, `experts.gate_up_proj` [E, 2 x width, hidden] (each
 expert's gate rows, then its up rows; [out, in] as every transformers linear) and
 `experts.down_proj` [E, hidden, width], in a block named `mlp` in every family (Mixtral's
-`block_sparse_moe` too, router included). Both versions' default save writes one tensor per expert
+`block_sparse_moe` too, router included; ERNIE 4.5's `moe_statics` inside the gate: a config's
+`fused_layout_renames`). Both versions' default save writes one tensor per expert
 (what our export writes); a folder holding the fused names is read through this map.
 """
 
@@ -27,6 +28,9 @@ def stores_fused_experts(names: Iterable[str]) -> bool:
 def fused_expert_stored(stored: Stored, config) -> Stored:
     """Where the fused layout keeps the tensor that the per-expert layout stores as `stored`."""
     name = stored.name.replace(f".{config.moe_block}.", ".mlp.")
+    for per_expert, fused in getattr(config, "fused_layout_renames", {}).items():  # ERNIE's bias moves into the gate
+        if name.endswith(per_expert):
+            name = name.removesuffix(per_expert) + fused
     match = _PER_EXPERT.fullmatch(name)
     if match is None:
         return replace(stored, name=name)

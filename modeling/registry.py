@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from modeling.attention_core.ring import Ring, RingCore, context_parallel_refusal
 from modeling.deepseek import DEEPSEEK_V2, DEEPSEEK_V3
 from modeling.ernie4_5 import ERNIE4_5
+from modeling.ernie4_5_moe import ERNIE4_5_MOE
 from modeling.execution import Execution
 from modeling.family import ModelFamily
 from modeling.gemma import GEMMA
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 
 FAMILIES: dict[str, ModelFamily] = {family.model_type: family for family in (
     LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GPT, GEMMA2, GEMMA3_TEXT, PHI3, OLMO2, SMOLLM3, GRANITE, ERNIE4_5, MPT, QWEN2_MOE,
-    QWEN3_MOE, MIXTRAL, OLMOE, DEEPSEEK_V3, DEEPSEEK_V2, GLM4_MOE, GPT_OSS)}
+    QWEN3_MOE, MIXTRAL, OLMOE, DEEPSEEK_V3, DEEPSEEK_V2, GLM4_MOE, GPT_OSS, ERNIE4_5_MOE)}
 BY_TRANSFORMERS_TYPE = {family.transformers.model_type: family for family in FAMILIES.values() if family.transformers}
 ALIASES = {"kimi_k2": DEEPSEEK_V3}  # Kimi-K2's folders are DeepSeek-V3's (transformers' kimi_k25 rewrites it so)
 
@@ -53,9 +54,7 @@ class UnknownModelError(UserError, ValueError):
     """A config whose model_type no family is registered for."""
 
 
-_LATER_MOE = "its routing and experts are not modelled yet"
 NOT_YET = {  # families users bring that are refused with why
-    "ernie4_5_moe": _LATER_MOE,
     "gemma3": "a Gemma 3 multimodal folder: its text model (text_config, language_model weights) is a gemma3_text "
               "model; save it as one (transformers' Gemma3ForCausalLM) and pass that folder",
     "llama4": "Llama 4's chunked attention, NoPE temperature tuning and input-side routing are not modelled",

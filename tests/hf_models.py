@@ -101,6 +101,11 @@ MOE_KINDS = {
         MOE, head_dim=16, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32, n_group=2, topk_group=1,
         routed_scaling_factor=1.5, first_k_dense_replace=1, attention_bias=True, use_qk_norm=True,
         partial_rotary_factor=0.5, num_nextn_predict_layers=0)),
+    # softmax routing with a [1, E] correction bias (moe_statics), clamped renormalisation, a shared expert, a dense
+    # first layer (moe_layer_start_index)
+    "ernie4_5_moe": ("Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeConfig", dict(
+        SHAPE, num_key_value_heads=2, head_dim=16, moe_num_experts=4, moe_k=2, moe_intermediate_size=32,
+        moe_num_shared_experts=1, moe_layer_start_index=1, router_aux_loss_coef=0.01)),
     # sinks, windows of 8 on even layers, yarn (no truncation), stacked interleaved experts with biases
     "gpt_oss": ("GptOssForCausalLM", "GptOssConfig", dict(
         MOE, head_dim=16, num_local_experts=4, sliding_window=8,
@@ -156,6 +161,8 @@ def make(kind: str, folder: Path, seed: int = 0) -> Path:
                 param.add_(0.1 * torch.randn_like(param))
             elif name.endswith(("gate.weight", "router.weight")) and kind in MOE_KINDS:
                 param.mul_(SIGMOID_ROUTER_SCALE if kind in SIGMOID_ROUTED else ROUTER_SCALE)
+            elif name.endswith("e_score_correction_bias"):  # ERNIE 4.5's: a parameter [1, E] (moe_statics)
+                param.copy_(BIAS_SCALE * torch.rand_like(param))
             elif name.endswith("experts.gate_up_proj") and kind == "gpt_oss":
                 param.normal_(0.0, 0.5)  # wide enough for its SwiGLU clamps (at 7) to cut some values
         for name, buffer in model.named_buffers():

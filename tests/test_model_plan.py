@@ -47,6 +47,8 @@ CONFIGS = {  # each family with what sets it apart: GQA, tied embeddings, biases
                      num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1, use_qk_norm=True,
                      attention_bias=True),
     "gpt_oss": dict(SHAPE, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, sliding_window=4),
+    "ernie4_5_moe": dict(SHAPE, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=16, moe_num_shared_experts=1, moe_layer_start_index=1),
     "mpt": dict(vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
                 max_position_embeddings=16, attn_config={"clip_qkv": 0.5}),
 }

@@ -334,7 +334,7 @@ def test_a_kill_during_an_expert_parallel_save_leaves_the_last_checkpoint_resuma
 
 EXPERT_COUNT_FIELD = {"qwen3_moe": "num_experts", "qwen2_moe": "num_experts", "mixtral": "num_local_experts",
                       "olmoe": "num_experts", "deepseek_v3": "n_routed_experts", "deepseek_v2": "n_routed_experts",
-                      "glm4_moe": "n_routed_experts", "gpt_oss": "num_local_experts"}
+                      "glm4_moe": "n_routed_experts", "gpt_oss": "num_local_experts", "ernie4_5_moe": "moe_num_experts"}
 VERSIONS = ("transformers4", "transformers5")
 
 
@@ -388,7 +388,7 @@ def test_an_moe_folder_starts_under_ep2_tp2_pp2_sp_at_its_loss_and_trains_like_s
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe", "ernie4_5_moe"])
 def test_the_correction_bias_moves_by_the_rule_from_the_steps_global_counts_on_every_rank(kind, moe_starts,
                                                                                           moe_folders):
     """After step 1 every rank's correction bias of every MoE layer it holds is b0 + 1e-3 x sign(mean(c)

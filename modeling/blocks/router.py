@@ -13,8 +13,8 @@ experts and their weights, and what balances the experts.
   groups' experts may be chosen, the others' scores filled with `masked_fill` (transformers 5 and
   DeepSeek's current code: -inf; transformers 4.55 and V2: 0.0; they differ when a kept choice score
   is negative);
-- `renormalize` (the k weights over their sum, plus `renormalize_eps`), then times `scale`
-  (`routed_scaling_factor`);
+- `renormalize` (the k weights over their sum, plus `renormalize_eps`, or over at least
+  `renormalize_floor`: ERNIE 4.5's `moe_norm_min`), then times `scale` (`routed_scaling_factor`);
 - `fp32`: the logits in fp32 (every family but GPT-OSS, whose router runs in the activations' dtype);
 - `aux`: the balancing loss injected at the layer, "switch" (E x sum_e f_e x P_e over the micro-batch)
   or "sequence" (DeepSeek-V3 section 2.1.2: the same per sequence, on the sigmoid scores normalised
@@ -45,16 +45,21 @@ class Routing:
     score: str = SOFTMAX
     renormalize: bool = False
     renormalize_eps: float = 0.0
+    renormalize_floor: float = 0.0
     scale: float = 1.0
     groups: int = 1
     kept_groups: int = 1
     group_score: str = "top2_sum"
     masked_fill: float = float("-inf")
     correction_bias: bool = False
+    correction_rows: int = 0  # the bias stored [rows, E] (ERNIE 4.5's moe_statics: [1, E]); 0: [E]
     linear_bias: bool = False
     fp32: bool = True
     aux: str = SWITCH
     aux_coef: float = 0.0
+
+    def correction_shape(self, experts: int) -> tuple[int, ...]:
+        return (self.correction_rows, experts) if self.correction_rows else (experts,)
 
     def route(self, logits: paddle.Tensor, bias: paddle.Tensor | None) -> tuple[paddle.Tensor, paddle.Tensor,
                                                                                   paddle.Tensor]:
@@ -70,7 +75,9 @@ class Routing:
         _, chosen = paddle.topk(choice, self.top_k, axis=-1)
         weights = paddle.take_along_axis(scores, chosen, axis=-1)
         if self.renormalize:
-            weights = weights / (weights.sum(axis=-1, keepdim=True) + self.renormalize_eps)
+            total = weights.sum(axis=-1, keepdim=True)
+            weights = weights / (total.clip(min=self.renormalize_floor) if self.renormalize_floor
+                                 else total + self.renormalize_eps)
         return scores, chosen, weights * self.scale if self.scale != 1.0 else weights
 
     def _within_kept_groups(self, choice: paddle.Tensor) -> paddle.Tensor:
@@ -135,7 +142,8 @@ class Router(Leaf):
         if self.routing is not None and self.routing.linear_bias:
             rows["bias"] = TensorPlan((self.outputs,), Placement(REPLICATED), init=ZEROS)
         if self.routing is not None and self.routing.correction_bias:
-            rows[CORRECTION_BIAS] = TensorPlan((self.outputs,), Placement(REPLICATED), init=ZEROS, buffer=True)
+            rows[CORRECTION_BIAS] = TensorPlan(self.routing.correction_shape(self.outputs), Placement(REPLICATED),
+                                               init=ZEROS, buffer=True)
         return rows
 
     def build(self, config, run: Execution) -> nn.Layer:
@@ -146,7 +154,8 @@ class RouterLayer(nn.Linear):
     def __init__(self, hidden: int, outputs: int, routing: Routing | None):
         super().__init__(hidden, outputs, bias_attr=None if routing is not None and routing.linear_bias else False)
         if routing is not None and routing.correction_bias:
-            self.register_buffer(CORRECTION_BIAS, paddle.zeros([outputs], "float32"), persistable=True)
+            self.register_buffer(CORRECTION_BIAS, paddle.zeros(list(routing.correction_shape(outputs)), "float32"),
+                                 persistable=True)
 
     @property
     def correction(self) -> paddle.Tensor | None:

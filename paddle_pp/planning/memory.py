@@ -129,14 +129,15 @@ def dispatch_bytes_per_step(config, layout: Layout, workload: Workload, compute_
     stage's MoE layers, every micro-batch): (with balanced routing, in the worst case). Each MoE layer
     sends its tokens' k rows out and back in forward, their gradients in backward, and again in a
     recomputed forward; balanced routing keeps 1/ep of the rows on their own rank, the worst case none.
-    Under sequence parallelism every tp rank exchanges the whole sequence's rows (`SparseMoE`)."""
-    from modeling.blocks.moe import is_sparse
+    Under sequence parallelism every tp rank exchanges the whole sequence's rows (`SparseMoE`). Which
+    layers are MoE is each layer's declaration (DeepSeek's and GLM's dense first layers, ERNIE's range)."""
+    from modeling.blocks.moe import MoE
 
     if layout.ep == 1:
         return 0, 0
     per_stage = [0] * layout.pp
     for index in range(config.num_hidden_layers):
-        if is_sparse(config, index):
+        if isinstance(config.decoder_layer(index).feed_forward, MoE):
             per_stage[layer_stage(index, config.num_hidden_layers, layout.pp, layout.vpp)] += 1
     exchanges = 4 + (2 if workload.recompute else 0)
     rows = workload.per_device_train_batch_size * workload.max_seq_length * config.num_experts_per_tok
