@@ -187,10 +187,11 @@ class SparseMoE(Block):
         An expert no token chose runs on one zero row with weight zero: its gradient is a zero."""
         choice = chosen.reshape([-1])
         order = paddle.argsort(choice, stable=True)
+        token_of = order // chosen.shape[1]
         counts = np.bincount(choice.numpy(), minlength=self.declared.experts.count).tolist()
-        outputs, idle = run_experts(paddle.gather(flat, order // chosen.shape[1]), counts, self.experts)
+        outputs, idle = run_experts(paddle.gather(flat, token_of), counts, self.experts)
         weighted = outputs * paddle.gather(weights.reshape([-1]), order).unsqueeze(-1)
-        return paddle.index_add(paddle.zeros_like(flat), order // chosen.shape[1], 0, weighted) + idle, counts
+        return paddle.index_add(paddle.zeros_like(flat), token_of, 0, weighted) + idle, counts
 
 
 MoE.layer = SparseMoE

@@ -80,11 +80,15 @@ class Routing:
                                  else total + self.renormalize_eps)
         return scores, chosen, weights * self.scale if self.scale != 1.0 else weights
 
+    def _group_scores(self, grouped: paddle.Tensor) -> paddle.Tensor:
+        """[tokens, groups]: each group's sum of its top two choice scores (V3) or its largest (V2)."""
+        return paddle.topk(grouped, 2, axis=-1)[0].sum(-1) if self.group_score == "top2_sum" else grouped.max(-1)
+
     def _within_kept_groups(self, choice: paddle.Tensor) -> paddle.Tensor:
         """`choice` with the experts outside the `kept_groups` best groups set to `masked_fill`."""
         tokens, experts = choice.shape
         grouped = choice.reshape([tokens, self.groups, experts // self.groups])
-        ranked = paddle.topk(grouped, 2, axis=-1)[0].sum(-1) if self.group_score == "top2_sum" else grouped.max(-1)
+        ranked = self._group_scores(grouped)
         kept = paddle.topk(ranked, self.kept_groups, axis=-1)[1]
         mask = paddle.zeros_like(ranked).put_along_axis(kept, paddle.ones_like(kept, "float32"), axis=-1)
         keep = mask.unsqueeze(-1).expand(grouped.shape).reshape([tokens, experts]) > 0
@@ -103,9 +107,8 @@ class Routing:
 
         gaps = []
         if self.groups > 1 and self.kept_groups < self.groups:
-            grouped = choice.reshape([choice.shape[0], self.groups, -1])
-            ranked = paddle.topk(grouped, 2, axis=-1)[0].sum(-1) if self.group_score == "top2_sum" else grouped.max(-1)
-            gaps.append(least_gap(ranked, self.kept_groups))
+            gaps.append(least_gap(self._group_scores(choice.reshape([choice.shape[0], self.groups, -1])),
+                                  self.kept_groups))
             choice = self._within_kept_groups(choice)
         if self.top_k < choice.shape[-1]:
             gaps.append(least_gap(choice, self.top_k))
