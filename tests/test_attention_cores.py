@@ -71,14 +71,20 @@ def test_blockwise_log_sum_exp_is_the_softmax_normaliser():
 
 def _kept(core, seq, spec=PLAIN, sinks=False):
     """Bytes one call keeps for backward, measured by the saved-tensor hooks (the sink logits are
-    a parameter in a model, so not an activation, and not counted)."""
+    a parameter in a model, so not an activation, and not counted). The hook holds each saved tensor
+    alive, so a freed one's address reused by the next cannot merge two tensors into one entry."""
     tensors, _ = _inputs(1, seq, 4, 2, 16, False)
     logits = paddle.zeros([4]) if sinks else None
     saved = {}
-    with paddle.autograd.saved_tensors_hooks(
-            lambda t: saved.setdefault(t.data_ptr(), int(t.numel()) * t.element_size()) or t, lambda t: t):
+
+    def keep(tensor):
+        saved.setdefault(tensor.data_ptr(), tensor)
+        return tensor
+
+    with paddle.autograd.saved_tensors_hooks(keep, lambda tensor: tensor):
         core(*tensors, False, spec, logits)
-    return sum(size for pointer, size in saved.items() if logits is None or pointer != logits.data_ptr())
+    return sum(int(t.numel()) * t.element_size() for pointer, t in saved.items()
+               if logits is None or pointer != logits.data_ptr())
 
 
 def test_blockwise_keeps_memory_linear_in_the_length():
