@@ -16,6 +16,7 @@ summation difference move a token to another expert.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import replace
 
@@ -27,8 +28,10 @@ from conftest import FOLDER_STEPS, IDS, first_batch
 from checkpoint.format import tokenizer_files
 from checkpoint.unified_io import UnifiedReader
 from checkpoint.verify import verify_checkpoint
+from modeling.deepseek import DeepseekV3Config
 from modeling.expert_parallel import expert_order
 from modeling.registry import config_from_dict, family_of, plan_of, plan_of_folder
+from modeling.transformers_adapter import ConfigFieldError
 from paddle_pp.interop.pretrained import TRANSFORMERS, load_pretrained, open_pretrained
 from paddle_pp.interop.transformers import export_hf
 from paddle_pp.runtime.launch import LaunchError, launch
@@ -217,10 +220,39 @@ def test_the_aux_loss_is_the_coefficient_at_uniform_routing_and_its_gradient_is_
         router.declared = replace(router.declared, routing=replace(routing, aux_coef=0.0))
     loss, _ = model(ids, labels)
     total = loss + sum(routing.aux_loss(probs, paddle.bincount(chosen.flatten(), minlength=config.num_experts),
-                                        IDS.shape[0]) * routing.aux_coef for probs, chosen in recorded)
+                                        IDS.shape[0], chosen) * routing.aux_coef for probs, chosen in recorded)
     total.backward()
     for ours, reference in zip(injected, [router.router_layer.weight.grad.numpy() for router in routers]):
         np.testing.assert_allclose(ours, reference, rtol=1e-5, atol=1e-9)
+
+
+def test_deepseek_v2s_seq_aux_counts_the_routed_experts_per_sequence():
+    """DeepSeek-V2's balance loss as its own modeling code computes it (transformers has none): with
+    `seq_aux` (its default), per sequence, f_i = count of expert i among the routed choices x E / (T x k),
+    times the sequence's mean score, summed over experts, averaged over sequences, times aux_loss_alpha;
+    without it, the Switch form over the micro-batch. Routed choices under group_limited_greedy differ
+    from the top-k of the scores here, so counting the wrong ones would show."""
+    fields = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, kv_lora_rank=8,
+                  qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=8, num_experts_per_tok=2,
+                  moe_intermediate_size=16, topk_method="group_limited_greedy", n_group=4, topk_group=1)
+    rng = np.random.default_rng(0)
+    logits = paddle.to_tensor(rng.normal(size=(2 * 6, 8)).astype("float32"))
+    for seq_aux in (True, False):
+        routing = config_from_dict(dict(model_type="deepseek_v2", seq_aux=seq_aux, **fields)).routing()
+        scores, chosen, _ = routing.route(logits, None)
+        assert (np.sort(chosen.numpy()) != np.sort(np.argsort(-scores.numpy())[:, :2])).any()  # groups bind
+        counts = paddle.bincount(chosen.flatten(), minlength=8)
+        ours = float(routing.aux_loss(scores, counts, 2, chosen)) * routing.aux_coef
+        probs, picks = scores.numpy().reshape(2, 6, 8), chosen.numpy().reshape(2, 12)
+        if seq_aux:
+            share = np.stack([np.bincount(row, minlength=8) for row in picks]) / (6 * 2 / 8)
+            expected = (share * probs.mean(axis=1)).sum(axis=1).mean() * 0.001
+        else:
+            expected = (np.bincount(picks.ravel(), minlength=8) / 24 * 8 * probs.reshape(12, 8).mean(0)).sum() * 0.001
+        np.testing.assert_allclose(ours, expected, rtol=1e-6)
+    v3 = {**fields, "model_type": "deepseek_v3", "topk_method": "noaux_tc", "seq_aux": False}
+    with pytest.raises(ConfigFieldError, match=re.escape("seq_aux=False (changes the model")):
+        family_of(config_from_dict({**v3, "seq_aux": True})).transformers.our_config(v3, DeepseekV3Config)
 
 
 def test_received_rows_are_regrouped_by_expert_then_source():

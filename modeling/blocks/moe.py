@@ -164,8 +164,8 @@ class SparseMoE(Block):
             counts = paddle.to_tensor(counts, "int64")
             sequences = hidden.shape[1 if self.sequence_first else 0]
             with full_precision():
-                aux = declared.routing.aux_loss(self._by_sequence(scores, hidden), counts, sequences) \
-                    * declared.routing.aux_coef
+                aux = declared.routing.aux_loss(self._by_sequence(scores, hidden), counts, sequences,
+                                                self._by_sequence(chosen, hidden)) * declared.routing.aux_coef
             if counting:
                 self.run.router_stats.record(self.layer_index, aux, counts,
                                              declared.routing.margin(scores, self.router_layer.correction))
@@ -174,7 +174,8 @@ class SparseMoE(Block):
         return out
 
     def _by_sequence(self, scores: paddle.Tensor, hidden: paddle.Tensor) -> paddle.Tensor:
-        """Scores with each sequence's tokens together (under SP the gathered tokens are sequence-major)."""
+        """Per-token rows (scores, chosen experts) with each sequence's tokens together (under SP the
+        gathered tokens are sequence-major)."""
         if not self.sequence_first:
             return scores
         seq, batch = hidden.shape[:2]

@@ -18,7 +18,9 @@ experts and their weights, and what balances the experts.
 - `fp32`: the logits in fp32 (every family but GPT-OSS, whose router runs in the activations' dtype);
 - `aux`: the balancing loss injected at the layer, "switch" (E x sum_e f_e x P_e over the micro-batch)
   or "sequence" (DeepSeek-V3 section 2.1.2: the same per sequence, on the sigmoid scores normalised
-  over all experts and the top-k of those unbiased scores, averaged over the sequences), times `aux_coef`.
+  over all experts and the top-k of those unbiased scores, averaged over the sequences; with
+  `aux_counts_routed`, DeepSeek-V2's `seq_aux`: the experts the routing chose, groups and all),
+  times `aux_coef`.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class Routing:
     fp32: bool = True
     aux: str = SWITCH
     aux_coef: float = 0.0
+    aux_counts_routed: bool = False
 
     def correction_shape(self, experts: int) -> tuple[int, ...]:
         return (self.correction_rows, experts) if self.correction_rows else (experts,)
@@ -114,16 +117,20 @@ class Routing:
             gaps.append(least_gap(choice, self.top_k))
         return paddle.stack(gaps).min() if gaps else paddle.full([], float("inf"))
 
-    def aux_loss(self, scores: paddle.Tensor, counts: paddle.Tensor, sequences: int) -> paddle.Tensor:
+    def aux_loss(self, scores: paddle.Tensor, counts: paddle.Tensor, sequences: int,
+                 chosen: paddle.Tensor) -> paddle.Tensor:
         """The balancing statistic (1 at balanced routing) over one micro-batch of `sequences` equal
-        sequences: scores [tokens, E] fp32, counts [E] of the experts chosen."""
+        sequences: scores [tokens, E] fp32, counts [E] and `chosen` [tokens, k] the experts chosen."""
         tokens, experts = scores.shape
         if self.aux == SWITCH:
             share = counts.astype("float32") / float(tokens * self.top_k)
             return experts * (share * scores.mean(axis=0)).sum()
         normalised = scores / (scores.sum(axis=-1, keepdim=True) + 1e-20)
         per_sequence = normalised.reshape([sequences, tokens // sequences, experts])
-        chosen = paddle.topk(per_sequence, self.top_k, axis=-1)[1]
+        if self.aux_counts_routed:
+            chosen = chosen.reshape([sequences, tokens // sequences, self.top_k])
+        else:
+            chosen = paddle.topk(per_sequence, self.top_k, axis=-1)[1]
         hits = F.one_hot(chosen, experts).sum(axis=2)  # [sequences, tokens, E]: 1 where chosen
         share = hits.mean(axis=1) * experts / self.top_k  # f_i per sequence
         return (share * per_sequence.mean(axis=1)).sum(-1).mean()

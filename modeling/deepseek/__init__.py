@@ -12,7 +12,10 @@ the aux-loss-free bias update (`--moe_router_bias_update_rate`) and the sequence
 (`aux_loss_alpha`, 1e-4 when the config is silent, as DeepSeek-V3 trained). V2: softmax scores,
 `greedy` or `group_limited_greedy` (groups by their maximum, the others 0.0), never renormalised
 (`norm_topk_prob` true is refused: DeepSeek's own V2 code and transformers' disagree on it), times the
-scaling; its balance by the Switch aux loss with `aux_loss_alpha` (DeepSeek-V2's expert-level loss).
+scaling; its balance by DeepSeek-V2's expert-level loss with `aux_loss_alpha`: per sequence over the
+experts the routing chose when `seq_aux` (its default, as its released configs say; DeepSeek's own V2
+code), over the micro-batch (the Switch form) when not. V3's `seq_aux` must be true: its loss is the
+sequence-wise one.
 
 `num_nextn_predict_layers` (multi-token prediction, DeepSeek-V3's layer 61) above 0 is refused by
 name: the MTP module is not modelled, and training without it would silently drop its weights and
@@ -26,7 +29,7 @@ import math
 from modeling.attention_core.spec import CoreSpec
 from modeling.blocks.latent_attention import LatentAttention
 from modeling.blocks.rotary import Rotary, frozen, rope_type
-from modeling.blocks.router import SOFTMAX, SWITCH, Routing
+from modeling.blocks.router import SEQUENCE, SOFTMAX, SWITCH, Routing
 from modeling.config import ModelConfigError
 from modeling.config_fields import MOE_ACCEPTED, any_value
 from modeling.decoder_family import decoder_family
@@ -92,8 +95,9 @@ class DeepseekV2Config(DeepseekV3Config):
                  n_shared_experts: int = 2, num_experts: int = 64, routed_scaling_factor: float = 1.0,
                  n_group: int | None = None, topk_group: int | None = None, topk_method: str = "greedy",
                  first_k_dense_replace: int = 0, norm_topk_prob: bool = False, max_position_embeddings: int = 2048,
-                 aux_loss_alpha: float = 0.001, bos_token_id: int | None = 1, eos_token_id: int | None = 2, **kwargs):
-        self.topk_method = topk_method
+                 aux_loss_alpha: float = 0.001, seq_aux: bool = True, bos_token_id: int | None = 1,
+                 eos_token_id: int | None = 2, **kwargs):
+        self.topk_method, self.seq_aux = topk_method, seq_aux
         super().__init__(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
                          moe_intermediate_size=moe_intermediate_size, num_hidden_layers=num_hidden_layers,
                          num_attention_heads=num_attention_heads, n_shared_experts=n_shared_experts,
@@ -110,7 +114,8 @@ class DeepseekV2Config(DeepseekV3Config):
         grouped = self.topk_method == "group_limited_greedy"
         return Routing(self.num_experts_per_tok, SOFTMAX, scale=self.routed_scaling_factor,
                        groups=self.n_group if grouped else 1, kept_groups=self.topk_group if grouped else 1,
-                       group_score="max", masked_fill=0.0, aux=SWITCH, aux_coef=self.aux_loss_alpha)
+                       group_score="max", masked_fill=0.0, aux=SEQUENCE if self.seq_aux else SWITCH,
+                       aux_coef=self.aux_loss_alpha, aux_counts_routed=True)
 
     def validate(self) -> None:
         super().validate()
@@ -126,13 +131,14 @@ def _only(expected):
     return lambda value, _values: value == expected
 
 
-_SHARED_FIELDS = {**MOE_ACCEPTED, "ep_size": any_value, "seq_aux": any_value, "qk_head_dim": any_value,
-                  "head_dim": any_value, "moe_layer_freq": _only(1)}
+_SHARED_FIELDS = {**MOE_ACCEPTED, "ep_size": any_value, "qk_head_dim": any_value, "head_dim": any_value,
+                  "moe_layer_freq": _only(1)}
 DEEPSEEK_V3 = decoder_family(
     DeepseekV3Config, "DeepseekV3ForCausalLM", "deepseek_v3", paddlenlp=False,
     renamed={"n_routed_experts": "num_experts"},
     aliases={"num_local_experts": "num_experts", "num_mtp_layers": "num_nextn_predict_layers"},
-    accepted={**_SHARED_FIELDS, "scoring_func": _only("sigmoid"), "topk_method": _only("noaux_tc")})
+    accepted={**_SHARED_FIELDS, "scoring_func": _only("sigmoid"), "topk_method": _only("noaux_tc"),
+              "seq_aux": _only(True)})
 DEEPSEEK_V2 = decoder_family(
     DeepseekV2Config, "DeepseekV2ForCausalLM", "deepseek_v2", paddlenlp=False,
     renamed={"n_routed_experts": "num_experts"}, aliases={"num_local_experts": "num_experts"},
