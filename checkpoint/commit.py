@@ -62,6 +62,15 @@ def committed_steps(output_dir: Path) -> list[int]:
     return sorted(int(m.group(1)) for p in Path(output_dir).iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir())
 
 
+def unclaimed_checkpoints(output_dir: Path) -> list[str]:
+    """`checkpoint-<step>` folders in `output_dir` when no `latest` marker claims the folder as ours
+    (PaddleNLP's or PaddleFormers' runs write such names): a save of the same step would replace one."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir() or (output_dir / LATEST_FILE).is_file():
+        return []
+    return [checkpoint_dir_name(step) for step in committed_steps(output_dir)]
+
+
 def latest_checkpoint(output_dir: Path) -> Path | None:
     """The checkpoint `latest` names, warning about any save that never committed."""
     output_dir = Path(output_dir)

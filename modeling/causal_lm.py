@@ -18,6 +18,7 @@ from paddlenlp.transformers.model_utils import PretrainedModel
 
 from modeling.blocks.embedding import LMHead, embed, logits
 from modeling.blocks.parts import Embedding, Part, VocabEmbedding
+from modeling.documents import unpack
 from modeling.execution import Execution
 from modeling.loss import CausalLMCriterion
 from modeling.tp_plan import FIRST, FIRST_AND_LAST, LAST, TensorPlan, split_axes, tensor_parallel_mappings
@@ -110,10 +111,11 @@ class CausalLM(CausalLMPretrainedModel):
     def forward(self, input_ids, labels=None):
         skeleton, config, run = self.family.skeleton, self.config, self.run
         tokens = find(self, skeleton.tokens)
-        hidden = embed(config, run, tokens, find(self, skeleton.positions) if skeleton.positions else None, input_ids)
+        layer_state = embed(config, run, tokens, find(self, skeleton.positions) if skeleton.positions else None,
+                            input_ids)
         for layer in find(self, skeleton.layers):
-            hidden = layer(hidden)
-        hidden = find(self, skeleton.norm)(hidden)
+            layer_state = layer(layer_state)
+        hidden = find(self, skeleton.norm)(unpack(layer_state)[0])
         if config.tie_word_embeddings:
             out = logits(config, run, hidden, tokens.weight, tied=True)
         else:

@@ -10,7 +10,7 @@ config in every block.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -19,6 +19,7 @@ from paddle.distributed.fleet.utils import recompute as fleet_recompute
 
 from modeling.attention_core import CORES, AttentionCore, choose_core
 from modeling.attention_core.ring import Ring
+from modeling.attention_core.spec import CoreSpec
 from modeling.context_parallel import local_positions
 from modeling.router_stats import RouterStats
 from paddle_pp.runtime.experts import ExpertGroup
@@ -93,6 +94,7 @@ class Execution:
     recompute: Recompute = field(default_factory=Recompute)
     kernels: Kernels = field(default_factory=Kernels)
     accumulate_steps: int = 1  # micro-batches per step: a loss injected inside the model is scaled by its inverse
+    documents: tuple[int, ...] | None = None  # per-document attention: the end-of-document token ids (None: off)
     router_stats: RouterStats = field(default_factory=RouterStats, compare=False)  # MoE layers' routing, for metrics
 
     def positions(self, local_len: int) -> np.ndarray | None:
@@ -101,6 +103,10 @@ class Execution:
         if self.ring is None:
             return None
         return local_positions(local_len * self.ring.degree, self.ring.degree, self.ring.rank)
+
+    def spec_for(self, spec: CoreSpec) -> CoreSpec:
+        """A layer's attention spec as this run computes it (inside documents, when per-document)."""
+        return replace(spec, documents=True) if self.documents is not None else spec
 
     @property
     def cp(self) -> tuple[int, int]:

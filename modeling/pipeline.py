@@ -2,7 +2,9 @@
 pieces as fleet `LayerDesc`s under their single-card prefixes, so `state_dict()` speaks single-card
 names through PaddleNLP's `PipelinePretrainedModel` prefix mapping.
 
-Only hidden states flow between stages (rotary tables and the causal mask are rebuilt per layer).
+Only hidden states flow between stages (rotary tables and the causal mask are rebuilt per layer),
+and beside them, under per-document attention, each token's position in its document
+(`modeling/documents.py`), which every layer reads its mask and rotary from.
 A tied embedding is two `SharedLayerDesc`s under one key, the embedding on the first stage and the
 head on the last, as PaddleNLP ties them: fleet broadcasts the first stage's weight at start and
 all-reduces the two gradients after every batch, and both map to the embedding's single-card name.
@@ -20,6 +22,7 @@ from paddlenlp.transformers.model_utils import PipelinePretrainedModel
 from modeling.blocks.embedding import HeadLayer, TiedHeadLayer, embed
 from modeling.blocks.parts import Leaf
 from modeling.causal_lm import CausalLMPretrainedModel
+from modeling.documents import unpack
 from modeling.execution import Execution
 from modeling.loss import CausalLMCriterion
 from modeling.tp_plan import FIRST, FIRST_AND_LAST
@@ -93,8 +96,9 @@ class NormSection(nn.Layer):
         self.add_sublayer(name, part.build(config, run))
         self.name = name
 
-    def forward(self, hidden):
-        return getattr(self, self.name)(hidden)
+    def forward(self, layer_state):
+        """The last decoder layer's output; under per-document attention the positions end here."""
+        return getattr(self, self.name)(unpack(layer_state)[0])
 
 
 def _split(path: str) -> tuple[str, str]:

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import paddle
 
+from modeling.execution import Execution
 from modeling.registry import config_from_dict, family_of, plan_of
 from paddle_pp.interop.pretrained import load_pretrained, open_pretrained
 
@@ -51,12 +52,19 @@ def assert_same_logits(ours, theirs, vocab_size: int, seed: int, rtol: float = 1
     np.testing.assert_allclose(ours(ids).numpy(), theirs_logits.numpy(), rtol=rtol, atol=rtol)
 
 
-def our_logits(folder: Path, ids: np.ndarray) -> np.ndarray:
-    """Our single-card model of `folder`, its weights read as --model_name_or_path reads them."""
+def our_model(folder: Path, run: Execution | None = None):
+    """Our single-card model of `folder` computed as `run` says, its weights read as
+    --model_name_or_path reads them."""
     pretrained = open_pretrained(folder)
     config = config_from_dict(pretrained.config)
-    model = family_of(config).causal_lm(config)
+    model = family_of(config).causal_lm(config, run)
     load_pretrained(pretrained, model, plan_of(config).axes(), None)
+    return model
+
+
+def our_logits(folder: Path, ids: np.ndarray) -> np.ndarray:
+    """`our_model`'s logits on `ids` in eval mode."""
+    model = our_model(folder)
     model.eval()
     with paddle.no_grad():
         return model(paddle.to_tensor(ids)).numpy()

@@ -13,6 +13,7 @@ import pytest
 from modeling.attention_core import CORES, BlockwiseCore, Heads, choose_core
 from modeling.attention_core.blockwise import attend, to_heads, to_rows
 from modeling.attention_core.spec import PLAIN, CoreSpec, alibi_slopes
+from modeling.documents import Documents, document_positions
 from modeling.execution import Kernels, choose_execution
 
 FORWARD_RTOL, GRAD_RTOL = 1e-6, 1e-5
@@ -75,6 +76,8 @@ def _kept(core, seq, spec=PLAIN, sinks=False):
     alive, so a freed one's address reused by the next cannot merge two tensors into one entry."""
     tensors, _ = _inputs(1, seq, 4, 2, 16, False)
     logits = paddle.zeros([4]) if sinks else None
+    ids = paddle.to_tensor(np.random.default_rng(3).integers(0, 8, size=(1, seq)))
+    documents = Documents.of(document_positions(ids, (0,))) if spec.documents else None
     saved = {}
 
     def keep(tensor):
@@ -82,7 +85,7 @@ def _kept(core, seq, spec=PLAIN, sinks=False):
         return tensor
 
     with paddle.autograd.saved_tensors_hooks(keep, lambda tensor: tensor):
-        core(*tensors, False, spec, logits)
+        core(*tensors, False, spec, logits, documents)
     return sum(int(t.numel()) * t.element_size() for pointer, t in saved.items()
                if logits is None or pointer != logits.data_ptr())
 
@@ -101,8 +104,9 @@ def test_blockwise_keeps_memory_linear_in_the_length():
 
 
 @pytest.mark.parametrize("spec, sinks", [(CoreSpec(window=40), False), (CoreSpec(softcap=2.0), False),
-                                         (CoreSpec(alibi=alibi_slopes(4)), False), (CoreSpec(scale=0.3), True)],
-                         ids=["window", "softcap", "alibi", "scale_sinks"])
+                                         (CoreSpec(alibi=alibi_slopes(4)), False), (CoreSpec(scale=0.3), True),
+                                         (CoreSpec(window=40, documents=True), False)],
+                         ids=["window", "softcap", "alibi", "scale_sinks", "window_documents"])
 def test_each_cores_memory_model_holds_for_each_spec(spec, sinks):
     """The planner's model of each core under a layer's spec equals the measurement: the dense core
     keeps a soft-cap's tanh and one more probability column with sinks; the blockwise core keeps the

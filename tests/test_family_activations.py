@@ -11,10 +11,12 @@ part keeps per head or position (tests/test_sequence_parallel.py measures them o
 
 from __future__ import annotations
 
+import numpy as np
 import paddle
 import pytest
 
 from modeling.attention_core import CORES
+from modeling.documents import document_positions, state
 from modeling.execution import Execution, Recompute
 from modeling.registry import config_from_dict, family
 from paddle_pp.planning.memory import Workload, decoder_activation_bytes
@@ -48,19 +50,25 @@ def _layers(model):
     return next(layers for name, layers in model.named_sublayers() if name.endswith(".layers"))
 
 
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
 @pytest.mark.parametrize("core", ["dense", "blockwise"])
 @pytest.mark.parametrize("model_type", list(FAMILIES))
-def test_each_layers_saved_bytes_equal_its_declarations_model(model_type, core):
+def test_each_layers_saved_bytes_equal_its_declarations_model(model_type, core, documents):
+    """Per document too: each layer's rotary rows gathered by document position, the dense core's
+    mask per batch row."""
     config = config_from_dict(dict(model_type=model_type, **FAMILIES[model_type]))
-    run = Execution(attention=CORES[core])
+    run = Execution(attention=CORES[core], documents=(0,) if documents else None)
     layers = _layers(family(model_type).causal_lm(config, run))
     layers.train()
+    ids = paddle.to_tensor(np.random.default_rng(5).integers(0, 8, size=(BATCH, SEQ)))
+    positions = document_positions(ids, (0,)) if documents else None
     for index, layer in enumerate(layers):
         hidden = paddle.randn([BATCH, SEQ, config.hidden_size])
         hidden.stop_gradient = False
-        measured = saved_activation_bytes(layer, lambda: layer(hidden), rotary_constants(layer, SEQ))
+        measured = saved_activation_bytes(layer, lambda: layer(state(hidden, positions)), rotary_constants(layer, SEQ))
         assert measured == family(model_type).layer_saved_bytes(config, run, BATCH, SEQ, index=index), index
-    workload = Workload(per_device_train_batch_size=BATCH, max_seq_length=SEQ, use_flash_attention=core == "blockwise")
+    workload = Workload(per_device_train_batch_size=BATCH, max_seq_length=SEQ, use_flash_attention=core == "blockwise",
+                        use_global_causal_attn=not documents)
     assert decoder_activation_bytes(config, Layout(world_size=1), workload, 0) == sum(
         family(model_type).layer_activations(config, run, BATCH, SEQ, index=i).kept for i in range(2))
 

@@ -77,21 +77,21 @@ def test_a_recipe_takes_paddlenlps_defaults_names_what_changes_nothing_and_refus
 def test_use_flash_attention_chooses_the_memory_efficient_core(tmp_path):
     """Was "ignored: a kernel or fusion choice" while the dense core kept every score."""
     args = parse_args([str(_recipe(tmp_path, {"max_steps": 3, "use_flash_attention": True}))])
-    assert run_execution(args.model, CPU_LAYOUT, None, 64)[0].attention.name == "blockwise"
+    assert run_execution(args.model, CPU_LAYOUT, None, 64, 2)[0].attention.name == "blockwise"
     args = parse_args([str(_recipe(tmp_path, {"max_steps": 3}))])  # PaddleNLP's default: no flash
-    assert run_execution(args.model, CPU_LAYOUT, None, 64)[0].attention.name == "dense"
+    assert run_execution(args.model, CPU_LAYOUT, None, 64, 2)[0].attention.name == "dense"
 
 
 def test_recompute_granularity_counts_only_with_recompute(tmp_path):
     """Three benchmark recipes set recompute_granularity full_attn with recompute false: was refused."""
     args = parse_args([str(_recipe(tmp_path, {"max_steps": 3, "recompute": False,
                                               "recompute_granularity": "full_attn"}))])
-    assert run_execution(args.model, CPU_LAYOUT, None, 64)[0].recompute.granularity is None
+    assert run_execution(args.model, CPU_LAYOUT, None, 64, 2)[0].recompute.granularity is None
     args = parse_args(["--recompute", "1", "--recompute_granularity", "core_attn"])
-    assert run_execution(args.model, CPU_LAYOUT, None, 64)[0].recompute.granularity == "core_attn"
+    assert run_execution(args.model, CPU_LAYOUT, None, 64, 2)[0].recompute.granularity == "core_attn"
     with pytest.raises(UserError, match="--pp_recompute_interval 2"):
         run_execution(parse_args(["--recompute", "--pp_recompute_interval", "2"]).model,
-                      CPU_LAYOUT, None, 64)
+                      CPU_LAYOUT, None, 64, 2)
 
 
 @pytest.mark.parametrize("form, value", [(["--recompute"], True), (["--recompute", "1"], True),

@@ -26,6 +26,7 @@ from modeling.attention_core.blockwise import DEFAULT_BLOCK, blockwise_causal_at
 from modeling.attention_core.dense import dense_causal_attention
 from modeling.attention_core.flash import LSE_ROW_MULTIPLE, flash_causal_attention, flash_refusal, spec_refusal
 from modeling.attention_core.spec import PLAIN, CoreSpec
+from modeling.documents import Documents
 
 FP32_BYTES, SEED_OFFSET_BYTES = 4, 16
 
@@ -55,7 +56,9 @@ class AttentionCore:
     name = "core"
 
     def __call__(self, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, seq_first: bool,
-                 spec: CoreSpec = PLAIN, sinks: paddle.Tensor | None = None) -> paddle.Tensor:
+                 spec: CoreSpec = PLAIN, sinks: paddle.Tensor | None = None,
+                 documents: Documents | None = None) -> paddle.Tensor:
+        """`documents`: the boundaries of a per-document call (`spec.documents`), else None."""
         raise NotImplementedError
 
     def refusal(self, spec: CoreSpec, sinks: bool, heads: Heads) -> str | None:
@@ -87,13 +90,14 @@ class AttentionCore:
 class DenseCore(AttentionCore):
     name = "dense"
 
-    def __call__(self, q, k, v, seq_first, spec=PLAIN, sinks=None):
-        return dense_causal_attention(q, k, v, seq_first, spec, sinks)
+    def __call__(self, q, k, v, seq_first, spec=PLAIN, sinks=None, documents=None):
+        return dense_causal_attention(q, k, v, seq_first, spec, sinks, documents)
 
     def saved_bytes(self, batch, seq_len, heads, dtype_bytes, seq_first, spec=PLAIN, sinks=False) -> int:
         """The scaled q, k and v, and per score: the fp32 probabilities, their copy in the compute dtype
-        (none in fp32) and the mask broadcast to the scores (a bool); a soft-cap keeps its tanh, and
-        sinks one more column of probabilities (the sink's, dropped by a view after the softmax)."""
+        (none in fp32) and the mask broadcast to the scores (a bool; per document, one per batch row
+        too); a soft-cap keeps its tanh, and sinks one more column of probabilities (the sink's,
+        dropped by a view after the softmax)."""
         scores = batch * heads.heads * seq_len * seq_len
         per_score = FP32_BYTES + 1 + (dtype_bytes if dtype_bytes < FP32_BYTES else 0)
         per_score += dtype_bytes if spec.softcap is not None else 0
@@ -106,15 +110,15 @@ class BlockwiseCore(AttentionCore):
     name = "blockwise"
     block: int = DEFAULT_BLOCK
 
-    def __call__(self, q, k, v, seq_first, spec=PLAIN, sinks=None):
-        return blockwise_causal_attention(q, k, v, seq_first, self.block, spec, sinks)
+    def __call__(self, q, k, v, seq_first, spec=PLAIN, sinks=None, documents=None):
+        return blockwise_causal_attention(q, k, v, seq_first, self.block, spec, sinks, documents)
 
     def ring_kernel(self, q_shape, kv_heads, v_dim, seq_first, spec):
         return blockwise.RingKernel(q_shape, kv_heads, v_dim, seq_first, self.block, spec)
 
     def saved_bytes(self, batch, seq_len, heads, dtype_bytes, seq_first, spec=PLAIN, sinks=False) -> int:
         """q, k and v as given, the output and an fp32 log-sum-exp per query row and head, whatever the
-        spec (a window shortens the work, not what is kept)."""
+        spec (a window or documents shorten the work, not what is kept)."""
         tokens = batch * seq_len
         return (heads.qkv_bytes(tokens, dtype_bytes) + heads.output_bytes(tokens, dtype_bytes)
                 + tokens * heads.heads * FP32_BYTES)
@@ -127,8 +131,9 @@ class BlockwiseCore(AttentionCore):
 class FlashCore(AttentionCore):
     name = "flash"
 
-    def __call__(self, q, k, v, seq_first, spec=PLAIN, sinks=None):
-        return flash_causal_attention(q, k, v, seq_first, spec, spec.window_within(q.shape[0 if seq_first else 1]))
+    def __call__(self, q, k, v, seq_first, spec=PLAIN, sinks=None, documents=None):
+        return flash_causal_attention(q, k, v, seq_first, spec, spec.window_within(q.shape[0 if seq_first else 1]),
+                                      documents)
 
     def refusal(self, spec: CoreSpec, sinks: bool, heads: Heads) -> str | None:
         return spec_refusal(spec, sinks, heads.qk_dim, heads.v_dim)
@@ -139,9 +144,9 @@ class FlashCore(AttentionCore):
     def saved_bytes(self, batch, seq_len, heads, dtype_bytes, seq_first, spec=PLAIN, sinks=False) -> int:
         """Paddle's flash_attn keeps q, k, v, its output, the fp32 log-sum-exp over the query length
         rounded up to 128 rows, and a seed/offset pair (read in Paddle's flash_attn_kernel.cu, not run);
-        a windowed layer (flashmask) also its int32 start rows, one per key and batch row."""
+        a windowed or per-document call (flashmask) also its int32 start rows, one per key and batch row."""
         rows = -(-seq_len // LSE_ROW_MULTIPLE) * LSE_ROW_MULTIPLE
-        window_rows = batch * seq_len * 4 if spec.window_within(seq_len) is not None else 0
+        window_rows = batch * seq_len * 4 if spec.window_within(seq_len) is not None or spec.documents else 0
         return (heads.qkv_bytes(batch * seq_len, dtype_bytes) + heads.output_bytes(batch * seq_len, dtype_bytes)
                 + batch * heads.heads * rows * FP32_BYTES + SEED_OFFSET_BYTES + window_rows)
 

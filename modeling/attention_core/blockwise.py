@@ -10,6 +10,8 @@ The layer's `CoreSpec` is honoured block by block: a sliding window skips every 
 older than it (a windowed layer costs O(seq x window), not O(seq^2)) and masks the edge blocks; a
 soft-cap is applied to each block's scores in forward and its derivative (1 - tanh^2) in backward;
 ALiBi adds its bias per block (no seq x seq bias tensor); the scale is folded into the queries.
+Per-document attention (`modeling/documents.py`) works the same way: key blocks wholly before every
+row's document are skipped, and a block a document boundary crosses is masked per batch row.
 Sinks (one value-less logit per head) are applied once after the online softmax: the row's
 log-sum-exp becomes L = logaddexp(lse, sink) and the output is rescaled by exp(lse - L); the
 backward below is exact given L and the final output, and the sink's own gradient is
@@ -32,6 +34,7 @@ from paddle.autograd import PyLayer
 
 from modeling.attention_core.spec import PLAIN, CoreSpec
 from modeling.autocast import full_precision
+from modeling.documents import Documents
 
 FP32 = "float32"
 DEFAULT_BLOCK = 512  # query and key positions per block: 512 x 512 fp32 scores per (batch, kv head, group)
@@ -97,21 +100,25 @@ def sink_rows(sinks: paddle.Tensor, kv_heads: int, seq: int) -> paddle.Tensor:
 
 class Blocks:
     """The key blocks each query block meets, and what each (query block, key block) pair adds to
-    its scores, for one call's geometry and spec."""
+    its scores, for one call's geometry, spec and documents (per-document attention, causal only)."""
 
-    def __init__(self, seq_q: int, seq_k: int, groups: int, causal: bool, block: int, spec: CoreSpec):
+    def __init__(self, seq_q: int, seq_k: int, groups: int, causal: bool, block: int, spec: CoreSpec,
+                 documents: Documents | None = None):
         self.seq_q, self.seq_k, self.groups, self.causal, self.block = seq_q, seq_k, groups, causal, block
         self.window = spec.window_within(seq_k) if causal else None
         self.softcap, self.alibi = spec.softcap, spec.alibi
+        self.documents = documents
 
     def queries(self) -> list[tuple[int, int]]:
         return [(i, min(i + self.block, self.seq_q)) for i in range(0, self.seq_q, self.block)]
 
     def keys_for(self, i0: int, i1: int) -> list[tuple[int, int]]:
         """The key blocks some query of [i0, i1) sees (causal: none later than i1 - 1; windowed: none
-        wholly older than i0 - window + 1)."""
+        wholly older than i0 - window + 1; per document: none wholly before every row's document)."""
         stop = i1 if self.causal else self.seq_k
         oldest = i0 - self.window + 1 if self.window is not None else 0
+        if self.documents is not None:
+            oldest = max(oldest, self.documents.oldest_key(i0))
         return [(j, min(j + self.block, stop)) for j in range(0, stop, self.block) if min(j + self.block, stop) > oldest]
 
     def _masked(self, i0: int, i1: int, j0: int, j1: int) -> bool:
@@ -129,6 +136,8 @@ class Blocks:
             scores = scores + _alibi(i0 - j0, i1 - i0, j1 - j0, self.groups, self.alibi)
         if self._masked(i0, i1, j0, j1):
             scores = scores + _mask(i0 - j0, i1 - i0, j1 - j0, self.groups, self.causal, self.window)
+        if self.documents is not None and self.documents.cuts(i0, i1, j0):
+            scores = scores + self.documents.mask(i0, i1, j0, j1, self.groups)
         return scores, capped
 
 
@@ -138,12 +147,13 @@ def _joined(blocks: list[paddle.Tensor]) -> paddle.Tensor:
 
 
 def attend(q_rows: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, groups: int, causal: bool,
-           block: int = DEFAULT_BLOCK, out_dtype: str | None = None,
-           spec: CoreSpec = PLAIN) -> tuple[paddle.Tensor, paddle.Tensor]:
+           block: int = DEFAULT_BLOCK, out_dtype: str | None = None, spec: CoreSpec = PLAIN,
+           documents: Documents | None = None) -> tuple[paddle.Tensor, paddle.Tensor]:
     """(output rows in `out_dtype` (default q's), fp32 log-sum-exp [batch, kv_heads, rows, 1]) of
     already scaled query rows against k and v. `causal`: queries and keys are the same positions and
-    a query sees keys up to its own (and within `spec.window`); otherwise every key."""
-    blocks = Blocks(q_rows.shape[2] // groups, k.shape[2], groups, causal, block, spec)
+    a query sees keys up to its own (within `spec.window`, and inside its document when `documents`
+    are given); otherwise every key."""
+    blocks = Blocks(q_rows.shape[2] // groups, k.shape[2], groups, causal, block, spec, documents)
     outputs, sums = [], []
     for i0, i1 in blocks.queries():
         q_block = q_rows[:, :, i0 * groups:i1 * groups]
@@ -168,11 +178,12 @@ def attend(q_rows: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, groups: in
 
 
 def attend_backward(q_rows, k, v, out_rows, lse, dout_rows, groups: int, causal: bool, block: int = DEFAULT_BLOCK,
-                    spec: CoreSpec = PLAIN) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
+                    spec: CoreSpec = PLAIN,
+                    documents: Documents | None = None) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
     """Gradients (of the scaled query rows, k, v) of `attend`, each block's probabilities recomputed
     from the log-sum-exp: FlashAttention-2's backward, key blocks outside, query blocks inside, over
     the pairs the forward met (key blocks are aligned with query blocks, so each is met whole)."""
-    blocks = Blocks(q_rows.shape[2] // groups, k.shape[2], groups, causal, block, spec)
+    blocks = Blocks(q_rows.shape[2] // groups, k.shape[2], groups, causal, block, spec, documents)
     delta = (dout_rows.astype(FP32) * out_rows.astype(FP32)).sum(-1, keepdim=True)
     query_blocks = blocks.queries()
     met = [set(blocks.keys_for(i0, i1)) for i0, i1 in query_blocks]
@@ -232,30 +243,30 @@ class _BlockwiseAttention(PyLayer):
     the output it returns (the output projection keeps the same tensor) and the log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, seq_first: bool, block: int, spec: CoreSpec):
+    def forward(ctx, q, k, v, sinks, seq_first: bool, block: int, spec: CoreSpec, documents: Documents | None):
         kv_heads = k.shape[2]
         groups, scale = q.shape[2] // kv_heads, spec.softmax_scale(q.shape[3])
         with full_precision():
             out_rows, lse = attend(to_rows(q, kv_heads, seq_first) * scale, to_heads(k, seq_first),
-                                   to_heads(v, seq_first), groups, True, block, spec=spec)
+                                   to_heads(v, seq_first), groups, True, block, spec=spec, documents=documents)
             if sinks.shape[0]:
                 out_rows, lse = with_sinks(out_rows, lse, sink_rows(sinks, kv_heads, q.shape[0 if seq_first else 1]))
             out = from_rows(out_rows, groups, seq_first)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.layout = (seq_first, block, groups, scale, spec)
+        ctx.layout = (seq_first, block, groups, scale, spec, documents)
         ctx.sinks_learn = not sinks.stop_gradient  # Paddle wants None back for an input without gradient
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, sinks = ctx.saved_tensor()
-        seq_first, block, groups, scale, spec = ctx.layout
+        seq_first, block, groups, scale, spec, documents = ctx.layout
         kv_heads, v_dim = k.shape[2], v.shape[3]
         with full_precision():
             out_rows, dout_rows = _rows_of(out, v_dim, kv_heads, seq_first), _rows_of(dout, v_dim, kv_heads, seq_first)
             dq_rows, dk, dv = attend_backward(to_rows(q, kv_heads, seq_first) * scale, to_heads(k, seq_first),
                                               to_heads(v, seq_first), out_rows, lse, dout_rows, groups, True, block,
-                                              spec=spec)
+                                              spec=spec, documents=documents)
             dq = from_rows(dq_rows * scale, groups, seq_first).reshape(q.shape)
             back = [2, 0, 1, 3] if seq_first else [0, 2, 1, 3]
             dsinks = sink_grad(out_rows, lse, dout_rows, sinks, kv_heads) if ctx.sinks_learn else None
@@ -267,13 +278,14 @@ NO_SINKS_SHAPE = [0]
 
 def blockwise_causal_attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, seq_first: bool = False,
                                block: int = DEFAULT_BLOCK, spec: CoreSpec = PLAIN,
-                               sinks: paddle.Tensor | None = None) -> paddle.Tensor:
+                               sinks: paddle.Tensor | None = None, documents: Documents | None = None) -> paddle.Tensor:
     """q [batch, seq, heads, qk_dim], k [batch, seq, kv_heads, qk_dim] and v [.., kv_heads, v_dim]
     (or all sequence first) -> [batch, seq, heads x v_dim] (or sequence first), under `spec`, with
-    per-head sink logits `sinks` [heads] when given."""
+    per-head sink logits `sinks` [heads] when given, each query inside its document when
+    `documents` are given."""
     if sinks is None:
         sinks = paddle.zeros(NO_SINKS_SHAPE, "float32")
-    return _BlockwiseAttention.apply(q, k, v, sinks, seq_first, block, spec)
+    return _BlockwiseAttention.apply(q, k, v, sinks, seq_first, block, spec, documents)
 
 
 class RingKernel:

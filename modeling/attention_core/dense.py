@@ -15,6 +15,7 @@ import paddle.nn.functional as F
 from modeling.attention_core.blockwise import _alibi, from_rows, sink_rows, to_heads, to_rows
 from modeling.attention_core.spec import PLAIN, CoreSpec
 from modeling.autocast import full_precision
+from modeling.documents import Documents
 
 FP32_BYTES = 4
 
@@ -32,10 +33,12 @@ def causal_mask(seq_len: int, groups: int, window: int | None = None) -> paddle.
 
 
 def dense_causal_attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, seq_first: bool = False,
-                           spec: CoreSpec = PLAIN, sinks: paddle.Tensor | None = None) -> paddle.Tensor:
+                           spec: CoreSpec = PLAIN, sinks: paddle.Tensor | None = None,
+                           documents: Documents | None = None) -> paddle.Tensor:
     """q [batch, seq, heads, qk_dim], k [batch, seq, kv_heads, qk_dim], v [.., kv_heads, v_dim] (or
     all sequence first) -> [batch, seq, heads x v_dim] (or sequence first); softmax in fp32. Each kv
-    head's query heads are rows of one matmul (`blockwise.to_rows`), so k and v are not repeated."""
+    head's query heads are rows of one matmul (`blockwise.to_rows`), so k and v are not repeated.
+    With `documents`, each query sees only its own document's keys (the mask is then per batch row)."""
     kv_heads, head_dim = k.shape[2], q.shape[3]
     groups, seq = q.shape[2] // kv_heads, q.shape[0 if seq_first else 1]
     rows = to_rows(q, kv_heads, seq_first) * spec.softmax_scale(head_dim)
@@ -46,7 +49,10 @@ def dense_causal_attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor,
         scores = scores + _alibi(0, seq, seq, groups, spec.alibi).astype(scores.dtype)
     # masked scores become the dtype's minimum, as adding an additive mask gives, at half the cost
     lowest = paddle.full([], paddle.finfo(scores.dtype).min, scores.dtype)
-    scores = paddle.where(causal_mask(seq, groups, spec.window_within(seq)), scores, lowest)
+    visible = causal_mask(seq, groups, spec.window_within(seq))
+    if documents is not None:
+        visible = paddle.logical_and(visible, documents.visible(groups))
+    scores = paddle.where(visible, scores, lowest)
     with full_precision():  # O2 would run the softmax in bf16 (as PaddleNLP's LLaMA avoids)
         wide = scores.astype("float32")
         if sinks is None:

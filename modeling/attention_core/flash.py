@@ -24,6 +24,7 @@ import paddle.nn.functional as F
 from paddle import _C_ops
 
 from modeling.attention_core.spec import PLAIN, CoreSpec
+from modeling.documents import Documents
 
 FP32 = "float32"
 
@@ -65,14 +66,18 @@ def _prescaled(q, spec: CoreSpec):
     return q if spec.scale is None else q * scale
 
 
-def flash_causal_attention(q, k, v, seq_first: bool = False, spec: CoreSpec = PLAIN, window: int | None = None):
+def flash_causal_attention(q, k, v, seq_first: bool = False, spec: CoreSpec = PLAIN, window: int | None = None,
+                           documents: Documents | None = None):
     """As `dense_causal_attention`, through Paddle's flash kernel (sequence-first inputs transposed to
     the kernel's batch-first layout and the output back); `window` the layer's, where shorter than
-    the sequence."""
+    the sequence. Per-document attention passes flashmask the row each key stops being seen at (its
+    document's end, or sooner by the window), as PaddleFormers passes `attn_mask_startend_row_indices`."""
     if seq_first:
         q, k, v = (t.transpose([1, 0, 2, 3]) for t in (q, k, v))
     q = _prescaled(q, spec)
-    if window is None:
+    if documents is not None:
+        out = F.flashmask_attention(q, k, v, documents.key_ends(window), causal=True, training=True)
+    elif window is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, training=True)
     else:
         out = F.flashmask_attention(q, k, v, causal=True, window_size=window - 1, training=True)

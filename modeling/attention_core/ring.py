@@ -174,7 +174,9 @@ class RingCore(AttentionCore):
     ring: Any = None
     inner: AttentionCore = field(default_factory=lambda: CORES["blockwise"])
 
-    def __call__(self, q, k, v, seq_first, spec=PLAIN, sinks=None):
+    def __call__(self, q, k, v, seq_first, spec=PLAIN, sinks=None, documents=None):
+        if documents is not None:  # the run refuses cp with per-document attention before building a model
+            raise ValueError("ring attention does not compute per-document attention")
         return ring_attention(q, k, v, self.ring, seq_first, self.inner, spec, sinks)
 
     def refusal(self, spec: CoreSpec, sinks: bool, heads: Heads) -> str | None:

@@ -1,7 +1,8 @@
 """What one attention call computes besides causal softmax(q k^T) v, as a layer declares it and
 every core honours it (torchtitan hands its inner attention a mask spec; Megatron has
 `window_size`): the softmax scale, a sliding window, a soft-cap on the scores and ALiBi slopes.
-Per-head sink logits are a parameter, so they travel beside the spec as a tensor.
+Per-head sink logits are a parameter, so they travel beside the spec as a tensor; so do a
+per-document run's document boundaries (`modeling/documents.py`), which the spec only announces.
 
 Semantics are transformers': a query at position i sees keys j with i - window < j <= i (`window`
 keys, itself included); scores are `scale` q.k, then `softcap` * tanh(score / softcap) (Gemma 2),
@@ -13,18 +14,19 @@ softmax (GPT-OSS).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
 class CoreSpec:
     """`scale` None is qk_head_dim^-1/2; `alibi` holds the slopes of the query heads the call
-    sees (a tp rank's share)."""
+    sees (a tp rank's share); `documents`: each query sees only the keys of its own document."""
 
     scale: float | None = None
     window: int | None = None
     softcap: float | None = None
     alibi: tuple[float, ...] | None = None
+    documents: bool = False
 
     def softmax_scale(self, head_dim: int) -> float:
         return self.scale if self.scale is not None else 1 / math.sqrt(head_dim)
@@ -38,7 +40,7 @@ class CoreSpec:
         if self.alibi is None or tp == 1:
             return self
         share = heads // tp
-        return CoreSpec(self.scale, self.window, self.softcap, self.alibi[tp_rank * share:(tp_rank + 1) * share])
+        return replace(self, alibi=self.alibi[tp_rank * share:(tp_rank + 1) * share])
 
 
 PLAIN = CoreSpec()

@@ -13,9 +13,10 @@ import paddle
 
 from modeling.attention_core import AttentionCore, Heads
 from modeling.attention_core.spec import PLAIN, CoreSpec
-from modeling.blocks.norms import FP32_BYTES, rms_norm_saved_bytes
+from modeling.blocks.norms import rms_norm_saved_bytes
 from modeling.blocks.parts import Block, ColumnLinear, Declared, Leaf, Norm, Part, RowLinear
 from modeling.blocks.rotary import Rotary
+from modeling.documents import Documents
 from modeling.execution import Execution
 from modeling.sequence_parallel import gather_tokens
 from modeling.tp_plan import VECTOR_SPLIT, ZEROS, Placement, TensorPlan
@@ -96,19 +97,18 @@ class Attention(Declared):
         """(what the core keeps, its inputs q, k and v, its output) in bytes on this tp rank."""
         heads = self.local_heads(run)
         kept = self.core(run).saved_bytes(batch, seq_len, heads, dtype_bytes, run.sequence_first,
-                                          self.spec.local(self.heads, run.tp, run.tp_rank), self.sinks)
+                                          run.spec_for(self.spec.local(self.heads, run.tp, run.tp_rank)), self.sinks)
         return kept, heads.qkv_bytes(batch * seq_len, dtype_bytes), heads.output_bytes(batch * seq_len, dtype_bytes)
 
     def saved_bytes(self, run: Execution, batch: int, seq_len: int, dtype_bytes: int) -> dict[str, int]:
         """What one call keeps for backward, by its sublayers' names ("" for its own code): q, k and v
         share one saved input, full-size with or without SP; the core keeps what its own model says,
-        and the output projection its input unless the core already keeps that tensor. The rotary
-        tables are constants every layer shares in fp32, not activations; in a narrower compute dtype
-        each layer keeps its own rounded copy of cos and sin. Clipping q, k and v (MPT) keeps them
-        unclipped for its gradient's mask."""
+        and the output projection its input unless the core already keeps that tensor; the rotary
+        tables as `Rotary.kept_bytes` says. Clipping q, k and v (MPT) keeps them unclipped for its
+        gradient's mask."""
         tokens, heads = batch * seq_len, self.local_heads(run)
         kept, qkv, output = self.core_bytes(run, batch, seq_len, dtype_bytes)
-        rotary = 2 * seq_len * self.rotary.dim * dtype_bytes if self.rotary and dtype_bytes < FP32_BYTES else 0
+        rotary = self.rotary.kept_bytes(batch, seq_len, dtype_bytes, run.documents is not None) if self.rotary else 0
         clipped = qkv if self.clip_qkv is not None else 0  # the clip keeps q, k and v as they were
         saved = {"q_proj": tokens * self.hidden * dtype_bytes, "": kept + rotary + clipped,
                  self.output: 0 if self.core(run).keeps_output(run.sequence_first) else output}
@@ -126,10 +126,11 @@ class SelfAttention(Block):
     def __init__(self, config, run: Execution, declared: Attention):
         super().__init__(config, run, declared)
         self.heads = declared.local_heads(run)
-        self.spec = declared.spec.local(declared.heads, run.tp, run.tp_rank)
+        self.spec = run.spec_for(declared.spec.local(declared.heads, run.tp, run.tp_rank))
         self.attend = declared.core(run)
 
-    def forward(self, hidden):
+    def forward(self, hidden, positions=None):
+        """`positions`: each token's position in its document under per-document attention, else None."""
         declared, run, heads = self.declared, self.run, self.heads
         hidden = gather_tokens(hidden, run)
         seq_first = run.sequence_first
@@ -145,10 +146,11 @@ class SelfAttention(Block):
         if declared.qk_norm == HEAD_NORM:
             q, k = self.q_norm(q), self.k_norm(k)
         if declared.rotary is not None:
-            q, k = declared.rotary.rotate(q, k, seq_first, run.kernels.fused_rope, run.cp)
+            q, k = declared.rotary.rotate(q, k, seq_first, run.kernels.fused_rope, run.cp, positions)
         sinks = self.sinks if declared.sinks else None
-        out = run.recompute("core_attn", lambda *qkv: self.attend(*qkv, seq_first, self.spec, sinks), q, k, v,
-                            training=self.training)
+        documents = Documents.of(positions) if positions is not None else None
+        out = run.recompute("core_attn", lambda *qkv: self.attend(*qkv, seq_first, self.spec, sinks, documents),
+                            q, k, v, training=self.training)
         return getattr(self, declared.output)(out)
 
 

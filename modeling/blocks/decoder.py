@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from modeling.blocks.attention import Attention
 from modeling.blocks.norms import layer_norm_saved_bytes, rms_norm_saved_bytes
 from modeling.blocks.parts import Block, Declared, Norm, Part
+from modeling.documents import state, unpack
 from modeling.execution import Execution
 from modeling.sequence_parallel import sequence_shards
 
@@ -124,15 +125,20 @@ class DecoderLayer(Block):
         multiplier = self.declared.residual_multiplier
         return hidden + (out if multiplier == 1.0 else out * multiplier)
 
-    def _block(self, hidden):
+    def _block(self, hidden, positions=None):
         declared, norms = self.declared, self.declared.norms
-        hidden = self._branch(hidden, norms.before_attention, getattr(self, declared.attention_name),
+        attention = getattr(self, declared.attention_name)
+        hidden = self._branch(hidden, norms.before_attention, lambda normed: attention(normed, positions),
                               norms.after_attention, "full_attn")
         return self._branch(hidden, norms.before_feed_forward, getattr(self, declared.feed_forward_name),
                             norms.after_feed_forward)
 
-    def forward(self, hidden):
-        return self.run.recompute("full", self._block, hidden, training=self.training)
+    def forward(self, layer_state):
+        """`layer_state`: the hidden states, or (hidden states, document positions) under per-document
+        attention (`modeling/documents.py`); given back in the same form."""
+        hidden, positions = unpack(layer_state)
+        hidden = self.run.recompute("full", lambda x: self._block(x, positions), hidden, training=self.training)
+        return state(hidden, positions)
 
 
 Decoder.layer = DecoderLayer

@@ -11,6 +11,7 @@ import paddle
 from paddle import nn
 
 from modeling.blocks.parts import Leaf
+from modeling.documents import document_positions, state
 from modeling.execution import Execution
 from modeling.sequence_parallel import gather_sequence, scatter_sequence
 from modeling.tp_layers import vocab_logits
@@ -19,21 +20,24 @@ from modeling.tp_plan import COLUMN, Placement, TensorPlan
 _NUMPY_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
 
 
-def embed(config, run: Execution, tokens: nn.Layer, positions: nn.Layer | None, input_ids) -> paddle.Tensor:
-    """The first hidden states: token embeddings, times `config.embedding_scale` (Gemma's
-    sqrt(hidden), Granite's multiplier; rounded to the compute dtype as transformers does) and plus learned positions
-    when the model has them (of this rank's tokens under context parallelism); scattered along the
-    sequence under sequence parallelism."""
+def embed(config, run: Execution, tokens: nn.Layer, positions: nn.Layer | None, input_ids):
+    """The first decoder layer's input (`modeling.documents.state`): token embeddings, times
+    `config.embedding_scale` (Gemma's sqrt(hidden), Granite's multiplier; rounded to the compute
+    dtype as transformers does) and plus learned positions when the model has them (of this rank's
+    tokens under context parallelism; restarting per document under per-document attention);
+    scattered along the sequence under sequence parallelism. Under per-document attention the
+    document positions go beside the hidden states."""
     hidden = tokens(input_ids)
     multiplier = config.embedding_scale
     if multiplier:  # a scale op keeps nothing for backward; a product with a tensor would keep the embeddings
         dtype = str(hidden.dtype).removeprefix("paddle.")
         hidden = paddle.scale(hidden, float(np.asarray(multiplier, _NUMPY_DTYPES[dtype]).astype(np.float32)))
+    in_documents = document_positions(input_ids, run.documents) if run.documents is not None else None
     if positions is not None:
         held = run.positions(input_ids.shape[-1])  # the positions of this rank's tokens under context parallelism
         ids = paddle.arange(input_ids.shape[-1], dtype="int64") if held is None else paddle.to_tensor(held)
-        hidden = hidden + positions(ids.unsqueeze(0))
-    return scatter_sequence(hidden, run)
+        hidden = hidden + positions(ids.unsqueeze(0) if in_documents is None else in_documents)
+    return state(scatter_sequence(hidden, run), in_documents)
 
 
 def logits(config, run: Execution, hidden: paddle.Tensor, weight: paddle.Tensor, tied: bool) -> paddle.Tensor:

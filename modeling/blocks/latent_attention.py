@@ -39,6 +39,7 @@ from modeling.attention_core.spec import PLAIN, CoreSpec
 from modeling.blocks.norms import rms_norm_saved_bytes
 from modeling.blocks.parts import Block, ColumnLinear, Declared, Leaf, Norm, Part, RowLinear
 from modeling.blocks.rotary import Rotary
+from modeling.documents import Documents
 from modeling.execution import Execution
 from modeling.sequence_parallel import gather_tokens
 from modeling.tp_plan import REPLICATED, UNDER_SEQUENCE_PARALLEL, ZEROS, Placement, TensorPlan
@@ -108,18 +109,21 @@ class LatentAttention(Declared):
 
     def core_bytes(self, run: Execution, batch: int, seq_len: int, dtype_bytes: int) -> tuple[int, int, int]:
         heads = self.local_heads(run)
-        kept = self.core(run).saved_bytes(batch, seq_len, heads, dtype_bytes, run.sequence_first, self.spec)
+        kept = self.core(run).saved_bytes(batch, seq_len, heads, dtype_bytes, run.sequence_first,
+                                          run.spec_for(self.spec))
         return kept, heads.qkv_bytes(batch * seq_len, dtype_bytes), heads.output_bytes(batch * seq_len, dtype_bytes)
 
     def saved_bytes(self, run: Execution, batch: int, seq_len: int, dtype_bytes: int) -> dict[str, int]:
         """What one call keeps for backward (the planner's model, equal to the measurement in fp32): the
         input (shared by the down projections, kept by the first), each latent's norm and its normed
-        output, the rotated shared key (its broadcast to every head keeps it), the core's own and the
-        output projection's input unless the core keeps it; the splits and concatenations keep nothing."""
+        output, the core's own and the output projection's input unless the core keeps it, the
+        rotary tables as `Rotary.kept_bytes` says; the splits, concatenations and the shared key's
+        broadcast to every head keep nothing."""
         tokens = batch * seq_len
         kept, _, output = self.core_bytes(run, batch, seq_len, dtype_bytes)
         first = "q_a_proj" if self.q_lora_rank else "q_proj"
-        saved = {first: tokens * self.hidden * dtype_bytes, "": kept + tokens * self.rope_dim * dtype_bytes,
+        rotary = self.rotary.kept_bytes(batch, seq_len, dtype_bytes, run.documents is not None) if self.rotary else 0
+        saved = {first: tokens * self.hidden * dtype_bytes, "": kept + rotary,
                  "kv_a_layernorm": rms_norm_saved_bytes(tokens, self.kv_lora_rank, dtype_bytes, False),
                  "kv_b_proj": tokens * self.kv_lora_rank * dtype_bytes,
                  self.output: 0 if self.core(run).keeps_output(run.sequence_first) else output}
@@ -137,7 +141,8 @@ class LatentSelfAttention(Block):
         # the shared rotary key's gradient, each tp rank's own heads' part, summed over tp (without SP)
         self.sums_rotary_key = run.tp > 1 and not run.sequence_first
 
-    def forward(self, hidden):
+    def forward(self, hidden, positions=None):
+        """`positions`: each token's position in its document under per-document attention, else None."""
         declared, run, heads = self.declared, self.run, self.heads.heads
         hidden = gather_tokens(hidden, run)
         seq_first = run.sequence_first
@@ -151,12 +156,13 @@ class LatentSelfAttention(Block):
         if self.sums_rotary_key:
             k_rot = collective._c_identity(k_rot, group=tp_layers.tp_group())
         if declared.rotary is not None:
-            q_rot, k_rot = declared.rotary.rotate(q_rot, k_rot, seq_first, run.kernels.fused_rope, run.cp)
+            q_rot, k_rot = declared.rotary.rotate(q_rot, k_rot, seq_first, run.kernels.fused_rope, run.cp, positions)
         keys = self.kv_b_proj(self.kv_a_layernorm(latent)).reshape(lead + [heads, declared.nope_dim + declared.v_dim])
         k_nope, v = paddle.split(keys, [declared.nope_dim, declared.v_dim], axis=-1)
         q = paddle.concat([q_nope, q_rot], axis=-1)
         k = paddle.concat([k_nope, k_rot.expand(lead + [heads, declared.rope_dim])], axis=-1)
-        out = run.recompute("core_attn", lambda *qkv: self.attend(*qkv, seq_first, declared.spec), q, k, v,
+        spec, documents = run.spec_for(declared.spec), Documents.of(positions) if positions is not None else None
+        out = run.recompute("core_attn", lambda *qkv: self.attend(*qkv, seq_first, spec, None, documents), q, k, v,
                             training=self.training)
         return self.o_proj(out)
 

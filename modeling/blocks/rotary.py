@@ -107,22 +107,36 @@ class Rotary:
         longrope's factors)."""
         return _tables(self, seq_len, seq_first, tuple(cp))
 
-    def rotate(self, q, k, seq_first: bool, fused: bool, cp: tuple[int, int] = (1, 0)):
-        """q and k rotated by position, the tables rounded once to their dtype. `fused` (a GPU run's
-        --use_fused_rope) calls Paddle's `fused_rotary_position_embedding` as PaddleNLP's LLaMA does
-        (use_neox_rotary_style=False) where the rotary is the plain whole-head one; it has no CPU
-        kernel (untested here)."""
+    def rotate(self, q, k, seq_first: bool, fused: bool, cp: tuple[int, int] = (1, 0),
+               positions: paddle.Tensor | None = None):
+        """q and k rotated by position, the tables rounded once to their dtype. `positions` [batch, seq]
+        (per-document attention: positions restart at each document) picks each token's row of the
+        tables; None rotates token i by position i. `fused` (a GPU run's --use_fused_rope) calls
+        Paddle's `fused_rotary_position_embedding` as PaddleNLP's LLaMA does (use_neox_rotary_style=
+        False, its `position_ids`) where the rotary is the plain whole-head one; it has no CPU kernel
+        (untested here)."""
         seq_len = q.shape[0 if seq_first else 1]
-        cos, sin = (table.astype(q.dtype) for table in self.tables(seq_len, seq_first, cp))
+        tables = self.tables(seq_len, seq_first and positions is None, cp)
         head_dim = q.shape[-1]
         if fused and self.dim == head_dim and not self.interleaved:
             from paddle.incubate.nn.functional import fused_rotary_position_embedding
 
-            flat = [table.reshape([seq_len, self.dim]) for table in (sin, cos)]
-            q, k, _ = fused_rotary_position_embedding(q, k, None, sin=flat[0], cos=flat[1],
+            flat = [table.astype(q.dtype).reshape([seq_len, self.dim]) for table in reversed(tables)]
+            q, k, _ = fused_rotary_position_embedding(q, k, None, sin=flat[0], cos=flat[1], position_ids=positions,
                                                       use_neox_rotary_style=False, time_major=seq_first)
             return q, k
+        if positions is not None:
+            tables = (_by_position(table, positions, seq_first) for table in tables)
+        cos, sin = (table.astype(q.dtype) for table in tables)
         return self._rotated(q, cos, sin, head_dim), self._rotated(k, cos, sin, head_dim)
+
+    def kept_bytes(self, batch: int, seq_len: int, dtype_bytes: int, documents: bool) -> int:
+        """The tables one layer keeps for backward: none in fp32 (every layer shares the constant
+        ones), a rounded copy of cos and sin in a narrower dtype, and one row per token when
+        positions restart per document (gathered for each batch row)."""
+        if not documents and dtype_bytes >= 4:
+            return 0
+        return 2 * (batch if documents else 1) * seq_len * self.dim * dtype_bytes
 
     def _rotated(self, x, cos, sin, head_dim: int):
         rotated, kept = (x, None) if self.dim == head_dim else paddle.split(x, [self.dim, head_dim - self.dim], -1)
@@ -210,6 +224,13 @@ def _tables(rotary: Rotary, seq_len: int, seq_first: bool, cp: tuple[int, int]) 
         if attention != 1.0:
             cos, sin = cos * attention, sin * attention
         return cos.reshape(shape), sin.reshape(shape)
+
+
+def _by_position(table: paddle.Tensor, positions: paddle.Tensor, seq_first: bool) -> paddle.Tensor:
+    """A [1, seq, 1, dim] table's rows at `positions` [batch, seq]: [batch, seq, 1, dim] (or sequence first)."""
+    dim = table.shape[-1]
+    rows = paddle.gather(table.reshape([-1, dim]), positions.reshape([-1])).reshape(positions.shape + [1, dim])
+    return rows.transpose([1, 0, 2, 3]) if seq_first else rows
 
 
 def rotate_half(x):

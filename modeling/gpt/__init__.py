@@ -15,6 +15,7 @@ from modeling.blocks.parts import Block, ColumnLinear, Declared, Norm, Part, Row
 from modeling.causal_lm import Skeleton
 from modeling.config import CausalLMConfig, ModelConfigError
 from modeling.config_fields import any_value, zero
+from modeling.documents import state, unpack
 from modeling.execution import Execution
 from modeling.family import ModelFamily
 from modeling.paddlenlp_fused import QKV
@@ -101,13 +102,18 @@ class GPTDecoder(Declared):
 
 
 class GPTDecoderLayer(Block):
-    def _block(self, hidden):
-        hidden = hidden + self.run.recompute("full_attn", self.self_attn, self.norm1(hidden), training=self.training)
+    def _block(self, hidden, positions=None):
+        attended = self.run.recompute("full_attn", lambda normed: self.self_attn(normed, positions), self.norm1(hidden),
+                                      training=self.training)
+        hidden = hidden + attended
         mlp_input = gather_tokens(self.norm2(hidden), self.run)
         return hidden + self.linear2(F.gelu(self.linear1(mlp_input), approximate=True))
 
-    def forward(self, hidden):
-        return self.run.recompute("full", self._block, hidden, training=self.training)
+    def forward(self, layer_state):
+        """As `DecoderLayer.forward`: the hidden states, with the document positions when per document."""
+        hidden, positions = unpack(layer_state)
+        hidden = self.run.recompute("full", lambda x: self._block(x, positions), hidden, training=self.training)
+        return state(hidden, positions)
 
 
 GPTDecoder.layer = GPTDecoderLayer

@@ -5,7 +5,7 @@ blocks' and attention cores' `saved_bytes`) for the run's attention core and rec
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -31,13 +31,17 @@ class Workload:
                                               "(attention cores)", choices=list(GRANULARITIES))
     use_flash_attention: bool = flag(True, "flash (GPU, bf16, when its rules allow) or blockwise attention; "
                                            "--no-use_flash_attention: the dense core")
+    use_global_causal_attn: bool = flag(True, "--no-use_global_causal_attn: attention per document (each layer "
+                                              "then keeps its rotary rows per token)")
 
     def execution(self, layout: Layout, compute_bytes: int, head_dim: int) -> Execution:
-        """The `Execution` a trainer with these flags would run on `layout` (any rank)."""
+        """The `Execution` a trainer with these flags would run on `layout` (any rank); which token ends
+        a document does not change what is kept."""
         dtype = "bfloat16" if compute_bytes == 2 else None
         choices, _ = choose_execution(self.use_flash_attention, self.recompute, self.recompute_granularity,
                                       device=layout.device, dtype=dtype, head_dim=head_dim)
-        return execution_for(layout, 0, choices)
+        documents = None if self.use_global_causal_attn else (0,)
+        return execution_for(layout, 0, replace(choices, documents=documents))
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import paddle
 from paddle import nn
 
 from modeling.blocks.attention import SelfAttention
+from modeling.blocks.latent_attention import LatentSelfAttention
 
 
 def saved_activation_bytes(model: nn.Layer, run: Callable[[], object], constants: frozenset[int] = frozenset()
@@ -73,7 +74,7 @@ def rotary_constants(model: nn.Layer, seq_len: int, seq_first: bool = False,
     """The data pointers of the rotary tables `model`'s attention layers use for `seq_len` local
     tokens: constants built once per layer kind and length, not activations."""
     rotaries = {layer.declared.rotary for layer in model.sublayers(include_self=True)
-                if isinstance(layer, SelfAttention) and layer.declared.rotary is not None}
+                if isinstance(layer, (SelfAttention, LatentSelfAttention)) and layer.declared.rotary is not None}
     return frozenset(table.data_ptr() for rotary in rotaries for table in rotary.tables(seq_len, seq_first, cp))
 
 

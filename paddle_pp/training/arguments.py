@@ -16,7 +16,8 @@ from modeling.execution import GRANULARITIES
 from modeling.registry import FAMILIES
 from paddle_pp.runtime.flags import add_flags, boolean_flags, flag, read_flags
 from paddle_pp.runtime.layout import LayoutArguments, add_layout_args, launched_rank
-from paddle_pp.training.recipes import RecipeError, read_recipe
+from paddle_pp.training.paddleformers_recipes import PADDLEFORMERS
+from paddle_pp.training.recipes import PADDLENLP, RecipeError, load_recipe, read_recipe
 from paddle_pp.training.schedule import DECAYS
 
 
@@ -53,6 +54,10 @@ class ModelArguments:
     use_flash_attention: bool = flag(True, "memory-efficient attention: Paddle's flash kernel where it applies (GPU, "
                                            "bf16/fp16, head_dim <= 256 and a multiple of 8), the blockwise core "
                                            "elsewhere; --no-use_flash_attention: the dense core (keeps every score)")
+    use_global_causal_attn: bool = flag(True, "one causal stream per packed sample (PaddleNLP's run_pretrain); "
+                                              "--no-use_global_causal_attn: each token attends only inside its "
+                                              "document (ended by the tokenizer's end-of-sequence token) and "
+                                              "positions restart per document (PaddleFormers' pretraining default)")
     use_fused_rope: bool = flag(False, "Paddle's fused rotary kernel (GPU only; elsewhere the reference op, noted)")
     use_fused_rms_norm: bool = flag(False, "Paddle's fused RMSNorm kernel (GPU only; elsewhere the reference op, "
                                            "noted)")
@@ -164,40 +169,46 @@ def build_parser() -> argparse.ArgumentParser:
                     "tensor x pipeline layout.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--config", type=Path, default=None,
-                        help="YAML file of flag: value defaults, or a PaddleNLP argument file (.json)")
+                        help="YAML file of flag: value defaults, a PaddleNLP argument file (.json) or a PaddleFormers "
+                             "pretraining recipe (.yaml with stage: PT)")
     parser.add_argument("recipe", type=Path, nargs="?", default=None,
-                        help="a PaddleNLP pretraining argument file (.json), as llm/run_pretrain.py takes")
+                        help="a PaddleNLP pretraining argument file (.json), as llm/run_pretrain.py takes, or a "
+                             "PaddleFormers recipe (.yaml)")
     for name, group in GROUPS.items():
         add_flags(parser, group, name)
     return add_layout_args(parser)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> PretrainArguments:
-    """Command line over config files over built-in defaults: a YAML file (--config; an unknown key is
-    an error) and a PaddleNLP JSON recipe (the first argument, or --config x.json; its fields are
-    translated, named as changing nothing, or refused)."""
+    """Command line over config files over built-in defaults: a YAML file of our flags (--config; an
+    unknown key is an error), or a recipe (the first argument, or --config): PaddleNLP's JSON or
+    PaddleFormers' YAML (it names a `stage`), its fields translated, named as changing nothing, or
+    refused."""
     parser = build_parser()
     first, _ = parser.parse_known_args(argv)
     known = {action.dest for action in parser._actions}
     from_file: dict[str, Any] = {}
-    recipe_path = first.recipe
+    recipe_path, recipe_values = first.recipe, None
     if first.config is not None:
         if not first.config.is_file():
             parser.error(f"--config {first.config} does not exist")
-        if first.config.suffix == ".json":
+        loaded = None if first.config.suffix == ".json" else yaml.safe_load(first.config.read_text()) or {}
+        if loaded is None or (isinstance(loaded, dict) and "stage" in loaded):  # a PaddleNLP or PaddleFormers recipe
             if recipe_path is not None:
                 parser.error(f"two recipes: {recipe_path} and --config {first.config}; pass one")
-            recipe_path = first.config
+            recipe_path, recipe_values = first.config, loaded
         else:
-            from_file = yaml.safe_load(first.config.read_text()) or {}
+            from_file = loaded
             unknown = sorted(set(from_file) - known)
             if unknown:
                 parser.error(f"{first.config}: unknown keys {unknown}")
     if recipe_path is not None:
-        if recipe_path.suffix != ".json":
-            parser.error(f"{recipe_path}: a recipe is a PaddleNLP .json argument file (YAML goes to --config)")
+        if recipe_path.suffix not in (".json", ".yaml", ".yml"):
+            parser.error(f"{recipe_path}: a recipe is a PaddleNLP .json argument file or a PaddleFormers .yaml one")
         try:
-            recipe, notes = read_recipe(recipe_path, known, boolean_flags(parser))
+            recipe_values = load_recipe(recipe_path) if recipe_values is None else recipe_values
+            dialect = PADDLEFORMERS if "stage" in recipe_values else PADDLENLP  # PaddleFormers' trainer needs one
+            recipe, notes = read_recipe(recipe_path, known, boolean_flags(parser), recipe_values, dialect)
         except RecipeError as err:
             parser.error(str(err))
         from_file |= recipe

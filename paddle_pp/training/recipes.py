@@ -1,9 +1,11 @@
-"""PaddleNLP pretraining argument files (`run_pretrain.py recipe.json [--flag value ...]`, or
-`--config recipe.json`, as PaddleNLP's llm/run_pretrain.py takes them) read as this trainer's flags.
+"""Recipe files read as this trainer's flags: PaddleNLP's pretraining argument files
+(`run_pretrain.py recipe.json [--flag value ...]`, or `--config recipe.json`, as PaddleNLP's
+llm/run_pretrain.py takes them) and PaddleFormers' (`--config recipe.yaml` with `stage: PT`; its
+dialect in `paddleformers_recipes.py`).
 
-A recipe means what PaddleNLP would do with it, so a field it leaves out takes PaddleNLP's default,
-not ours (its linear decay, its learning rates, its batch sizes, GPT's dropout of 0.1, resuming the
-newest checkpoint in output_dir). Every field is one of: a flag of ours (under its name or a
+A recipe means what its library would do with it, so a field it leaves out takes that library's
+default, not ours (PaddleNLP's linear decay, its learning rates, its batch sizes, GPT's dropout of
+0.1, resuming the newest checkpoint in output_dir). Every field is one of: a flag of ours (under its name or a
 renamed one), on the short list of fields that change nothing that is trained (`NO_EFFECT`, each
 with its reason), a communication-option string whose every option is known to change nothing, or
 refused by name with the fix (`REFUSED`, and any field this file does not know).
@@ -12,8 +14,11 @@ refused by name with the fix (`REFUSED`, and any field this file does not know).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+import yaml
 
 from paddle_pp.runtime.errors import UserError
 
@@ -82,9 +87,9 @@ REFUSED: dict[str, tuple[Callable[[dict], bool], str]] = {  # field: (is its val
 }
 
 
-def _refusals(values: dict) -> list[str]:
+def _refusals(values: dict, refused_fields: dict) -> list[str]:
     """Fields whose value would train something else than this trainer can, with the fix."""
-    refused = [f"{key}={values[key]!r} ({why})" for key, (trainable, why) in REFUSED.items()
+    refused = [f"{key}={values[key]!r} ({why})" for key, (trainable, why) in refused_fields.items()
                if key in values and not trainable(values)]
     for key, allowed in COMMUNICATION_OPTIONS.items():
         unknown = sorted(set(str(values.get(key) or "").split()) - allowed)
@@ -94,29 +99,60 @@ def _refusals(values: dict) -> list[str]:
     return refused
 
 
-def read_recipe(path: Path, known: set[str], booleans: set[str]) -> tuple[dict[str, Any], list[str]]:
-    """(flag defaults from the recipe, notes to show: fields without effect and PaddleNLP defaults
-    applied). `known`: our flags' names; `booleans`: those that are booleans (recipes write 0/1)."""
+@dataclass(frozen=True)
+class Dialect:
+    """How one library's recipe fields read as this trainer's flags: renamed fields, its defaults
+    where ours differ, fields that change nothing trained, fields refused for some values, and
+    `prepare`, which reads the fields that need more than a rename (their flags, the fields it
+    consumed, refusals)."""
+
+    library: str
+    possessive: str  # "PaddleNLP's", "PaddleFormers'"
+    renamed: dict[str, str]
+    defaults: dict[str, Any]
+    no_effect: dict[str, str]
+    refused: dict[str, tuple[Callable[[dict], bool], str]]
+    prepare: Callable[[dict], tuple[dict[str, Any], set[str], list[str]]] = lambda values: ({}, set(), [])
+
+
+PADDLENLP = Dialect("PaddleNLP", "PaddleNLP's", RENAMED, PADDLENLP_DEFAULTS, NO_EFFECT, REFUSED)
+
+
+def load_recipe(path: Path) -> dict[str, Any]:
+    """A recipe file's fields (JSON, or YAML as PaddleFormers writes them)."""
     try:
-        values = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as err:
+        text = Path(path).read_text()
+        values = json.loads(text) if Path(path).suffix == ".json" else yaml.safe_load(text)
+    except (OSError, json.JSONDecodeError, yaml.YAMLError) as err:
         raise RecipeError(f"cannot read the recipe {path}: {err}") from err
     if not isinstance(values, dict):
-        raise RecipeError(f"{path} is not a JSON object of argument: value")
-    refused = _refusals(values)
-    flags: dict[str, Any] = {}
+        raise RecipeError(f"{path} is not a mapping of argument: value")
+    return values
+
+
+def read_recipe(path: Path, known: set[str], booleans: set[str], values: dict[str, Any] | None = None,
+                dialect: Dialect = PADDLENLP) -> tuple[dict[str, Any], list[str]]:
+    """(flag defaults from the recipe, notes to show: fields without effect and the library's
+    defaults applied). `known`: our flags' names; `booleans`: those that are booleans (recipes write
+    0/1); `values`: the file's fields when already read; `dialect`: whose recipe it is."""
+    values = load_recipe(path) if values is None else values
+    flags, consumed, refused = dialect.prepare(values)
+    refused += _refusals(values, dialect.refused)
     without_effect: dict[str, list[str]] = {}  # reason -> fields
     for key, value in values.items():
-        dest = RENAMED.get(key, key)
-        if key in NO_EFFECT:
-            without_effect.setdefault(NO_EFFECT[key], []).append(key)
+        dest = dialect.renamed.get(key, key)
+        if key in consumed:
+            continue
+        if key in dialect.no_effect:
+            without_effect.setdefault(dialect.no_effect[key], []).append(key)
         elif dest in known:
             flags[dest] = bool(value) if dest in booleans else value
-        elif key not in REFUSED and key not in COMMUNICATION_OPTIONS and key != "overwrite_output_dir":
+        elif key not in dialect.refused and key not in COMMUNICATION_OPTIONS and key != "overwrite_output_dir":
             refused.append(f"{key}={value!r} (a field paddle-pp does not know: it may change what is trained; "
                            "remove it, or see docs/models.md's list of recipe fields)")
     if refused:
-        raise RecipeError(f"{path} asks for what paddle-pp cannot honour: {'; '.join(refused)}")
+        raise RecipeError(f"{path} ({dialect.library} recipe) asks for what paddle-pp cannot honour: "
+                          f"{'; '.join(refused)}")
     if flags.get("report_to") == "all":
         flags["report_to"] = "visualdl"
     if flags.get("expert_parallel_degree") in (None, -1):  # PaddleNLP's "unset"
@@ -124,15 +160,15 @@ def read_recipe(path: Path, known: set[str], booleans: set[str]) -> tuple[dict[s
     if "sharding" in flags and "sharding_parallel_degree" not in flags:
         flags["sharding_parallel_degree"] = -1  # PaddleNLP's default: every data-parallel rank
     if "eval_steps" not in flags:  # transformers' rule, which PaddleNLP follows
-        flags["eval_steps"] = flags.get("logging_steps", PADDLENLP_DEFAULTS["logging_steps"])
+        flags["eval_steps"] = flags.get("logging_steps", dialect.defaults["logging_steps"])
     if "resume_from_checkpoint" not in flags and not values.get("overwrite_output_dir"):
         flags["resume_from_checkpoint"] = "latest"  # run_pretrain.py resumes output_dir's newest checkpoint
-    defaults = {k: v for k, v in PADDLENLP_DEFAULTS.items() if k not in flags or k == "eval_iters"}
+    defaults = {k: v for k, v in dialect.defaults.items() if k not in flags or k == "eval_iters"}
     grouped = "; ".join(f"{', '.join(keys)} ({why})" for why, keys in without_effect.items())
     notes = [f"changing nothing that is trained: {grouped}"] if without_effect else []
-    notes += [f"PaddleNLP's defaults for fields the recipe leaves out: "
+    notes += [f"{dialect.possessive} defaults for fields the recipe leaves out: "
               f"{', '.join(f'{k}={v}' for k, v in defaults.items())}"] if defaults else []
     if flags.get("resume_from_checkpoint") == "latest" and "resume_from_checkpoint" not in values:
-        notes.append("resumes output_dir's newest checkpoint if there is one, as PaddleNLP's run_pretrain.py does "
+        notes.append(f"resumes output_dir's newest checkpoint if there is one, as {dialect.possessive} trainer does "
                      "(overwrite_output_dir: true starts over)")
     return flags | defaults, notes

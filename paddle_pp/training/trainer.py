@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 import paddle
 
-from checkpoint.commit import clear_interrupted_saves, latest_checkpoint
+from checkpoint.commit import clear_interrupted_saves, latest_checkpoint, unclaimed_checkpoints
 from checkpoint.load import check_compatible, load_checkpoint
 from checkpoint.save import PendingSave, save_checkpoint
 from checkpoint.single_card_state import init_single_card_weights
@@ -80,10 +80,21 @@ def warmup_steps(args: OptimizerArguments, given: frozenset[str]) -> int:
     return math.ceil(args.warmup_ratio * args.max_steps)
 
 
-def run_execution(args: ModelArguments, layout: Layout, compute_dtype: str | None,
-                  head_dim: int) -> tuple[Execution, list[str]]:
-    """The run's attention core, recompute and fused kernels from the model flags (`choose_execution`),
-    and notes on what was asked for and not taken on this device."""
+def run_execution(args: ModelArguments, layout: Layout, compute_dtype: str | None, head_dim: int,
+                  end_of_document: int | None) -> tuple[Execution, list[str]]:
+    """The run's attention core, recompute, fused kernels and document boundaries (the data's
+    `end_of_document` token under --no-use_global_causal_attn) from the model flags
+    (`choose_execution`), and notes on what was asked for and not taken on this device."""
+    if not args.use_global_causal_attn:
+        if layout.cp > 1:
+            raise TrainingConfigError(
+                f"--no-use_global_causal_attn with --context_parallel_degree {layout.cp}: ring attention does not "
+                "keep attention inside documents (not implemented); use --context_parallel_degree 1, or drop "
+                "--no-use_global_causal_attn")
+        if end_of_document is None:
+            raise TrainingConfigError(
+                "--no-use_global_causal_attn: the tokenizer has no end-of-sequence token to find where documents end; "
+                "use a tokenizer with one (the data must have been written with it after every document)")
     if layout.cp > 1 and not args.use_flash_attention:
         raise TrainingConfigError(
             f"--context_parallel_degree {layout.cp} with --no-use_flash_attention: the dense attention core keeps no "
@@ -95,9 +106,14 @@ def run_execution(args: ModelArguments, layout: Layout, compute_dtype: str | Non
             "here (PaddleNLP's 1, its default); segments of several layers are not implemented. Use "
             "--pp_recompute_interval 1, or --recompute_granularity to recompute less")
     sm = tuple(paddle.device.cuda.get_device_capability()) if layout.device == "gpu" else None
-    return choose_execution(args.use_flash_attention, args.recompute, args.recompute_granularity,
-                            args.recompute_use_reentrant, args.use_fused_rope, args.use_fused_rms_norm,
-                            layout.device, compute_dtype, head_dim, sm)
+    execution, notes = choose_execution(args.use_flash_attention, args.recompute, args.recompute_granularity,
+                                        args.recompute_use_reentrant, args.use_fused_rope, args.use_fused_rms_norm,
+                                        layout.device, compute_dtype, head_dim, sm)
+    if args.use_global_causal_attn:
+        return execution, notes
+    notes.append(f"attention inside documents (--no-use_global_causal_attn): each ends at token {end_of_document}, "
+                 "positions restart after it")
+    return replace(execution, documents=(end_of_document,)), notes
 
 
 def _build_optimizer(model, args: OptimizerArguments, schedule: WarmupCosine, clip: ReportingGlobalNormClip):
@@ -124,6 +140,13 @@ class Pretrainer:
         self.compute_dtype = precision.compute_dtype(optim.bf16, optim.fp16, optim.amp_master_grad, self.layout)
         # found before the output_dir lock: `latest` only ever moves forward, and a live writer fails the lock
         self.resume_dir = self._resume_folder()
+        unclaimed = unclaimed_checkpoints(Path(args.output.output_dir)) if self.resume_dir is None else []
+        if unclaimed:
+            raise TrainingConfigError(
+                f"--output_dir {args.output.output_dir} holds {', '.join(unclaimed[:3])}"
+                f"{' ...' if len(unclaimed) > 3 else ''} that paddle-pp did not write (no 'latest' marker: a "
+                "PaddleNLP or PaddleFormers run's?); a save of the same step would replace it. Choose another "
+                "--output_dir, or resume a unified checkpoint there with --resume_from_checkpoint <folder>")
         source = args.model.model_name_or_path
         self.pretrained = open_pretrained(
             Path(source), weights=self.resume_dir is None and args.model.continue_training,
@@ -136,7 +159,8 @@ class Pretrainer:
             raise TrainingConfigError("--fp16 with a mixture-of-experts model: the aux loss's gradient is injected at "
                                       "each layer without the fp16 loss scale (not implemented); train with --bf16")
         validate_layout(self.config, self.layout, data.max_seq_length)
-        self.execution, notes = run_execution(args.model, self.layout, self.compute_dtype, self.config.head_dim)
+        self.execution, notes = run_execution(args.model, self.layout, self.compute_dtype, self.config.head_dim,
+                                              self.tokenizer.eos_id)
         notes += core_notes(self.config, self.execution)
         self.execution = replace(self.execution, accumulate_steps=self.batches.accumulate_steps)
         if launched_rank() == 0:

@@ -5,6 +5,8 @@ The test writes the single-card weights (`--init`, .npz) and an HF-style config 
 `--optimizer sgd` makes global-norm clipping visible in the update (AdamW is nearly invariant to it).
 `--attention blockwise --block N` runs the blockwise attention core with N positions per block (under
 `--context_parallel_degree`, the ring's kernel; each cp rank reads its two chunks of every sequence).
+`--documents ID` trains with per-document attention, ID ending each document; the batches then hold it
+in about one position in six.
 """
 
 from __future__ import annotations
@@ -30,8 +32,12 @@ from paddle_pp.runtime.topology import end_job, init_distributed
 from paddle_pp.training.step import eval_loss, replica_slice, train_step
 
 
-def global_batch(step: int, batch: int, seq: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
-    tokens = np.random.default_rng(2000 + step).integers(0, vocab, size=(batch, seq + 1))
+def global_batch(step: int, batch: int, seq: int, vocab: int,
+                 end_of_document: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(2000 + step)
+    tokens = rng.integers(0, vocab, size=(batch, seq + 1))
+    if end_of_document is not None:
+        tokens[rng.random(tokens.shape) < 1 / 6] = end_of_document
     return tokens[:, :-1].astype("int64"), tokens[:, 1:].astype("int64")
 
 
@@ -52,6 +58,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--clip_norm", type=float, default=1.0)
     parser.add_argument("--attention", choices=sorted(CORES), default="dense")
     parser.add_argument("--block", type=int, default=512)
+    parser.add_argument("--documents", type=int, default=None)
     args = parser.parse_args(argv)
 
     layout = Layout.from_args(args)
@@ -59,7 +66,8 @@ def main(argv: list[str]) -> None:
     topo = init_distributed(layout, micro_batch_size=micro, accumulate_steps=args.accumulate_steps)
     config = config_from_dict(json.loads(open(args.config).read()))
     core = BlockwiseCore(args.block) if args.attention == "blockwise" else CORES[args.attention]
-    raw = build_causal_lm(config, topo, Execution(attention=core))
+    documents = None if args.documents is None else (args.documents,)
+    raw = build_causal_lm(config, topo, Execution(attention=core, documents=documents))
     axes = plan_of(config).axes()
     load_single_card_state(raw, dict(np.load(args.init)), axes, topo)
     criterion = getattr(raw, "criterion", None)
@@ -77,7 +85,7 @@ def main(argv: list[str]) -> None:
     rows = replica_slice(args.global_batch, topo)
 
     def batch(step):
-        x, y = global_batch(step, args.global_batch, args.seq, config.vocab_size)
+        x, y = global_batch(step, args.global_batch, args.seq, config.vocab_size, args.documents)
         x, y = x[rows], y[rows]
         if topo.ring is not None:  # context parallelism: this rank's two chunks of every sequence
             x, y = (split_sequence(t, topo.ring.degree, topo.ring.rank) for t in (x, y))

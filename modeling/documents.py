@@ -1,0 +1,100 @@
+"""Per-document attention (PaddleFormers' pretraining default, `use_global_causal_attn: false`;
+Megatron's `reset_attention_mask` with `reset_position_ids`): inside a packed sample a token attends
+only to the tokens of its own document, and positions restart at every document.
+
+A document ends at an end-of-document token (the config's `eos_token_id`, any of them when it lists
+several): the token after one starts the next document. The first stage derives every token's
+position from the input ids (`document_positions`); the positions travel beside the hidden states
+through the decoder layers, and between pipeline stages as PaddleNLP's pipes pass their position
+ids (`state` / `unpack`). Each layer reads from them what its rotary needs and where each query's
+document starts (`Documents`): query i sees keys j with start(i) <= j <= i, a causal mask with a
+lower bound per row, which every core applies (dense masks, blockwise also skips the key blocks
+every query of a block has left behind, flash hands Paddle's flashmask the row each key stops being
+seen at).
+
+PaddleFormers cuts documents where its index's documents end, we where their end-of-document token
+is; the two agree on data prepared with an end-of-document token after every document, which is
+what `paddle_pp.data.preprocess` and PaddleNLP's `create_pretraining_data.py` write.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+
+
+def document_positions(input_ids: paddle.Tensor, end_ids: tuple[int, ...]) -> paddle.Tensor:
+    """int64 [batch, seq]: each token's position inside its document (0 at a sample's first token
+    and after every end-of-document token), without leaving the device."""
+    ended = paddle.zeros(input_ids.shape, "bool")
+    for end in end_ids:
+        ended = paddle.logical_or(ended, input_ids == end)
+    batch, seq = input_ids.shape
+    begins = paddle.concat([paddle.ones([batch, 1], "bool"), ended[:, :-1]], axis=1)
+    index = paddle.arange(seq, dtype="int64").unsqueeze(0).expand([batch, seq])
+    starts = paddle.cummax(paddle.where(begins, index, paddle.zeros_like(index)), axis=1)[0]
+    positions = index - starts
+    positions.stop_gradient = True
+    return positions
+
+
+def state(hidden: paddle.Tensor, positions: paddle.Tensor | None):
+    """What a decoder layer takes and gives: the hidden states alone (one causal stream), or with
+    the document positions beside them (a tuple, which fleet's pipeline passes between stages)."""
+    return hidden if positions is None else (hidden, positions)
+
+
+def unpack(value) -> tuple[paddle.Tensor, paddle.Tensor | None]:
+    """(hidden states, document positions or None) of a `state`."""
+    return value if isinstance(value, tuple) else (value, None)
+
+
+@dataclass(frozen=True)
+class Documents:
+    """Where each position's document starts, per batch row (host values: the blockwise core picks
+    the blocks it computes from them)."""
+
+    starts: np.ndarray  # int64 [batch, seq]
+
+    @classmethod
+    def of(cls, positions: paddle.Tensor) -> Documents:
+        held = positions.numpy()
+        return cls(np.arange(held.shape[1])[None, :] - held)
+
+    def oldest_key(self, i0: int) -> int:
+        """The first key any query from position i0 on still sees (starts only grow along a row)."""
+        return int(self.starts[:, i0].min())
+
+    def cuts(self, i0: int, i1: int, j0: int) -> bool:
+        """Whether some query in [i0, i1) has its document start after key j0 (the block needs the mask)."""
+        return bool(self.starts[:, i1 - 1].max() > j0)
+
+    def mask(self, i0: int, i1: int, j0: int, j1: int, groups: int) -> paddle.Tensor:
+        """fp32 [batch, 1, (i1 - i0) x groups, j1 - j0]: 0 where a query row's document holds the key,
+        -inf where it does not (rows laid out as the blockwise core's: position r // groups)."""
+        rows = np.repeat(self.starts[:, i0:i1], groups, axis=1)[:, None, :, None]
+        keys = np.arange(j0, j1)[None, None, None, :]
+        return paddle.to_tensor(np.where(keys >= rows, 0.0, -np.inf).astype(np.float32))
+
+    def visible(self, groups: int) -> paddle.Tensor:
+        """bool [batch, 1, seq x groups, seq]: True where a query row may see a key (causal, same document)."""
+        seq = self.starts.shape[1]
+        rows = np.repeat(np.arange(seq), groups)[None, None, :, None]
+        starts = np.repeat(self.starts, groups, axis=1)[:, None, :, None]
+        keys = np.arange(seq)[None, None, None, :]
+        return paddle.to_tensor((keys <= rows) & (keys >= starts))
+
+    def key_ends(self, window: int | None) -> paddle.Tensor:
+        """int32 [batch, 1, seq, 1]: the first query row that no longer sees each key (its document's
+        end, or key + window when sooner): flashmask's lower-triangle start rows."""
+        batch, seq = self.starts.shape
+        ends = np.empty((batch, seq), np.int64)
+        for row in range(batch):
+            begins = np.flatnonzero(np.diff(self.starts[row], prepend=-1))
+            lengths = np.diff(np.append(begins, seq))
+            ends[row] = np.repeat(begins + lengths, lengths)
+        if window is not None:
+            ends = np.minimum(ends, np.arange(seq)[None, :] + window)
+        return paddle.to_tensor(ends.astype(np.int32)[:, None, :, None])

@@ -1,0 +1,151 @@
+"""Per-document attention (`--no-use_global_causal_attn`, `modeling/documents.py`): a packed sample
+gives, token by token, what its documents give run one at a time. The references: transformers'
+own models (made inside the test) run on each document alone, for the logits of LLaMA 3, Gemma 2
+(windows, soft-caps), GPT-2 (learned positions), DeepSeek-V3 (latent attention, yarn) and GPT-OSS
+(sinks, windows); our single-card model on each document alone, for the gradients of the summed
+loss; and the single card per document, for tp2 x pp2 + SP (the positions cross the pipeline's p2p)."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import paddle
+import pytest
+
+from modeling.attention_core import CORES, BlockwiseCore
+from modeling.documents import Documents, document_positions
+from modeling.execution import Execution
+from modeling.llama import LlamaForCausalLM
+from paddle_pp.runtime.errors import UserError
+from paddle_pp.runtime.layout import Layout
+from paddle_pp.training.arguments import parse_args
+from paddle_pp.training.trainer import run_execution
+
+import hf_models
+from parity import EVAL_RTOL, TRAIN_TOL, assert_matches, our_model, run_model, write_model_files
+from runs import PP2, TP2
+
+END = 3  # the end-of-document token of these tests
+LENGTHS = ((7, 9, 8), (5, 19))  # each row's documents (the last one cut by the sample's end)
+CORE_CASES = {"dense": CORES["dense"], "blockwise": BlockwiseCore(5)}  # 5: documents and blocks cross
+HF_TOLERANCE = 1e-5  # our logits against transformers' (the family tests' tolerance)
+
+
+def packed_ids(vocab: int) -> np.ndarray:
+    """[2, 24] ids: every document but a row's last ends with END; no other END anywhere."""
+    ids = np.random.default_rng(11).integers(END + 1, vocab, size=(len(LENGTHS), sum(LENGTHS[0])))
+    for row, lengths in enumerate(LENGTHS):
+        ids[row, np.cumsum(lengths)[:-1] - 1] = END
+    return ids
+
+
+def documents(row: int):
+    """(start, end) of each document in `row`."""
+    ends = np.cumsum(LENGTHS[row])
+    return list(zip(ends - np.asarray(LENGTHS[row]), ends))
+
+
+@functools.cache
+def folder(kind: str, root: str):
+    from pathlib import Path
+
+    return hf_models.make(kind, Path(root) / kind, hf_models.SEEDS.get(kind, 0))
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("documents"))
+
+
+@pytest.mark.parametrize("core", list(CORE_CASES))
+@pytest.mark.parametrize("kind", ["llama3", "gemma2", "gpt2", "deepseek_v3", "gpt_oss"])
+def test_a_packed_sample_gives_transformers_logits_of_each_document_alone(root, kind, core):
+    path = folder(kind, root)
+    model = our_model(path, Execution(attention=CORE_CASES[core], documents=(END,)))
+    model.eval()
+    ids = packed_ids(model.config.vocab_size)
+    with paddle.no_grad():
+        packed = model(paddle.to_tensor(ids)).numpy()
+    for row in range(len(LENGTHS)):
+        for start, end in documents(row):
+            alone = hf_models.logits(path, ids[row:row + 1, start:end])
+            np.testing.assert_allclose(packed[row:row + 1, start:end], alone, rtol=HF_TOLERANCE, atol=HF_TOLERANCE,
+                                       err_msg=f"{kind}, {core}: row {row}, document [{start}, {end})")
+
+
+def _summed_loss(model, ids: np.ndarray, labels: np.ndarray):
+    logits = model(paddle.to_tensor(ids))
+    return logits, paddle.nn.functional.cross_entropy(logits, paddle.to_tensor(labels).unsqueeze(-1), reduction="sum")
+
+
+@pytest.mark.parametrize("core", list(CORE_CASES))
+@pytest.mark.parametrize("kind", ["llama3", "gemma2", "gpt2"])
+def test_a_packed_sample_trains_as_its_documents_one_at_a_time(root, kind, core):
+    """Logits (rtol 1e-6, atol 1e-6 of the largest) and the gradient of every parameter (rtol 1e-5, atol 1e-5 of the model's
+    largest gradient entry: k's bias has a zero gradient, which the two summation orders round
+    apart) of the summed loss:
+    the packed sample per document against each document alone in one causal stream, every label
+    kept (a document's last token predicts the next document's first, as PaddleFormers trains)."""
+    path = folder(kind, root)
+    packed_model = our_model(path, Execution(attention=CORE_CASES[core], documents=(END,)))
+    alone_model = our_model(path, Execution(attention=CORE_CASES[core]))
+    tokens = packed_ids(packed_model.config.vocab_size)
+    labels = np.roll(tokens, -1, axis=1)
+    packed, loss = _summed_loss(packed_model, tokens, labels)
+    loss.backward()
+    for row in range(len(LENGTHS)):
+        for start, end in documents(row):
+            alone, part = _summed_loss(alone_model, tokens[row:row + 1, start:end], labels[row:row + 1, start:end])
+            part.backward()
+            np.testing.assert_allclose(packed.numpy()[row:row + 1, start:end], alone.numpy(), rtol=EVAL_RTOL,
+                                       atol=EVAL_RTOL * np.abs(alone.numpy()).max())
+    alone_grads = {name: param.grad.numpy() for name, param in alone_model.named_parameters()}
+    scale = max(np.abs(grad).max() for grad in alone_grads.values())
+    for name, param in packed_model.named_parameters():
+        np.testing.assert_allclose(param.grad.numpy(), alone_grads[name], rtol=TRAIN_TOL, atol=TRAIN_TOL * scale,
+                                   err_msg=f"{kind}, {core}: {name}")
+
+
+CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64)
+BLOCKWISE = ("--attention", "blockwise", "--block", "6", "--documents", str(END))
+
+
+@pytest.mark.multiproc
+def test_per_document_training_under_tp2_pp2_sp_matches_the_single_card(run_workers_module, tmp_path_factory):
+    """Eval loss (1e-6), 3 AdamW steps and every parameter after them (1e-5): tp2 x pp2 + SP with
+    the blockwise core against one card's dense core, both per document."""
+    files = write_model_files(tmp_path_factory.mktemp("llama_documents"), "llama", CONFIG, LlamaForCausalLM)
+    single = run_model(run_workers_module, files, 1, ("--documents", str(END)), "single")
+    layout = run_model(run_workers_module, files, 4, TP2 + PP2 + ("--sequence_parallel",) + BLOCKWISE, "tp2_pp2_sp")
+    assert_matches("tp2_pp2_sp", layout, single)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_flashmasks_rows_are_the_mask_the_other_cores_apply(window):
+    """The int32 rows handed to Paddle's flashmask on GPU (key j unseen from row ends[j] on), spelled
+    out as a mask, are the causal, per-document (and windowed) mask the dense core applies."""
+    ids = packed_ids(64)
+    documents = Documents.of(document_positions(paddle.to_tensor(ids), (END,)))
+    ends = documents.key_ends(window).numpy()[:, 0, :, 0]
+    rows = np.arange(ids.shape[1])[:, None]
+    from_flashmask = (rows >= np.arange(ids.shape[1])[None, :])[None] & (rows[None] < ends[:, None, :])
+    expected = documents.visible(1).numpy()[:, 0]
+    if window is not None:
+        expected &= rows - np.arange(ids.shape[1])[None, :] < window
+    np.testing.assert_array_equal(from_flashmask, expected)
+
+
+CPU = Layout(world_size=1, device="cpu")
+
+
+def test_the_flag_sets_the_tokenizers_end_token_and_refuses_what_it_cannot_keep():
+    per_document = parse_args(["--no-use_global_causal_attn"]).model
+    execution, notes = run_execution(per_document, CPU, None, 64, 2)
+    assert execution.documents == (2,) and any("ends at token 2" in note for note in notes)
+    assert run_execution(parse_args([]).model, CPU, None, 64, 2)[0].documents is None
+    with pytest.raises(UserError, match="--no-use_global_causal_attn with --context_parallel_degree 2"):
+        run_execution(per_document, Layout(world_size=2, device="cpu", context_parallel_degree=2), None, 64, 2)
+    with pytest.raises(UserError, match="no end-of-sequence token"):
+        run_execution(per_document, CPU, None, 64, None)
