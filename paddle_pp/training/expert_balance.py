@@ -15,12 +15,10 @@ training of a released checkpoint wants (Pai-Megatron-Patch#467).
 
 from __future__ import annotations
 
+import numpy as np
 import paddle
-import paddle.distributed as dist
 
 from modeling.blocks.moe import SparseMoE
-from modeling.router_stats import RouterStats
-from paddle_pp.runtime.topology import Topology
 
 
 def balanced_layers(model: paddle.nn.Layer) -> list[SparseMoE]:
@@ -28,22 +26,14 @@ def balanced_layers(model: paddle.nn.Layer) -> list[SparseMoE]:
     return [layer for layer in model.sublayers() if isinstance(layer, SparseMoE) and layer.router_layer.correction is not None]
 
 
-def step_counts(layers: list[SparseMoE], stats: RouterStats, topo: Topology) -> paddle.Tensor:
-    """[layers, experts] fp32: the tokens each expert of each of `layers` received this step, summed
-    over the data and sharding ranks (read without clearing: the metrics read them too)."""
-    counts = paddle.stack([stats.load[layer.layer_index].astype("float32") for layer in layers])
-    for group, size in ((topo.dp_group, topo.layout.dp), (topo.sharding_group, topo.layout.sharding_degree)):
-        if size > 1:
-            dist.all_reduce(counts, group=group)
-    return counts
-
-
-def update_correction_biases(model: paddle.nn.Layer, stats: RouterStats, topo: Topology, rate: float) -> None:
-    """Move every correction bias this rank holds by the rule (a collective over dp and sharding)."""
+def update_correction_biases(model: paddle.nn.Layer, loads: np.ndarray, rate: float) -> None:
+    """Move every correction bias this rank holds by the rule, from `loads` [layers, experts]: the
+    tokens each expert received this step over the whole job (`router_metrics.step_routing`, exact
+    integer sums, so the same fp32 moves on every rank)."""
     layers = balanced_layers(model)
     if not layers or rate == 0:
         return
-    counts = step_counts(layers, stats, topo)
+    counts = paddle.to_tensor(loads[[layer.layer_index for layer in layers]], "float32")
     moves = rate * paddle.sign(counts.mean(axis=-1, keepdim=True) - counts)
     with paddle.no_grad():
         for layer, move in zip(layers, moves):

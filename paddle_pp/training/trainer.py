@@ -43,7 +43,7 @@ from paddle_pp.training.model_config import check_dropout, model_config, tokeniz
 from paddle_pp.training.output_lock import acquire, release
 from paddle_pp.training.replicated_sync import needs_replicated_sync, sync_replicated
 from paddle_pp.training.report import MetricsLog, VisualDLLog, plot_loss, training_bar
-from paddle_pp.training.router_metrics import router_metrics
+from paddle_pp.training.router_metrics import router_metrics, step_routing
 from paddle_pp.training.schedule import WarmupCosine
 from paddle_pp.training.skips import merge, parse_intervals, skipped
 from paddle_pp.training.step import eval_loss, train_step
@@ -133,6 +133,7 @@ class Pretrainer:
         rank holds parameters, gradients and optimizer states at once)."""
         self.args = args
         self.after_update = after_update
+        self.routing = None  # the step's routing over the job (an MoE model's), read at each update
         data, optim = args.data, args.optim
         self.layout = Layout.from_args(args.layout)
         self.layout.check_sequence_length(data.max_seq_length)
@@ -303,8 +304,9 @@ class Pretrainer:
         correction biases by the step's loads (DeepSeek-V3's balancing), then the hook."""
         if needs_replicated_sync(self.topo):
             sync_replicated(self.raw_model, self.optimizer, self.axes, self.topo)
-        update_correction_biases(self.raw_model, self.execution.router_stats, self.topo,
-                                 self.args.optim.moe_router_bias_update_rate)
+        self.routing = step_routing(self.execution.router_stats, self.config, self.topo)
+        if self.routing is not None:
+            update_correction_biases(self.raw_model, self.routing.loads, self.args.optim.moe_router_bias_update_rate)
         if self.after_update:
             self.after_update(self)
 
@@ -326,8 +328,7 @@ class Pretrainer:
         seconds = time.perf_counter() - started
         record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": self.clip.pop_norm(),
                   "tokens_per_sec": self.batches.global_batch * self.args.data.max_seq_length / seconds,
-                  "consumed_samples": consumed, **router_metrics(self.execution.router_stats, self.config, self.topo,
-                                                   self.raw_model)}
+                  "consumed_samples": consumed, **router_metrics(self.routing, self.config, self.topo, self.raw_model)}
         return record if updated else {**record, "update_skipped": True}
 
     def evaluate(self) -> float:

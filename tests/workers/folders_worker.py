@@ -33,6 +33,7 @@ from paddle_pp.runtime.layout import Layout, add_layout_args
 from paddle_pp.runtime.topology import end_job, init_distributed
 from paddle_pp.training.expert_balance import balanced_layers, update_correction_biases
 from paddle_pp.training.grad_norm import ReportingGlobalNormClip, report_clipped_norm
+from paddle_pp.training.router_metrics import step_routing
 from paddle_pp.training.step import eval_loss, replica_slice, train_step
 
 ACCUMULATE = 4  # micro-batches per step unless --micro_batch_size says: the pipeline's 1F1B has more than one in flight
@@ -58,10 +59,12 @@ def start(folder: Path, rows: np.ndarray, out: Path, choices: Execution, topo) -
     inputs, labels = (paddle.to_tensor(rows[mine, :-1]), paddle.to_tensor(rows[mine, 1:]))
     stats = raw.run.router_stats
     result = {"loss": eval_loss(model, criterion, inputs, labels, topo), "losses": []}
+    def balance() -> None:  # as the trainer: the step's loads over the job, then the rule
+        update_correction_biases(raw, step_routing(stats, config, topo).loads, BIAS_RATE)
+
     for step in range(2):
         result["losses"].append(train_step(model, optimizer, criterion, inputs, labels, topo, accumulate,
-                                           after_update=lambda: update_correction_biases(raw, stats, topo, BIAS_RATE)))
-        stats.take()
+                                           after_update=balance))
         if step == 0:
             result["biases"] = {str(layer.layer_index): layer.router_layer.correction.numpy().tolist()
                                 for layer in balanced_layers(raw)}
