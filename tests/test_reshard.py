@@ -1,9 +1,10 @@
-"""reshard split / join / merge on checkpoints real runs wrote, and the trainer loading a split copy.
+"""reshard split / join / merge / flex on checkpoints real runs wrote, and the trainer loading a split copy.
 
 The fleet files come from a real tp2pp2 run that saves them as PaddleNLP's trainer does without
-unified checkpoint. Resumes are compared with the original run's next step: a merge must lose
-nothing (rtol 1e-5 across layouts), and a pre-split copy holds fleet's per-rank tensors bit for bit
-and gives every rank exactly its file's weights and Adam states.
+unified checkpoint, and as PaddleFormers' trainer does by default (a flex checkpoint through Paddle's
+own save_state_dict, every rank its pieces). Resumes are compared with the original run's next step:
+a merge or a flex import must lose nothing (rtol 1e-5 across layouts), and a pre-split copy holds
+fleet's per-rank tensors bit for bit and gives every rank exactly its file's weights and Adam states.
 """
 
 from __future__ import annotations
@@ -53,6 +54,18 @@ def merged(fleet, tmp_path_factory):
     return target
 
 
+@pytest.fixture(scope="module")
+def imported(fleet, merged, tmp_path_factory):
+    """The run's flex checkpoint imported by the tool, the model's config taken from a folder holding it
+    (a run from random weights has no model folder: the merge's checkpoint stands in)."""
+    folder, _ = fleet
+    target = tmp_path_factory.mktemp("imported") / "unified"
+    tool = subprocess.run([sys.executable, str(TOOL), "flex", str(folder / "flex"), str(target), "--model", str(merged)],
+                          capture_output=True, text=True, timeout=300)
+    assert tool.returncode == 0, tool.stderr[-2000:]
+    return target
+
+
 def _resume(tmp_path, data_cache, folder, nproc_flags=(), steps=1) -> list[float]:
     out = tmp_path / f"resumed_{folder.name}"
     done = subprocess.run([sys.executable, str(SCRIPT), *MODEL, *nproc_flags, "--exit_after_steps", str(steps),
@@ -72,6 +85,28 @@ def test_merged_fleet_files_resume_on_one_card_with_the_next_loss(fleet, merged,
     optimizer = UnifiedReader(merged, "optimizer").tensors
     assert optimizer["llama.layers.0.mlp.down_proj.weight/moment2"]["shape"] == [128, 64], "single-card shape"
     (loss,) = _resume(tmp_path, data_cache, merged)
+    np.testing.assert_allclose(loss, next_loss, rtol=RESUME_TOL)
+
+
+@pytest.mark.multiproc
+def test_a_paddleformers_flex_checkpoint_imports_whole_and_resumes_with_the_next_loss(fleet, merged, imported,
+                                                                                     tmp_path, data_cache):
+    """tp2 x pp2's flex pieces (heads transposed, stages apart) imported: every weight and Adam state
+    equal bit for bit to the fleet merge's of the same run, step 3 and the schedule kept, the
+    checkpoint verified, and one card resumes it at the run's step-4 loss."""
+    _, next_loss = fleet
+    verified = subprocess.run([sys.executable, str(REPO / "tools" / "verify_checkpoint.py"), str(fleet[0] / "flex")],
+                              capture_output=True, text=True, timeout=120)
+    assert verified.returncode == 0 and "(flex checkpoint): OK" in verified.stdout, verified.stdout + verified.stderr
+    assert verify_checkpoint(imported, plan_of_folder) == []
+    state = json.loads((imported / "trainer_state.json").read_text())
+    assert state["step"] == 3 and state["consumed_samples"] == 24 and state["lr_scheduler"]["last_epoch"] == 3
+    for kind in ("model", "optimizer"):
+        ours, fleets = UnifiedReader(imported, kind), UnifiedReader(merged, kind)
+        assert ours.tensors.keys() == fleets.tensors.keys(), kind
+        for name in ours.tensors:
+            assert np.array_equal(ours.read(name), fleets.read(name)), name
+    (loss,) = _resume(tmp_path, data_cache, imported)
     np.testing.assert_allclose(loss, next_loss, rtol=RESUME_TOL)
 
 
@@ -117,7 +152,7 @@ def test_merge_refuses_an_incomplete_fleet_checkpoint(fleet, tmp_path):
     partial = tmp_path / "partial"
     partial.mkdir()
     for path in folder.iterdir():
-        if path.name != "model_state.tp01_pp01.pdparams":
+        if path.is_file() and path.name != "model_state.tp01_pp01.pdparams":
             (partial / path.name).write_bytes(path.read_bytes())
     with pytest.raises(CheckpointError, match=r"lacks model_state files for ranks \['tp01_pp01'\]"):
         merge_fleet(partial, tmp_path / "out")

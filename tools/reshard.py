@@ -7,6 +7,9 @@
   join    SOURCE TARGET: a pre-split copy back to the unified format
   merge   SOURCE TARGET: Paddle fleet per-rank files (model_state.tpXX_ppYY.pdparams,
           optimizer.tpXX_ppYY[_shardZZ].pdopt, config.json, trainer_state.json) to the unified format
+  flex    SOURCE TARGET --model FOLDER: a PaddleFormers checkpoint in its flex format (model_state/,
+          optimizer_state/, master_weight/, trainer_state.bin) to the unified format, FOLDER giving the
+          model's config and tokenizer
   rechunk SOURCE TARGET --max_shard_mb N: rewrite a unified checkpoint with another shard size
   weights SOURCE TARGET [--dtype bfloat16]: a weights-only copy (no optimizer, no trainer state) to hand on;
           with --fuse_attention_qkv / --fuse_attention_ffn in PaddleNLP's fused-projection layout
@@ -28,6 +31,7 @@ from checkpoint.writers import assign_writers
 from modeling.paddlenlp_fused import FFN, QKV
 from modeling.registry import config_from_dict, load_config, plan_of, validate_layout
 from paddle_pp.interop.fleet import merge_fleet
+from paddle_pp.interop.paddleformers import import_flex
 from paddle_pp.interop.pickled import ALLOW_UNSAFE_PICKLE_HELP
 from paddle_pp.interop.transformers import export_paddlenlp_fused
 from paddle_pp.planning.memory import Workload, dispatch_bytes_per_step, plan_layout, ring_bytes_per_step
@@ -36,7 +40,7 @@ from paddle_pp.runtime.flags import add_flags, read_flags
 from paddle_pp.runtime.layout import Layout, add_layout_args
 from paddle_pp.training.report import tensor_progress
 
-DATA_SUFFIXES = {".safetensors", ".pdparams", ".pdopt"}
+DATA_SUFFIXES = {".safetensors", ".pdparams", ".pdopt", ".distcp"}
 
 
 def _plan(args) -> int:
@@ -88,7 +92,7 @@ def _rewrite(args) -> int:
     """split, join, merge, rechunk and weights: a streaming rewrite of SOURCE into TARGET with a progress bar."""
     if not args.source.is_dir():
         raise CheckpointError(f"{args.source} is not a folder")
-    total = sum(p.stat().st_size for p in args.source.iterdir() if p.suffix in DATA_SUFFIXES)
+    total = sum(p.stat().st_size for p in args.source.rglob("*") if p.suffix in DATA_SUFFIXES)
     with tensor_progress(total, args.command) as on_tensor:
         if args.command == "split":
             layout = Layout.from_args(args, world_size=args.tensor_parallel_degree * args.pipeline_parallel_degree
@@ -105,6 +109,8 @@ def _rewrite(args) -> int:
         elif args.command == "merge":
             out = merge_fleet(args.source, args.target, int(args.max_shard_mb * 2**20), on_tensor,
                               args.allow_unsafe_pickle)
+        elif args.command == "flex":
+            out = import_flex(args.source, args.target, args.model, int(args.max_shard_mb * 2**20), on_tensor)
         else:
             rewrite = {"join": join_split, "rechunk": rechunk}[args.command]
             out = rewrite(args.source, args.target, int(args.max_shard_mb * 2**20), on_tensor)
@@ -128,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--fs_gbps", type=float, default=None, help="aggregate write bandwidth of a shared file system")
     plan.add_argument("--max_rows", type=int, default=64, help="print the per-rank save table up to this many ranks")
     helps = {"split": "write a per-rank pre-split copy for a layout", "join": "a pre-split copy back to unified",
-             "merge": "fleet per-rank .pdparams/.pdopt files to unified", "rechunk": "change the shard size",
+             "merge": "fleet per-rank .pdparams/.pdopt files to unified",
+             "flex": "a PaddleFormers flex checkpoint (model_state/, optimizer_state/, ...) to unified",
+             "rechunk": "change the shard size",
              "weights": "a weights-only copy to hand a model on (optionally bfloat16/float16)"}
     for name, text in helps.items():
         sub = commands.add_parser(name, help=text)
@@ -146,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
                                  help=f"store the projections fused as PaddleNLP's model with {flag} does")
         if name == "merge":
             sub.add_argument("--allow_unsafe_pickle", action="store_true", help=ALLOW_UNSAFE_PICKLE_HELP)
+        if name == "flex":
+            sub.add_argument("--model", type=Path, required=True,
+                             help="the folder the run started from: its config.json and tokenizer (a flex "
+                                  "checkpoint has neither)")
     args = parser.parse_args(argv)
     try:
         return _plan(args) if args.command == "plan" else _rewrite(args)

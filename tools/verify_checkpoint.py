@@ -1,5 +1,7 @@
 """Check a unified checkpoint folder: files present, checksums intact, shards readable, weights shaped
-as config.json implies, optimizer keys matching parameters. Prints a report; exits 1 on any problem."""
+as config.json implies, optimizer keys matching parameters; or a flex checkpoint (PaddleFormers'):
+metadata and pieces readable as data, every tensor wholly covered. Prints a report; exits 1 on any
+problem."""
 
 from __future__ import annotations
 
@@ -9,13 +11,20 @@ from pathlib import Path
 
 from checkpoint.verify import verify_checkpoint
 from modeling.registry import plan_of_folder
+from paddle_pp.interop.flex import is_flex, verify_flex
 from paddle_pp.training.report import tensor_progress
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("folder", type=Path, help="a checkpoint-<step> folder")
+    parser.add_argument("folder", type=Path, help="a checkpoint-<step> folder (unified, or PaddleFormers' flex)")
     args = parser.parse_args(argv)
+    if is_flex(args.folder):
+        problems = verify_flex(args.folder)
+        for problem in problems:
+            print(f"PROBLEM {problem}")
+        print(f"{args.folder} (flex checkpoint): {'OK' if not problems else f'{len(problems)} problem(s)'}")
+        return 1 if problems else 0
     with tensor_progress(sum(p.stat().st_size for p in args.folder.glob("*.safetensors")), "verify") as on_file:
         problems = verify_checkpoint(args.folder, plan_of_folder, on_file)
     for problem in problems:

@@ -111,8 +111,9 @@ def _load(path: Path, allow_unsafe_pickle: bool) -> dict:
         raise CheckpointError(f"{path} cannot be read ({err}); it is truncated or not a paddle.save file") from err
 
 
-def _write_rank(writer: SplitWriter, kind: str, tp_rank: int, stage: int, arrays: dict[str, np.ndarray],
-                axes: dict, tp: int) -> None:
+def write_rank_arrays(writer: SplitWriter, kind: str, tp_rank: int, stage: int, arrays: dict[str, np.ndarray],
+                      axes: Callable[[str, np.ndarray], int | None], tp: int) -> None:
+    """One (tp rank, stage)'s `arrays` of `kind` into a split copy; `axes(name, array)` their tp axis."""
     names = sorted(arrays)
     full = {n: _unified_meta(arrays[n], axes(n, arrays[n]), tp) for n in names}
     specs = [TensorSpec(n, arrays[n].dtype, tuple(arrays[n].shape)) for n in names]
@@ -132,7 +133,9 @@ def _optimizer_arrays(files: list[Path], table: dict[str, str], allow_unsafe_pic
     return arrays
 
 
-def _scheduler_state(source: Path, optimizer_files: dict, allow_unsafe_pickle: bool) -> dict:
+def scheduler_state(source: Path, optimizer_files: dict, allow_unsafe_pickle: bool) -> dict:
+    """The learning-rate schedule's state: `scheduler.pdparams` in `source`, else the one PaddleNLP
+    keeps in its optimizer files, else none."""
     if (source / SCHEDULER_FILE).is_file():
         state = _load(source / SCHEDULER_FILE, allow_unsafe_pickle)
     elif optimizer_files:
@@ -148,7 +151,7 @@ def _merge_rank(writer: SplitWriter, tp_rank: int, stage: int, model_file: Path,
     state = _load(model_file, allow_unsafe_pickle)
     table = state.pop(NAME_TABLE, None)
     weights = {n: _as_float32(v) for n, v in state.items() if isinstance(v, np.ndarray)}
-    _write_rank(writer, MODEL, tp_rank, stage, weights, lambda n, a: param_axes.get(n), tp)
+    write_rank_arrays(writer, MODEL, tp_rank, stage, weights, lambda n, a: param_axes.get(n), tp)
     if not optimizer_files:
         return
     if table is None:
@@ -159,7 +162,7 @@ def _merge_rank(writer: SplitWriter, tp_rank: int, stage: int, model_file: Path,
         param = key.split(STATE_SEPARATOR)[0]
         return state_tp_axis(array.shape, weights[param].shape, param_axes.get(param))
 
-    _write_rank(writer, OPTIMIZER, tp_rank, stage, _optimizer_arrays(optimizer_files, table, allow_unsafe_pickle), axis, tp)
+    write_rank_arrays(writer, OPTIMIZER, tp_rank, stage, _optimizer_arrays(optimizer_files, table, allow_unsafe_pickle), axis, tp)
 
 
 def merge_fleet(source: Path, target: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
@@ -175,19 +178,32 @@ def merge_fleet(source: Path, target: Path, max_shard_bytes: int = DEFAULT_SHARD
     plan = plan_of(config)
     tp, pp, models, optimizers = find_rank_files(source)
     param_axes = plan.axes()
-    trainer_state = _trainer_state(source, optimizers, allow_unsafe_pickle)
+
+    def write(writer: SplitWriter) -> None:
+        for (tp_rank, stage), path in sorted(models.items()):
+            _merge_rank(writer, tp_rank, stage, path, optimizers.get((tp_rank, stage), []), param_axes, tp,
+                        allow_unsafe_pickle)
+
+    return write_unified(target, config, plan, (tp, pp), write, _trainer_state(source, optimizers, allow_unsafe_pickle),
+                         source, max_shard_bytes, on_tensor)
+
+
+def write_unified(target: Path, config, plan, degrees: tuple[int, int], write: Callable[[SplitWriter], None],
+                  trainer_state: dict, tokenizer_folder: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                  on_tensor: Callable[[str, int], None] | None = None) -> Path:
+    """A unified checkpoint at `target` from what `write` puts into a split copy for (tp, pp) `degrees`,
+    staged beside it, with the model's config, `trainer_state` and the tokenizer files of
+    `tokenizer_folder`: how other frameworks' checkpoints come in."""
     staging = target.with_name(target.name + ".split.partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        writer = SplitWriter(staging, split_layout(tp, pp, 1))
-        for (tp_rank, stage), path in sorted(models.items()):
-            _merge_rank(writer, tp_rank, stage, path, optimizers.get((tp_rank, stage), []), param_axes, tp,
-                        allow_unsafe_pickle)
+        writer = SplitWriter(staging, split_layout(*degrees, 1))
+        write(writer)
         writer.finish(model_metadata(plan))
         write_json_durably(staging / CONFIG_FILE, single_card_config(config, plan))
         write_json_durably(staging / TRAINER_STATE_FILE, trainer_state)
-        copy_tokenizer_files(source, staging)
+        copy_tokenizer_files(tokenizer_folder, staging)
         return join_split(staging, target, max_shard_bytes, on_tensor)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -200,5 +216,5 @@ def _trainer_state(source: Path, optimizers: dict, allow_unsafe_pickle: bool) ->
         raise CheckpointError(f"{path} is missing: the merge needs the step and consumed samples to resume")
     theirs = json.loads(path.read_text())
     return {"format_version": FORMAT_VERSION, "step": theirs["global_step"],
-            "consumed_samples": theirs.get("consumed_samples", 0), "lr_scheduler": _scheduler_state(source, optimizers, allow_unsafe_pickle),
+            "consumed_samples": theirs.get("consumed_samples", 0), "lr_scheduler": scheduler_state(source, optimizers, allow_unsafe_pickle),
             "merged_from": str(source)}

@@ -30,7 +30,7 @@ class UnsafePickleError(UserError, pickle.UnpicklingError):
     """A pickled file that asks to call something a saved state dict never needs."""
 
 
-def _admitted() -> dict[tuple[str, str], object]:
+def state_dict_globals() -> dict[tuple[str, str], object]:
     import builtins
     import codecs
     import collections
@@ -51,7 +51,7 @@ def _admitted() -> dict[tuple[str, str], object]:
 class _DataOnlyUnpickler(pickle.Unpickler):
     def __init__(self, handle, path: Path):
         super().__init__(handle, encoding="latin1")  # as paddle.load: protocol-2 numpy payloads are latin-1 bytes
-        self.path, self.admitted = path, _admitted()
+        self.path, self.admitted = path, state_dict_globals()
 
     def find_class(self, module: str, name: str):
         # protocol 2 spells Python 2's names ("__builtin__"), mapped as pickle itself maps them
@@ -66,6 +66,17 @@ class _DataOnlyUnpickler(pickle.Unpickler):
                 "--allow_unsafe_pickle; fleet per-rank files: tools/reshard.py merge FOLDER OUT "
                 "--allow_unsafe_pickle) and use the copy, or pass --allow_unsafe_pickle to this command")
         return found
+
+
+def load_pickled_record(path: Path, records: dict[tuple[str, str], type]):
+    """A pickled object other than a state dict (a trainer state, a checkpoint's metadata) read as data:
+    `records` maps the (module, class) it may name to plain stand-ins, rebuilt from their pickled
+    fields without importing or calling what the file names."""
+    path = Path(path)
+    with open(path, "rb") as handle:
+        unpickler = _DataOnlyUnpickler(handle, path)
+        unpickler.admitted |= records
+        return unpickler.load()
 
 
 def load_pickled(path: Path, allow_unsafe_pickle: bool = False, keep_name_table: bool = False):
