@@ -2,7 +2,7 @@
 spellings into transformers 4.x's (the form our configs keep).
 
 `HARMLESS` is the documented list (docs/models.md): bookkeeping, inference and
-generation settings, other tasks' heads, and PaddleNLP's run and kernel settings. A few of them are
+generation settings, other tasks' heads, and PaddleNLP's (and PaddleFormers') run and kernel settings. A few of them are
 harmless only at one value (an encoder-decoder flag): the predicate says which. PaddleNLP's fused-
 projection flags say where a folder stores tensors (`paddle_pp.interop.pretrained` reads them). A
 field on no list and not modelled by the family is refused by name.
@@ -27,8 +27,8 @@ def zero(value, _values) -> bool:
     return value in (0, 0.0, None)
 
 
-_BOOKKEEPING = ("architectures", "model_type", "transformers_version", "paddlenlp_version", "_name_or_path",
-                "name_or_path", "torch_dtype", "dtype", "tokenizer_class", "initializer_factor")
+_BOOKKEEPING = ("architectures", "model_type", "transformers_version", "paddlenlp_version", "paddleformers_version",
+                "_name_or_path", "name_or_path", "torch_dtype", "dtype", "tokenizer_class", "initializer_factor")
 _INFERENCE = ("use_cache", "output_attentions", "output_hidden_states", "return_dict", "torchscript",
               "chunk_size_feed_forward", "max_length", "min_length", "do_sample", "early_stopping", "num_beams",
               "temperature", "top_k", "top_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
@@ -48,7 +48,8 @@ _PADDLENLP_RUN = ("tensor_parallel_degree", "tensor_parallel_rank", "tensor_para
                   "pp_recompute_interval", "no_recompute_layers", "recompute_use_reentrant", "dpo_config",
                   "immediate_clear_past_key_value", "use_flash_attention_for_generation",
                   "use_last_token_for_generation", "seq_length", "use_sparse_head_and_loss_fn",
-                  "use_fused_head_and_loss_fn", "kto_config", "quantization_config_dict")
+                  "use_fused_head_and_loss_fn", "kto_config", "quantization_config_dict",
+                  "fuse_rms_norm")  # the last: PaddleFormers' switch for its fused RMSNorm kernel (same arithmetic)
 _ONLY_WHEN_OFF = ("is_encoder_decoder", "add_cross_attention", "tie_encoder_decoder", "pruned_heads", "alibi",
                   "use_long_sequence_strategies", "long_sequence_strategy_type", "long_sequence_strategy_name",
                   "long_sequence_init_args", "quantization_config")

@@ -100,6 +100,15 @@ def test_a_sliding_window_is_declared_on_the_layers_transformers_slides(kind, fi
     assert [config.decoder_layer(i).attention.spec.window for i in range(4)] == windows
 
 
+def test_a_folder_paddleformers_saved_starts_as_it_is(transformers4_folders, tmp_path):
+    """PaddleFormers 1.2's save_pretrained adds `fuse_rms_norm` (its fused RMSNorm kernel switch) and
+    `paddleformers_version` to config.json (read in its source: PaddleFormers is not installed here);
+    such a folder was refused by name, and now gives the same logits as without them."""
+    kind = transformers4_folders / "llama"
+    folder = _edited(kind, tmp_path / "paddleformers", fuse_rms_norm=False, paddleformers_version="1.2.0")
+    np.testing.assert_array_equal(our_logits(folder, IDS), our_logits(kind, IDS))
+
+
 TEXTS = ["The hacker ethic, in 1984.", "  two  spaces\nand a newline", "naïve café — ünïcödé ✓ 日本", ""]
 
 
