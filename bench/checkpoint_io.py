@@ -10,6 +10,9 @@ and AdamW states and times, alternating the methods `--repeats` times:
   tensors, as fleet's per-rank checkpoints do (under dp4: a quarter of the bytes each, and, as
   "safetensors one writer", rank 0 alone writing all: the two give the bound the shared disk puts
   on spreading a save over the replicas);
+- Paddle's own flex checkpoint (`paddle.distributed.save_state_dict` of every rank's weights and
+  AdamW states as ShardedWeights, as PaddleFormers 1.2's trainer saves by default; its load on one
+  process only: across ranks Paddle 3.3.1 moves pieces with `.cuda()`, which fails on CPU);
 - on one process, PaddleNLP's own unified checkpoint (`save_single_card_checkpoint` and
   `_optimizer`, and their loads: what `Trainer(unified_checkpoint=True)` runs on one card) and its
   `save_pretrained(safe_serialization=True)` (weights only, so its GB/s is over the weight bytes).
@@ -98,6 +101,26 @@ def _share(arrays: dict[str, np.ndarray], parts: int, part: int) -> dict[str, np
     return shares[part]
 
 
+def _flex_state(model, optimizer, topo, plan) -> dict:
+    """This rank's weights and AdamW states as Paddle's flex checkpoint takes them (PaddleFormers'
+    trainer passes the same): each tensor a ShardedWeight placing its local piece in the whole
+    (tp pieces at their offsets; copies on several ranks are stored once by Paddle)."""
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
+
+    from checkpoint.optimizer_state import states_by_parameter
+
+    axes, by_param, state = plan.axes(), states_by_parameter(optimizer), {}
+    for name, param in model.state_dict().items():
+        for key, tensor in [(name, param), *((f"{name}/{kind}", t) for kind, t in by_param[param.name].items())]:
+            shape, offset = list(tensor.shape), [0] * len(tensor.shape)
+            if tensor.shape == param.shape:
+                shape = list(plan[name].shape)
+                if axes.get(name) is not None and list(tensor.shape) != shape:
+                    offset[axes[name]] = topo.tp_rank * tensor.shape[axes[name]]
+            state[key] = ShardedWeight(key, tensor, tuple(tensor.shape), tuple(shape), tuple(offset))
+    return state
+
+
 def _methods(model, optimizer, topo, config, arrays: dict[str, np.ndarray]) -> dict[str, Method]:
     import paddle
     import safetensors.numpy as st
@@ -120,10 +143,20 @@ def _methods(model, optimizer, topo, config, arrays: dict[str, np.ndarray]) -> d
                                             str(path / f"rank{rank}.pdparams")),
                    lambda path: paddle.load(str(path / f"rank{rank}.pdparams"))),
     }
+    import paddle.distributed as dist
+
+    flex = _flex_state(model, optimizer, topo, plan)
+    # Paddle 3.3.1's flex load moves pieces between ranks with .cuda(): on CPU it loads in one process only
+    methods["paddle flex"] = (lambda path: dist.save_state_dict(flex, str(path)),
+                              (lambda path: dist.load_state_dict(flex, str(path))) if topo.layout.world_size == 1
+                              else None)
     if replicas > 1:
         methods["safetensors one writer"] = (
             lambda path: st.save_file(whole, str(path / "all.safetensors")) if rank == 0 else None, None)
     if topo.layout.world_size == 1:
+        from paddle_pp.runtime.startup import complete_paddlenlp
+
+        complete_paddlenlp()  # PaddleNLP's trainer package imports only in its package init's order
         from paddlenlp.trainer.unified_checkpoint import load_save_single_card as nlp
 
         methods["paddlenlp unified"] = (

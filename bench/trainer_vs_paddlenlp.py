@@ -111,10 +111,12 @@ def _paddlenlp_step_times(args: argparse.Namespace, tp: int, pp: int, work: Path
     from paddle_pp.data.source import build_data, dataset_sizes, plan_data
     from paddle_pp.data.tokenizer import load_text_tokenizer
     from paddle_pp.runtime.backends import cpu
+    from paddle_pp.runtime.startup import complete_paddlenlp
     from paddle_pp.training.arguments import DataArguments
 
     cpu.apply()
     paddle.set_device("cpu")
+    complete_paddlenlp()  # PaddleNLP's trainer package imports only in its package init's order
     import paddlenlp.transformers as nlp
     from paddlenlp.trainer import Trainer, TrainerCallback, TrainingArguments
 

@@ -12,12 +12,15 @@ imports pip after Paddle imported setuptools' distutils). Every other warning st
 without running `paddlenlp/__init__.py`, which imports every subsystem (taskflow, dataaug, server,
 metrics) and with them Hugging Face `datasets`, pandas, scikit-learn, SciPy's stats and FastAPI: 3 s
 of CPU in every process, paid by each rank of every launch, and datasets' "PyTorch version ...
-available" line. paddle-pp uses `paddlenlp.transformers` (the base classes), `paddlenlp.data` (the
-pretraining datasets) and `paddlenlp.trainer`'s helpers, which import fine without the package init
-once `paddlenlp.data` is imported first, in the order the init itself uses (`paddlenlp.transformers`
-imports back into it). It registers the package object with its real search path, so every
-submodule is the installed file, imported on demand; it does nothing if PaddleNLP is already
-imported.
+available" line. paddle-pp uses `paddlenlp.transformers` (the base classes) and `paddlenlp.data` (the
+pretraining datasets), which import fine without the package init once `paddlenlp.data` is imported
+first, in the order the init itself uses (`paddlenlp.transformers` imports back into it). It
+registers the package object with its real search path, so every submodule is the installed file,
+imported on demand; it does nothing if PaddleNLP is already imported.
+
+`complete_paddlenlp` runs the skipped init into that package object, for the code that uses
+PaddleNLP's `Trainer` or its unified checkpoint (the benches that compare with them): those modules
+import each other (trainer, peft, prompt) and resolve only in the init's order.
 """
 
 from __future__ import annotations
@@ -64,3 +67,15 @@ def _installed_version() -> str:
         return version("paddlenlp")
     except PackageNotFoundError:
         return "unknown"
+
+
+def complete_paddlenlp() -> None:
+    """Run `paddlenlp/__init__.py` into the package `lean_paddlenlp` registered (idempotent)."""
+    package = sys.modules.get("paddlenlp")
+    if package is None:
+        importlib.import_module("paddlenlp")
+        return
+    if hasattr(package, "Taskflow"):  # the init ran (its last import)
+        return
+    with open(package.__file__) as handle:
+        exec(compile(handle.read(), package.__file__, "exec"), package.__dict__)  # noqa: S102 - the installed init
