@@ -59,8 +59,10 @@ def start(folder: Path, rows: np.ndarray, out: Path, choices: Execution, topo) -
     inputs, labels = (paddle.to_tensor(rows[mine, :-1]), paddle.to_tensor(rows[mine, 1:]))
     stats = raw.run.router_stats
     result = {"loss": eval_loss(model, criterion, inputs, labels, topo), "losses": []}
-    def balance() -> None:  # as the trainer: the step's loads over the job, then the rule
-        update_correction_biases(raw, step_routing(stats, config, topo).loads, BIAS_RATE)
+    def balance() -> None:  # as the trainer: the step's loads over the job (an MoE model's), then the rule
+        routing = step_routing(stats, config, topo)
+        if routing is not None:
+            update_correction_biases(raw, routing.loads, BIAS_RATE)
 
     for step in range(2):
         result["losses"].append(train_step(model, optimizer, criterion, inputs, labels, topo, accumulate,
