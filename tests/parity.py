@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import paddle
@@ -29,6 +31,18 @@ def run_model(run, files: Path, nproc: int, flags: list, tag: str) -> tuple[list
     results = run("model_worker.py", nproc, [*flags, "--config", files / "config.json", "--init", files / "init.npz",
                                              "--out", out], timeout=300, tag=tag)
     return results, dict(np.load(out))
+
+
+def layout_runs(run, files: Path, layouts: dict[str, tuple[int, tuple]], single_flags: tuple = ()) -> Callable:
+    """`get(name)`: the model worker's run of `layouts[name]` (nproc, flags), or of "single" (one
+    process with `single_flags`), each launched once, when a test first asks for it."""
+
+    @functools.cache
+    def get(name: str):
+        nproc, flags = (1, single_flags) if name == "single" else layouts[name]
+        return run_model(run, files, nproc, flags, name)
+
+    return get
 
 
 def assert_matches(name: str, run_result, reference) -> None:

@@ -7,14 +7,12 @@ stage copies differ, so every passing layout also proves the copies stayed ident
 
 from __future__ import annotations
 
-import functools
-
 import paddle
 import pytest
 
 from modeling.gpt import GPTConfig, GPTForCausalLM
 
-from parity import assert_matches, assert_same_logits, run_model, write_model_files
+from parity import assert_matches, assert_same_logits, layout_runs, write_model_files
 from runs import PP2
 
 pytestmark = pytest.mark.multiproc
@@ -34,13 +32,7 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def gpt_run(run_workers_module, tmp_path_factory):
     files = write_model_files(tmp_path_factory.mktemp("gpt"), "gpt", CONFIG, GPTForCausalLM)
-
-    @functools.cache
-    def get(name):
-        nproc, flags = (1, ()) if name == "single" else LAYOUTS[name]
-        return run_model(run_workers_module, files, nproc, flags, name)
-
-    return get
+    return layout_runs(run_workers_module, files, LAYOUTS)
 
 
 @pytest.mark.parametrize("name", ["pp2"])  # GPT under tp: tests/test_sequence_parallel.py, test_family_training.py

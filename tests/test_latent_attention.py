@@ -12,13 +12,11 @@ the expanded k and v (v narrower than q and k) around the blockwise kernel.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 from modeling.deepseek import DeepseekV3ForCausalLM
 
-from parity import assert_matches, run_model, write_model_files
+from parity import assert_matches, layout_runs, write_model_files
 from runs import TP2
 
 pytestmark = pytest.mark.multiproc
@@ -45,12 +43,7 @@ def mla_files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mla_run(run_workers_module, mla_files):
-    @functools.cache
-    def get(name):
-        nproc, flags = (1, SGD) if name == "single" else LAYOUTS[name]
-        return run_model(run_workers_module, mla_files, nproc, flags, name)
-
-    return get
+    return layout_runs(run_workers_module, mla_files, LAYOUTS, SGD)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -9,14 +9,12 @@ masks to the same blocks); the trainer's runs take the blockwise core on CPU in 
 
 from __future__ import annotations
 
-import functools
-
 import paddle
 import pytest
 
 from modeling.llama import LlamaConfig, LlamaForCausalLM
 
-from parity import assert_matches, assert_same_logits, run_model, write_model_files
+from parity import assert_matches, assert_same_logits, layout_runs, write_model_files
 from runs import PP2, SHARDING2, TP2
 
 pytestmark = pytest.mark.multiproc
@@ -40,13 +38,7 @@ def llama_files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llama_run(run_workers_module, llama_files):
     """Each layout is launched once per module, whichever tests read it."""
-
-    @functools.cache
-    def get(name):
-        nproc, flags = (1, ()) if name == "single" else LAYOUTS[name]
-        return run_model(run_workers_module, llama_files, nproc, flags, name)
-
-    return get
+    return layout_runs(run_workers_module, llama_files, LAYOUTS)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
