@@ -2,8 +2,9 @@
 Megatron's `reset_attention_mask` with `reset_position_ids`): inside a packed sample a token attends
 only to the tokens of its own document, and positions restart at every document.
 
-A document ends at an end-of-document token (the config's `eos_token_id`, any of them when it lists
-several): the token after one starts the next document. The first stage derives every token's
+A document ends at an end-of-document token (`Execution.documents`: the trainer passes the
+tokenizer's end-of-sequence token, the one preprocessing writes after every document): the token
+after one starts the next document. The first stage derives every token's
 position from the input ids (`document_positions`); the positions travel beside the hidden states
 through the decoder layers, and between pipeline stages as PaddleNLP's pipes pass their position
 ids (`state` / `unpack`). Each layer reads from them what its rotary needs and where each query's
@@ -79,12 +80,11 @@ class Documents:
         return paddle.to_tensor(np.where(keys >= rows, 0.0, -np.inf).astype(np.float32))
 
     def visible(self, groups: int) -> paddle.Tensor:
-        """bool [batch, 1, seq x groups, seq]: True where a query row may see a key (causal, same document)."""
+        """bool [batch, 1, seq x groups, seq]: True where a key is not before its query row's document
+        (the causal and window bounds are the core's own mask)."""
         seq = self.starts.shape[1]
-        rows = np.repeat(np.arange(seq), groups)[None, None, :, None]
         starts = np.repeat(self.starts, groups, axis=1)[:, None, :, None]
-        keys = np.arange(seq)[None, None, None, :]
-        return paddle.to_tensor((keys <= rows) & (keys >= starts))
+        return paddle.to_tensor(np.arange(seq)[None, None, None, :] >= starts)
 
     def key_ends(self, window: int | None) -> paddle.Tensor:
         """int32 [batch, 1, seq, 1]: the first query row that no longer sees each key (its document's

@@ -14,6 +14,7 @@ import paddle
 import pytest
 
 from modeling.attention_core import CORES, BlockwiseCore
+from modeling.attention_core.dense import causal_mask
 from modeling.documents import Documents, document_positions
 from modeling.execution import Execution
 from modeling.llama import LlamaForCausalLM
@@ -131,10 +132,8 @@ def test_flashmasks_rows_are_the_mask_the_other_cores_apply(window):
     ends = documents.key_ends(window).numpy()[:, 0, :, 0]
     rows = np.arange(ids.shape[1])[:, None]
     from_flashmask = (rows >= np.arange(ids.shape[1])[None, :])[None] & (rows[None] < ends[:, None, :])
-    expected = documents.visible(1).numpy()[:, 0]
-    if window is not None:
-        expected &= rows - np.arange(ids.shape[1])[None, :] < window
-    np.testing.assert_array_equal(from_flashmask, expected)
+    dense = causal_mask(ids.shape[1], 1, window).numpy()[None] & documents.visible(1).numpy()[:, 0]
+    np.testing.assert_array_equal(from_flashmask, dense)
 
 
 CPU = Layout(world_size=1, device="cpu")
