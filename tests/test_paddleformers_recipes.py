@@ -146,6 +146,7 @@ def test_paddleformers_offline_recipe_reads_with_its_meaning(tmp_path, capsys):
     (FULL_OFFLINE_DATA, {"stage": "SFT"}, "stage='SFT'"),
     (FULL_OFFLINE_DATA, {"fine_tuning": "LoRA"}, "set fine_tuning: full"),
     (FULL_OFFLINE_DATA, {"fp16_opt_level": "O1"}, "fp16_opt_level='O1'"),
+    (FULL_OFFLINE_DATA.replace("fp16_opt_level: O2\n", ""), {}, "fp16_opt_level left to PaddleFormers' default O1"),
     (FULL_OFFLINE_DATA, {"tensor_parallel_degree": 2}, "tensor_model_parallel_size and tensor_parallel_degree"),
     (FULL_OFFLINE_DATA, {"use_global_causal_attn": True}, "use_global_causal_attn=true"),
     (FULL_OFFLINE_DATA, {"recompute_granularity": "selective"}, "recompute_granularity='selective'"),
@@ -153,7 +154,7 @@ def test_paddleformers_offline_recipe_reads_with_its_meaning(tmp_path, capsys):
     (FULL_OFFLINE_DATA, {"_attn_implementation": "flex"}, "_attn_implementation='flex'"),
     (FULL_OFFLINE_DATA, {"eval_iters": -1}, "do_eval without eval_iters"),
     (FULL_OFFLINE_DATA, {"a_new_field": 1}, "a_new_field=1 (a field paddle-pp does not know"),
-], ids=["online_data", "iterable", "sft", "lora", "o1", "two_spellings", "global_causal", "selective", "sep",
+], ids=["online_data", "iterable", "sft", "lora", "o1", "o1_by_default", "two_spellings", "global_causal", "selective", "sep",
         "attention", "eval_iters", "unknown"])
 def test_what_a_paddleformers_recipe_asks_and_this_trainer_does_not_do_is_refused_by_name(tmp_path, capsys, text,
                                                                                        changes, words):

@@ -16,7 +16,7 @@ from modeling.execution import GRANULARITIES
 from modeling.registry import FAMILIES
 from paddle_pp.runtime.flags import add_flags, boolean_flags, flag, read_flags
 from paddle_pp.runtime.layout import LayoutArguments, add_layout_args, launched_rank
-from paddle_pp.training.paddleformers_recipes import PADDLEFORMERS
+from paddle_pp.training.paddleformers_recipes import PADDLEFORMERS, is_paddleformers_recipe
 from paddle_pp.training.recipes import PADDLENLP, RecipeError, load_recipe, read_recipe
 from paddle_pp.training.schedule import DECAYS
 
@@ -193,7 +193,7 @@ def parse_args(argv: Sequence[str] | None = None) -> PretrainArguments:
         if not first.config.is_file():
             parser.error(f"--config {first.config} does not exist")
         loaded = None if first.config.suffix == ".json" else yaml.safe_load(first.config.read_text()) or {}
-        if loaded is None or (isinstance(loaded, dict) and "stage" in loaded):  # a PaddleNLP or PaddleFormers recipe
+        if loaded is None or (isinstance(loaded, dict) and is_paddleformers_recipe(loaded)):  # .json: always a recipe
             if recipe_path is not None:
                 parser.error(f"two recipes: {recipe_path} and --config {first.config}; pass one")
             recipe_path, recipe_values = first.config, loaded
@@ -207,7 +207,7 @@ def parse_args(argv: Sequence[str] | None = None) -> PretrainArguments:
             parser.error(f"{recipe_path}: a recipe is a PaddleNLP .json argument file or a PaddleFormers .yaml one")
         try:
             recipe_values = load_recipe(recipe_path) if recipe_values is None else recipe_values
-            dialect = PADDLEFORMERS if "stage" in recipe_values else PADDLENLP  # PaddleFormers' trainer needs one
+            dialect = PADDLEFORMERS if is_paddleformers_recipe(recipe_values) else PADDLENLP
             recipe, notes = read_recipe(recipe_path, known, boolean_flags(parser), recipe_values, dialect)
         except RecipeError as err:
             parser.error(str(err))

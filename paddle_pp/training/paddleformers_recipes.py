@@ -102,9 +102,9 @@ def _training(values: dict) -> list[str]:
     if str(values.get("fine_tuning", "LoRA")).lower() != "full":
         refused.append(f"fine_tuning={values.get('fine_tuning', 'LoRA')!r} (PaddleFormers' default is LoRA; only "
                        "full-parameter training is modelled: set fine_tuning: full)")
-    if (values.get("bf16") or values.get("fp16")) and values.get("fp16_opt_level", "O1") != "O2":
-        refused.append(f"fp16_opt_level={values.get('fp16_opt_level', 'O1')!r} (PaddleFormers' default O1; only AMP "
-                       "O2 is modelled: set fp16_opt_level: O2)")
+    if (values.get("bf16") or values.get("fp16")) and "fp16_opt_level" not in values:  # a given one: REFUSED's rule
+        refused.append("fp16_opt_level left to PaddleFormers' default O1 (only AMP O2 is modelled: set "
+                       "fp16_opt_level: O2)")
     return refused
 
 
@@ -131,6 +131,11 @@ def _attention(values: dict) -> tuple[dict[str, Any], list[str]]:
         refused.append("use_global_causal_attn=true (PaddleFormers still restarts positions at every document, "
                        "which is not modelled with global attention; drop it to train per document, its default)")
     return flags, refused
+
+
+def is_paddleformers_recipe(values: dict) -> bool:
+    """Whether a recipe's fields are PaddleFormers' (its trainer requires a `stage`; PaddleNLP's has none)."""
+    return "stage" in values
 
 
 def prepare(values: dict) -> tuple[dict[str, Any], set[str], list[str]]:
