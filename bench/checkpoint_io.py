@@ -4,7 +4,9 @@ For each layout (`single`: one process; `tp2pp2`: 4 ranks, each holding a quarte
 data replicas, each holding the whole), builds a LLaMA of about 1 GB (fp32) with random weights
 and AdamW states and times, alternating the methods `--repeats` times:
 - our unified save (`save_checkpoint`: streaming shards, CRC-32, fsync, atomic commit) and load
-  (`load_checkpoint`: names and shapes checked, each file read once and verified);
+  (`load_checkpoint`: names and shapes checked, each file read once and verified), and the same with
+  its weights in transformers' layout (`--save_to_hf`: one more read and write of the weights, spread
+  over the ranks; loaded as a resume loads it);
 - bare `safetensors` save_file/load_file of the same tensors (the practical limit), and
   `paddle.save`/`paddle.load`; across ranks each rank writes and reads its own file of its local
   tensors, as fleet's per-rank checkpoints do (under dp4: a quarter of the bytes each, and, as
@@ -128,6 +130,7 @@ def _methods(model, optimizer, topo, config, arrays: dict[str, np.ndarray]) -> d
     from checkpoint.load import load_checkpoint
     from checkpoint.save import save_checkpoint
     from modeling.registry import plan_of
+    from paddle_pp.interop.transformers_layout import TransformersWeights, load_resumed
 
     plan, rank = plan_of(config), topo.global_rank
     axes = plan.axes()
@@ -137,6 +140,12 @@ def _methods(model, optimizer, topo, config, arrays: dict[str, np.ndarray]) -> d
         "unified": (lambda path: save_checkpoint(path, 1, model, optimizer, topo, plan, config=config,
                                                  trainer_state={"step": 1, "consumed_samples": 0}),
                     lambda path: load_checkpoint(path / "checkpoint-1", model, optimizer, topo, axes)),
+        "unified save_to_hf": (
+            lambda path: save_checkpoint(path, 1, model, optimizer, topo, plan, config=config,
+                                         trainer_state={"step": 1, "consumed_samples": 0},
+                                         rewrite=TransformersWeights(config)),
+            lambda path: (load_resumed(path / "checkpoint-1", model, axes, topo),
+                          load_checkpoint(path / "checkpoint-1", model, optimizer, topo, axes, weights=False))),
         "safetensors": (lambda path: st.save_file(arrays, str(path / f"rank{rank}.safetensors")),
                         lambda path: st.load_file(str(path / f"rank{rank}.safetensors"))),
         "paddle": (lambda path: paddle.save({k: paddle.to_tensor(v) for k, v in arrays.items()},
@@ -216,9 +225,11 @@ def summarize(seconds: dict[str, list[float]], on_disk: dict[str, int], ranks: i
 
     ratios = {stat: {op: rate(f"unified {op}", pick) / rate(f"safetensors {op}", pick) for op in ("save", "load")}
               for stat, pick in (("best", min), ("median", statistics.median))}
+    to_hf = {op: statistics.median(seconds[f"unified save_to_hf {op}"]) / statistics.median(seconds[f"unified {op}"])
+             for op in ("save", "load")}
     return {"ranks": ranks, "checkpoint_gb": on_disk["unified"] / 1e9, "bytes_on_disk": on_disk, "seconds": seconds,
             "gb_per_s": {name: rate(name, min) for name in seconds}, "ratio_to_safetensors": ratios,
-            "peak_rss_gb_per_rank": peak_rss_gb}
+            "save_to_hf_time_ratio": to_hf, "peak_rss_gb_per_rank": peak_rss_gb}
 
 
 def dp_scaling(single: dict, dp4: dict) -> dict:
@@ -267,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         for stat in ("best", "median"):
             print(f"  unified / safetensors ({stat} of {args.repeats}): save {row['ratio_to_safetensors'][stat]['save']:.2f}x, "
                   f"load {row['ratio_to_safetensors'][stat]['load']:.2f}x")
+        print(f"  --save_to_hf / unified (median seconds): save {row['save_to_hf_time_ratio']['save']:.2f}x, "
+              f"load {row['save_to_hf_time_ratio']['load']:.2f}x")
         print(f"  peak RSS per rank {row['peak_rss_gb_per_rank']:.1f} GB", flush=True)
     if {"single", "dp4"} <= set(report["layouts"]):
         report["dp4_scaling"] = dp_scaling(report["layouts"]["single"], report["layouts"]["dp4"])

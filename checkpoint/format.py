@@ -22,6 +22,10 @@ TOKENIZER_FILE_PATTERNS = ("tokenizer*", "vocab*", "merges.txt", "special_tokens
 LATEST_FILE = "latest"
 CHECKPOINT_PREFIX = "checkpoint-"
 STATE_SEPARATOR = "/"  # optimizer keys are "<parameter name>/<state name>"
+# The model index's record of how its weights are stored: absent for ours (PaddleNLP's names, Paddle's
+# [in, out] linears, what PaddleNLP 3 loads); TRANSFORMERS_LAYOUT for transformers' names and layout
+# (`--save_to_hf`, PaddleFormers' name: the folder loads in transformers as it is).
+WEIGHTS_LAYOUT, TRANSFORMERS_LAYOUT = "weights_layout", "transformers"
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)  # importing ml_dtypes also makes np.dtype("bfloat16") parse index dtypes
 
 
@@ -81,3 +85,17 @@ def read_versioned_json(path: Path) -> dict:
         raise CheckpointError(f"{path} has format version {version}, newer than this reader's {FORMAT_VERSION}; "
                               "upgrade paddle-pp to read it")
     return index
+
+
+def weights_layout(folder: Path) -> str | None:
+    """How a checkpoint folder stores its weights (`WEIGHTS_LAYOUT`); None for ours."""
+    return read_index(folder, MODEL)["metadata"].get(WEIGHTS_LAYOUT)
+
+
+def require_our_layout(index: dict, folder: Path) -> None:
+    """Refuse a model index in transformers' layout where our names are read by name."""
+    if index["metadata"].get(WEIGHTS_LAYOUT) is not None:
+        raise CheckpointError(f"{folder} keeps its weights in {index['metadata'][WEIGHTS_LAYOUT]}' names and layout "
+                              "(saved with --save_to_hf): it loads in transformers as it is, resumes a run under any "
+                              "layout and starts one as --model_name_or_path, but this reader takes paddle-pp's own "
+                              "layout (tools/convert_hf.py import makes a weights-only copy in it)")

@@ -30,6 +30,7 @@ from checkpoint.format import (
     CheckpointError,
     index_name,
     read_index,
+    require_our_layout,
 )
 from checkpoint.optimizer_state import MASTER_WEIGHT, ensure_states, state_tp_axis, states_by_parameter
 from checkpoint.shards import ShardReader, recorded_checksum
@@ -45,9 +46,10 @@ ARCHITECTURE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_
                        "tie_word_embeddings")
 
 
-def check_compatible(folder: Path, config, layout: Layout) -> None:
+def check_compatible(folder: Path, config, layout: Layout, saved: dict | None = None) -> None:
     """Before any process group exists: the folder is a complete checkpoint of this architecture
-    (and, when pre-split, split for this layout)."""
+    (and, when pre-split, split for this layout). `saved`: the checkpoint's config as ours (default:
+    its config.json, which is ours unless its weights are in transformers' layout)."""
     folder = Path(folder)
     if is_split(folder):
         check_split_layout(folder, layout)
@@ -55,7 +57,7 @@ def check_compatible(folder: Path, config, layout: Layout) -> None:
         read_index(folder, MODEL)
     if not (folder / TRAINER_STATE_FILE).is_file():
         raise CheckpointError(f"{folder / TRAINER_STATE_FILE} is missing: not a complete training checkpoint")
-    saved = json.loads((folder / CONFIG_FILE).read_text())
+    saved = saved if saved is not None else json.loads((folder / CONFIG_FILE).read_text())
     ours = config.to_dict()
     for name in ARCHITECTURE_FIELDS:
         if name in saved or name in ours:
@@ -141,6 +143,7 @@ class _UnifiedFiles(_VerifiedFiles):
 
     def __init__(self, folder: Path, kind: str):
         self.index = read_index(folder, kind)
+        require_our_layout(self.index, folder)
         super().__init__(folder, self.index["metadata"])
 
     def want_local(self, name: str, local_shape: list[int], axis: int | None, topo: Topology,

@@ -18,7 +18,7 @@ import shutil
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import numpy as np
 import paddle
@@ -200,6 +200,17 @@ def _assembled(shard: _Shard, borrow: bool) -> Iterator[tuple[_Entry, np.ndarray
             yield entry, host_array(local.detach(), _written_dtype(shard.kind, local).name, borrow)
 
 
+class ModelRewrite(Protocol):
+    """Rewrites the staged model kind (single-card tensors under our names) into another layout
+    before the commit (`paddle_pp.interop.transformers_layout`): the checkpoint library knows no
+    model. Every rank writes its share of the new files from the staged ones, then rank 0 replaces
+    the staged model files and index with them."""
+
+    def write_share(self, staged: Path, share: int, shares: int) -> dict: ...
+
+    def replace(self, staged: Path, written: list[dict]) -> None: ...
+
+
 @dataclass
 class PendingSave:
     """A save whose shard files are being written; `finish()` commits it on every rank."""
@@ -211,6 +222,7 @@ class PendingSave:
     plans: dict
     extra: dict
     keep: int
+    rewrite: ModelRewrite | None = None
     thread: threading.Thread | None = None
     results: dict = field(default_factory=dict)
     error: list = field(default_factory=list)
@@ -219,7 +231,8 @@ class PendingSave:
         return self.thread is None or not self.thread.is_alive()
 
     def finish(self) -> Path | None:
-        """Wait for this rank's files, exchange their checksums, and let rank 0 commit."""
+        """Wait for this rank's files, exchange their checksums, rewrite the weights (`rewrite`), and
+        let rank 0 commit; returns the committed folder."""
         if self.thread is not None:
             self.thread.join()
         outcomes = gather_objects({"error": self.error, "results": self.results}, None, self.topo.layout.world_size)
@@ -228,11 +241,38 @@ class PendingSave:
             raise RuntimeError(f"writing checkpoint-{self.step} failed on ranks {failed}: "
                                f"{outcomes[failed[0]]['error']}")
         everyone = [outcome["results"] for outcome in outcomes]
-        final = None
-        if self.topo.global_rank == 0:
-            final = _commit(self, everyone)
-        gather_objects(None, None, self.topo.layout.world_size)  # nobody returns before the commit
+        staged = commits.temp_dir(self.output_dir, self.step)
+        _on_every_rank(self, "indexing", lambda: _write_indexes(self, staged, everyone), rank0_only=True)
+        if self.rewrite is not None:
+            rewrite = self.rewrite
+            shares = _on_every_rank(self, "rewriting the weights of",
+                                    lambda: rewrite.write_share(staged, self.topo.global_rank, self.topo.layout.world_size))
+            _on_every_rank(self, "rewriting the weights of", lambda: rewrite.replace(staged, shares), rank0_only=True)
+        return _on_every_rank(self, "committing", self._commit_and_rotate, rank0_only=True)[0]
+
+    def _commit_and_rotate(self) -> Path:
+        final = commits.commit(self.output_dir, self.step)
+        commits.rotate(self.output_dir, self.keep)
         return final
+
+
+def _on_every_rank(pending: PendingSave, doing: str, work, rank0_only: bool = False) -> list:
+    """Every rank's result of `work` (run on rank 0 alone with `rank0_only`), after all finished it: a
+    failure on any rank is raised on every rank (its own error on the rank that failed), so none waits
+    in a collective the failed one never joins, and the save is left uncommitted (the last checkpoint
+    stays latest)."""
+    own: Exception | None = None
+    try:
+        outcome = {"result": work() if pending.topo.global_rank == 0 or not rank0_only else None}
+    except Exception as err:
+        own, outcome = err, {"error": repr(err)}
+    outcomes = gather_objects(outcome, None, pending.topo.layout.world_size)
+    if own is not None:
+        raise own
+    failed = [rank for rank, outcome in enumerate(outcomes) if "error" in outcome]
+    if failed:
+        raise RuntimeError(f"{doing} checkpoint-{pending.step} failed on ranks {failed}: {outcomes[failed[0]]['error']}")
+    return [outcome["result"] for outcome in outcomes]
 
 
 def _with_pieces(fname: str, entry: dict, pieces: dict[tuple[str, str], list[int]], tp: int) -> dict:
@@ -247,8 +287,8 @@ def _with_pieces(fname: str, entry: dict, pieces: dict[tuple[str, str], list[int
     return entry | {CHECKSUM: f"{crc:08x}"}
 
 
-def _commit(pending: PendingSave, everyone: list[dict]) -> Path:
-    staged = commits.temp_dir(pending.output_dir, pending.step)
+def _write_indexes(pending: PendingSave, staged: Path, everyone: list[dict]) -> None:
+    """Every kind's index from the ranks' results, and the save's other files, into `staged`."""
     pieces: dict[tuple[str, str], list[int]] = {}
     for result in everyone:
         for fname, states in result["pieces"].items():
@@ -275,9 +315,6 @@ def _commit(pending: PendingSave, everyone: list[dict]) -> Path:
     for source in pending.extra["copy_files"]:
         shutil.copyfile(source, staged / Path(source).name)
         fsync_file(staged / Path(source).name)
-    final = commits.commit(pending.output_dir, pending.step)
-    commits.rotate(pending.output_dir, pending.keep)
-    return final
 
 
 def single_card_config(config, plan: ModelPlan) -> dict:
@@ -296,11 +333,12 @@ def model_metadata(plan: ModelPlan) -> dict:
 def save_checkpoint(output_dir: Path, step: int, model, optimizer, topo: Topology, plan: ModelPlan, *,
                     config, trainer_state: dict, extra_files: tuple[Path, ...] = (), keep: int = 0,
                     asynchronous: bool = False, gradients: dict | None = None,
-                    replica_check: str = "error") -> PendingSave:
+                    replica_check: str = "error", rewrite: ModelRewrite | None = None) -> PendingSave:
     """Write checkpoint-<step> under `output_dir`. Synchronous saves return committed; asynchronous
     ones return once host copies are taken, with a `PendingSave` to `finish()` later. `extra_files`
     (e.g. the tokenizer) are copied in; `gradients` ({parameter's internal name: {"grad": tensor}})
-    adds a gradients kind, for alignment checks. `replica_check` (see `replicas.judge_replicas`)
+    adds a gradients kind, for alignment checks; `rewrite` turns the model's files into another
+    layout before the commit (`ModelRewrite`). `replica_check` (see `replicas.judge_replicas`)
     runs before anything is created: a failed check leaves nothing behind. Three all-gathers of
     small objects in all (fingerprints with holdings; outcomes; end of commit): rank 0 clears a stale
     folder of this step before the first, each rank that writes creates the folder after it. Each is
@@ -331,7 +369,7 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, topo: Topolog
                                                  **trainer_state}},
              "copy_files": [str(path) for path in extra_files],
              "model_metadata": model_metadata(plan)}
-    pending = PendingSave(output_dir, step, topo, layout_info, plans, extra, keep)
+    pending = PendingSave(output_dir, step, topo, layout_info, plans, extra, keep, rewrite)
 
     results = pending.results = {"shards": {}, "pieces": {}, "written": {}}
 

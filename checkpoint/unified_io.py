@@ -22,6 +22,7 @@ from checkpoint.format import (
     copy_tokenizer_files,
     index_name,
     read_index,
+    require_our_layout,
     shard_name,
     tensor_nbytes,
 )
@@ -62,6 +63,7 @@ class UnifiedReader:
 
     def __init__(self, folder: Path, kind: str):
         self.folder, self.index = Path(folder), read_index(folder, kind)
+        require_our_layout(self.index, self.folder)
         self.tensors: dict[str, dict] = self.index["metadata"]["tensors"]
         self._readers: dict[str, ShardReader] = {}
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from checkpoint.format import MODEL, OPTIMIZER, STATE_SEPARATOR, CheckpointError, index_name, read_index
+from checkpoint.format import (
+    MODEL,
+    OPTIMIZER,
+    STATE_SEPARATOR,
+    CheckpointError,
+    index_name,
+    read_index,
+    weights_layout,
+)
 from checkpoint.shards import ShardReader, file_checksum, recorded_checksum
 from modeling.tp_plan import ModelPlan
 
@@ -16,10 +24,13 @@ def verify_checkpoint(folder: Path, plan_of_folder: Callable[[Path], ModelPlan] 
     index lists but a shard lacks, optimizer states of parameters the model does not have, and with
     `plan_of_folder` (the model a folder's config.json describes: `modeling.registry.plan_of_folder`)
     weights missing from or shaped unlike that model. `on_file(name, bytes)` is called as each file
-    is hashed (the long part, for a progress bar)."""
+    is hashed (the long part, for a progress bar). Weights in transformers' layout (`--save_to_hf`)
+    are under transformers' names: the optimizer's keys are then checked against the plan's names,
+    and their names and shapes are the reader's to check (`pretrained.open_pretrained`)."""
     folder = Path(folder)
-    problems: list[str] = _against_config(folder, plan_of_folder) if plan_of_folder else []
-    model_names: set[str] = set()
+    ours = not (folder / index_name(MODEL)).is_file() or weights_layout(folder) is None
+    problems: list[str] = _against_config(folder, plan_of_folder) if plan_of_folder and ours else []
+    model_names: set[str] | None = set()
     for kind in (MODEL, OPTIMIZER):
         if kind == OPTIMIZER and not (folder / index_name(kind)).is_file():
             continue
@@ -54,8 +65,8 @@ def verify_checkpoint(folder: Path, plan_of_folder: Callable[[Path], ModelPlan] 
                 problems.append(f"{path}: lacks {sorted(listed - held)[:3]} listed in {index_name(kind)}")
         names = set(index["weight_map"])
         if kind == MODEL:
-            model_names = names
-        else:
+            model_names = names if ours else set(plan_of_folder(folder)) if plan_of_folder else None
+        elif model_names is not None:
             orphans = sorted({n.split(STATE_SEPARATOR)[0] for n in names} - model_names)
             if orphans:
                 problems.append(f"optimizer states for parameters the model lacks: {orphans[:3]}")

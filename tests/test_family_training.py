@@ -8,10 +8,11 @@ The families of 2024-2025 (Gemma 2 and 3, Phi-3, OLMo-2, SmolLM3, Granite, ERNIE
 and Qwen2), each from its transformers 5 and 4.x folder with windows shorter than the batch, start in
 one tp2 x pp2 + SP launch (`workers/folders_worker.py`: the blockwise core with blocks of 8, so
 windows cut across blocks): the loss on the batch is transformers' (1e-5), two steps train, and
-each checkpoint exports to a folder the transformers that saved it loads with our logits (1e-4).
-Gemma 3 (tied, sandwich norms, q/k norms, windows, a rotary per layer type) and Phi-3 (fused
-projections, partial longrope rotary, windows) train 20 steps on one card and under tp2 x pp2, and
-resume the latter's step-10 checkpoint under tp2 + SP (Gemma 3) and stage3 x tp2 (Phi-3). LLaMA
+each checkpoint, saved in transformers' layout (`--save_to_hf`), loads as it is in the transformers
+that saved its folder with our logits (1e-4). Gemma 3 (tied, sandwich norms, q/k norms, windows, a
+rotary per layer type) and Phi-3 (fused projections, partial longrope rotary, windows) train 20
+steps on one card and under tp2 x pp2, and resume the latter's step-10 checkpoint, saved in
+transformers' layout, under tp2 + SP (Gemma 3) and stage3 x tp2 (Phi-3). LLaMA
 (tied, Llama 3.1 rope), GPT-2 (its fused c_attn cut into q, k, v and over tp on load: tp2 x pp2)
 and the transformers 5 folders whose fields differ in their own way train 3 steps on one card.
 Qwen3's and Gemma's layers are Gemma 3's with fewer switches (per-head q/k norms, 1 + weight norms,
@@ -29,6 +30,7 @@ import paddle
 import pytest
 from conftest import FOLDER_STEPS, IDS, first_batch
 
+from checkpoint.format import TRANSFORMERS_LAYOUT, weights_layout
 from checkpoint.unified_io import UnifiedReader
 from modeling.registry import FAMILIES, load_config
 from paddle_pp.interop.transformers import export_hf
@@ -70,7 +72,7 @@ def runs(pretrain_run, transformers4_folders, transformers5_folders):
         kind, _, which = name.partition(":")
         if which in ("single", "tp2pp2", "resumed"):
             start = ("--model_name_or_path", str(transformers4_folders / kind))
-            full = Run(f"{kind}_tp2pp2", 4, start + TP2 + PP2 + ("--save_steps", str(RESUME_STEP)))
+            full = Run(f"{kind}_tp2pp2", 4, start + TP2 + PP2 + ("--save_steps", str(RESUME_STEP), "--save_to_hf"))
             nproc, flags = RESUMED_UNDER[kind]
             run = {"single": Run(f"{kind}_single", 1, start + ("--save_steps", "20")), "tp2pp2": full,
                    "resumed": Run(f"{kind}_resumed", nproc, start + flags, resume_from=full)}[which]
@@ -96,19 +98,20 @@ def per_layer_starts(run_workers_module, transformers4_folders, transformers5_fo
             (links / f"{kind}-{version}").symlink_to(root / kind)
             folders.append(links / f"{kind}-{version}")
     results = run_workers_module("folders_worker.py", 4, [transformers5_folders / "rows.npy", links / "out", 8,
-                                                          *folders, *TP2, *PP2, *SP], timeout=900, tag="per_layer")
+                                                          *folders, *TP2, *PP2, *SP, "--save_to_hf"], timeout=900,
+                                 tag="per_layer")
     assert len({json.dumps(result["folders"], sort_keys=True) for result in results}) == 1, "ranks disagree"
     return results[0]["folders"], links / "out"
 
 
 @pytest.fixture(scope="module")
-def transformers5_export_logits(per_layer_starts, tmp_path_factory):
-    """transformers 5's logits on IDS of each transformers 5 start's checkpoint exported (one subprocess)."""
+def transformers5_checkpoint_logits(per_layer_starts, tmp_path_factory):
+    """transformers 5's logits on IDS of each transformers 5 start's checkpoint (one subprocess)."""
     _, out = per_layer_starts
-    exports = tmp_path_factory.mktemp("exports5")
-    folders = [export_hf(out / f"{kind}-transformers5" / "checkpoint-2", exports / kind) for kind in PER_LAYER]
-    np.save(exports / "ids.npy", IDS)
-    hf_models.transformers5("logits", exports / "ids.npy", *folders)
+    ids = tmp_path_factory.mktemp("ids5") / "ids.npy"
+    np.save(ids, IDS)
+    folders = [out / f"{kind}-transformers5" / "checkpoint-2" for kind in PER_LAYER]
+    hf_models.transformers5("logits", ids, *folders)
     return {kind: np.load(f"{folder}.npy") for kind, folder in zip(PER_LAYER, folders)}
 
 
@@ -131,16 +134,18 @@ def test_a_family_whose_attention_differs_per_layer_starts_under_tp2_pp2_sp_at_t
 
 
 @pytest.mark.parametrize("kind", PER_LAYER)
-def test_a_family_whose_attention_differs_per_layer_exports_to_the_transformers_that_saved_it(
-        kind, per_layer_starts, transformers5_export_logits, tmp_path):
-    """The tp2 x pp2 + SP run's checkpoint, exported: transformers 4.x loads the 4.x start's export and
-    transformers 5 the 5 start's (Phi-3's q, k, v and gate, up fused again), each with our logits."""
+def test_a_family_whose_attention_differs_per_layer_saves_a_checkpoint_the_transformers_that_saved_it_loads(
+        kind, per_layer_starts, transformers5_checkpoint_logits):
+    """The tp2 x pp2 + SP run's checkpoint in transformers' layout, as it is: transformers 4.x loads the
+    4.x start's and transformers 5 the 5 start's (Phi-3's q, k, v and gate, up fused again), each with
+    our logits."""
     _, out = per_layer_starts
-    checkpoint4 = out / f"{kind}-transformers4" / "checkpoint-2"
-    _export_matches(checkpoint4, tmp_path / "export", lambda export: hf_models.logits(export, IDS))
-    np.testing.assert_allclose(transformers5_export_logits[kind],
-                               our_logits(out / f"{kind}-transformers5" / "checkpoint-2", IDS), atol=EXPORT_TOL,
-                               rtol=EXPORT_TOL)
+    checkpoint4, checkpoint5 = (out / f"{kind}-{version}" / "checkpoint-2" for version in ("transformers4",
+                                                                                         "transformers5"))
+    for logits, checkpoint in ((hf_models.logits(checkpoint4, IDS), checkpoint4),
+                               (transformers5_checkpoint_logits[kind], checkpoint5)):
+        assert weights_layout(checkpoint) == TRANSFORMERS_LAYOUT
+        np.testing.assert_allclose(logits, our_logits(checkpoint, IDS), atol=EXPORT_TOL, rtol=EXPORT_TOL)
 
 
 def _transformers_loss(folder, data_cache, steps: int, eval_steps: int) -> float:
@@ -163,9 +168,11 @@ def test_a_new_family_starts_at_transformers_loss_and_trains_like_single_card_un
 @pytest.mark.parametrize("kind", list(RESUMED_UNDER))
 def test_a_new_familys_checkpoint_resumes_under_another_layout_on_the_single_card_curve(kind, runs):
     """Gemma 3 (q/k norms, tied) under tp2 + SP, Phi-3 (untied, fused projections on disk) under stage3 x
-    tp2: steps 11-20 continue the single-card run."""
+    tp2, from the tp2 x pp2 run's checkpoint in transformers' layout: every weight and Adam state read
+    back exact, and steps 11-20 continue the single-card run."""
     single, _ = runs(f"{kind}:single")
     resumed, _ = runs(f"{kind}:resumed")
+    assert resumed["resumed_exactly"] is True
     np.testing.assert_allclose(resumed["losses"], single["losses"][RESUME_STEP:], rtol=RESUME_RTOL)
 
 

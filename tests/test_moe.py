@@ -26,7 +26,6 @@ import pytest
 from conftest import FOLDER_STEPS, IDS, first_batch
 
 from checkpoint.format import tokenizer_files
-from checkpoint.unified_io import UnifiedReader
 from checkpoint.verify import verify_checkpoint
 from modeling.deepseek import DeepseekV3Config
 from modeling.expert_parallel import expert_order
@@ -373,7 +372,8 @@ VERSIONS = ("transformers4", "transformers5")
 @pytest.fixture(scope="module")
 def moe_starts(moe_folders, run_workers_module, tmp_path_factory):
     """Every MoE kind from both versions' folders started in one launch per layout (`workers/
-    folders_worker.py`): ep2 x dp2 x tp2 x pp2 + SP recomputing whole layers (8 ranks), and one card,
+    folders_worker.py`): ep2 x dp2 x tp2 x pp2 + SP recomputing whole layers (8 ranks; its checkpoints
+    saved in transformers' layout), and one card,
     both with one row per micro-batch (the Switch aux loss is a micro-batch's statistic). Per layout: (the results by folder name `<kind>-<version>`, the folder of their checkpoints)."""
     links = tmp_path_factory.mktemp("moe_starts")
     folders = []
@@ -383,7 +383,8 @@ def moe_starts(moe_folders, run_workers_module, tmp_path_factory):
             folders.append(links / f"{kind}-{version}")
     rows = moe_folders["transformers5"] / "rows.npy"
     started = {}
-    for name, nproc, layout in (("split", 8, (*EP2, *DP2_TP2_PP2_SP, "--recompute")), ("single", 1, ())):
+    for name, nproc, layout in (("split", 8, (*EP2, *DP2_TP2_PP2_SP, "--recompute", "--save_to_hf")),
+                                ("single", 1, ())):
         results = run_workers_module("folders_worker.py", nproc, [rows, links / name, 8, *folders, *layout,
                                                                   "--micro_batch_size", 1],
                                      timeout=900, tag=f"moe_starts_{name}")
@@ -411,9 +412,9 @@ def test_an_moe_folder_starts_under_ep2_tp2_pp2_sp_at_its_loss_and_trains_like_s
         np.testing.assert_allclose(split[0]["folders"][name]["loss"], expected, rtol=LOSS_RTOL, err_msg=version)
         np.testing.assert_allclose(split[0]["folders"][name]["losses"], single[0]["folders"][name]["losses"],
                                    rtol=RESUME_RTOL, err_msg=version)
-        weights = [UnifiedReader(out / name / "checkpoint-2", "model") for out in (split_out, single_out)]
-        for tensor in weights[1].tensors:
-            got, reference = weights[0].read(tensor), weights[1].read(tensor)
+        weights = [open_pretrained(out / name / "checkpoint-2") for out in (split_out, single_out)]
+        for tensor in plan_of(config_from_dict(weights[1].config)):  # the split one's in transformers' layout
+            got, reference = weights[0].read(tensor, None, 1, 0), weights[1].read(tensor, None, 1, 0)
             drift = np.linalg.norm(got - reference) / max(np.linalg.norm(reference), 1e-12)
             exact = tensor.endswith(("q_norm.weight", "k_norm.weight", "e_score_correction_bias"))
             assert drift < (RESUME_RTOL if exact else PARITY_RTOL), f"{name} {tensor}: {drift:.2g}"
@@ -447,38 +448,48 @@ def test_the_correction_bias_moves_by_the_rule_from_the_steps_global_counts_on_e
 
 
 @pytest.fixture(scope="module")
-def transformers5_export_logits(moe_starts, tmp_path_factory):
-    """Each split start's checkpoint exported, and transformers 5's logits on IDS of them (one subprocess)."""
+def transformers5_checkpoint_logits(moe_starts, tmp_path_factory):
+    """transformers 5's logits on IDS of each split start's checkpoint, in transformers' layout as saved
+    (one subprocess)."""
     _, out = moe_starts["split"]
-    exports = tmp_path_factory.mktemp("moe_exports")
-    folders = {f"{kind}-{version}": export_hf(out / f"{kind}-{version}" / "checkpoint-2", exports / f"{kind}-{version}")
-               for kind in KINDS for version in VERSIONS}
-    np.save(exports / "ids.npy", IDS)
-    hf_models.transformers5("logits", exports / "ids.npy", *folders.values())
-    return {name: (folder, np.load(f"{folder}.npy")) for name, folder in folders.items()}
+    ids = tmp_path_factory.mktemp("moe_ids") / "ids.npy"
+    np.save(ids, IDS)
+    folders = {f"{kind}-{version}": out / f"{kind}-{version}" / "checkpoint-2" for kind in KINDS for version in VERSIONS}
+    hf_models.transformers5("logits", ids, *folders.values())
+    return {name: np.load(f"{folder}.npy") for name, folder in folders.items()}
+
+
+def _stored_names(folder) -> set[str]:
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    files = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else {"model.safetensors"}
+    names = set()
+    for fname in files:
+        with safe_open(str(folder / fname), "np") as stored:
+            names |= set(stored.keys())
+    return names
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("kind", KINDS)
-def test_an_moe_checkpoint_exports_to_folders_both_versions_load_with_our_logits(kind, moe_starts, moe_folders,
-                                                                                 transformers5_export_logits):
-    """The split start's checkpoint exported: the folder's tensor names (GPT-OSS's experts stacked again,
-    DeepSeek's correction biases beside their routers), the expert count under the family's field, and
-    our logits in transformers 4.55 and 5.23."""
-    from safetensors import safe_open
-
-    _, out = moe_starts["split"]
+def test_an_moe_checkpoint_loads_in_both_transformers_as_saved_and_exported(kind, moe_starts, moe_folders,
+                                                                            transformers5_checkpoint_logits, tmp_path):
+    """The split start's checkpoint, saved in transformers' layout, and the single card's, exported: the
+    folder's tensor names (GPT-OSS's experts stacked again, DeepSeek's correction biases beside their
+    routers) and config.json are the same in both and the expert count is under the family's field;
+    transformers 5.23 loads the checkpoint as it is and 4.55 the export, each with our logits."""
+    (_, out), (_, single_out) = moe_starts["split"], moe_starts["single"]
     for version in VERSIONS:
         name = f"{kind}-{version}"
-        export, logits5 = transformers5_export_logits[name]
-        written = json.loads((export / "config.json").read_text())
+        checkpoint = out / name / "checkpoint-2"
+        export = export_hf(single_out / name / "checkpoint-2", tmp_path / name)
+        written = json.loads((checkpoint / "config.json").read_text())
+        assert written == json.loads((export / "config.json").read_text())
         assert written[EXPERT_COUNT_FIELD[kind]] == config_from_dict(
             open_pretrained(moe_folders[version] / kind).config).num_experts
-        names = []
-        for folder in (export, moe_folders[version] / kind):
-            with safe_open(str(folder / "model.safetensors"), "np") as stored:
-                names.append(set(stored.keys()))
-        assert names[0] == names[1]
-        ours = our_logits(out / name / "checkpoint-2", IDS)
-        np.testing.assert_allclose(hf_models.logits(export, IDS), ours, atol=EXPORT_TOL, rtol=EXPORT_TOL)
-        np.testing.assert_allclose(logits5, ours, atol=EXPORT_TOL, rtol=EXPORT_TOL)
+        assert _stored_names(checkpoint) == _stored_names(export) == _stored_names(moe_folders[version] / kind)
+        np.testing.assert_allclose(transformers5_checkpoint_logits[name], our_logits(checkpoint, IDS), atol=EXPORT_TOL,
+                                   rtol=EXPORT_TOL)
+        np.testing.assert_allclose(hf_models.logits(export, IDS), our_logits(export, IDS), atol=EXPORT_TOL,
+                                   rtol=EXPORT_TOL)

@@ -130,6 +130,7 @@ def test_paddleformers_offline_recipe_reads_with_its_meaning(tmp_path, capsys):
     assert optim.lr_scheduler_type == "linear" and optim.min_learning_rate == 0.0 and optim.weight_decay == 0.0
     assert output.eval_iters == 10 and output.eval_steps == 100 and output.do_eval and output.disable_progress_bar
     assert ckpt.save_steps == 100 and ckpt.resume_from_checkpoint == "latest"
+    assert not ckpt.save_to_hf and _parse(tmp_path, FULL_OFFLINE_DATA, save_to_hf=True).checkpoint.save_to_hf
     notes = capsys.readouterr().err
     assert "save_checkpoint_format" in notes and "mix_strategy" in notes and "PaddleFormers' defaults" in notes
     # its tp x pp x ep recipe's degrees and flat communication booleans

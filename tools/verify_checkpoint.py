@@ -9,9 +9,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from checkpoint.format import CheckpointError, weights_layout
 from checkpoint.verify import verify_checkpoint
-from modeling.registry import plan_of_folder
 from paddle_pp.interop.flex import is_flex, verify_flex
+from paddle_pp.interop.pretrained import open_pretrained
+from paddle_pp.interop.transformers_layout import checkpoint_plan
 from paddle_pp.training.report import tensor_progress
 
 
@@ -26,7 +28,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.folder} (flex checkpoint): {'OK' if not problems else f'{len(problems)} problem(s)'}")
         return 1 if problems else 0
     with tensor_progress(sum(p.stat().st_size for p in args.folder.glob("*.safetensors")), "verify") as on_file:
-        problems = verify_checkpoint(args.folder, plan_of_folder, on_file)
+        problems = verify_checkpoint(args.folder, checkpoint_plan, on_file)
+    if not problems and weights_layout(args.folder) is not None:  # transformers' names and shapes: the reader's check
+        try:
+            open_pretrained(args.folder)
+        except CheckpointError as err:
+            problems.append(str(err))
     for problem in problems:
         print(f"PROBLEM {problem}")
     print(f"{args.folder}: {'OK' if not problems else f'{len(problems)} problem(s)'}")

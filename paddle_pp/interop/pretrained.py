@@ -21,9 +21,16 @@ from typing import Callable
 
 import numpy as np
 
-from checkpoint.format import CONFIG_FILE, MODEL, CheckpointError, index_name
-from checkpoint.load import LOAD_ERRORS, agree_on_outcome, checkpoint_error, load_checkpoint, set_parameter
-from checkpoint.shards import ShardReader
+from checkpoint.format import CONFIG_FILE, MODEL, WEIGHTS_LAYOUT, CheckpointError, index_name
+from checkpoint.load import (
+    LOAD_ERRORS,
+    agree_on_outcome,
+    checking_ranks,
+    checkpoint_error,
+    load_checkpoint,
+    set_parameter,
+)
+from checkpoint.shards import ShardReader, file_checksum, recorded_checksum
 from checkpoint.unified_io import UnifiedReader
 from modeling.config import ModelConfigError
 from modeling.family import ModelFamily
@@ -138,9 +145,20 @@ def _not_loaded(name: str, *_piece) -> np.ndarray:
     raise CheckpointError(f"{name}: the folder was opened for its config only (open_pretrained(weights=False))")
 
 
+def is_transformers_checkpoint(folder: Path) -> bool:
+    """A paddle-pp checkpoint whose weights are in transformers' layout (`--save_to_hf`)."""
+    return WEIGHTS_LAYOUT in _index_metadata(Path(folder))
+
+
 def _is_unified(folder: Path) -> bool:
+    """A paddle-pp checkpoint in our own layout (one saved with --save_to_hf reads as transformers')."""
+    metadata = _index_metadata(folder)
+    return "format_version" in metadata and WEIGHTS_LAYOUT not in metadata
+
+
+def _index_metadata(folder: Path) -> dict:
     index = folder / HF_INDEX
-    return index.is_file() and "format_version" in json.loads(index.read_text()).get("metadata", {})
+    return json.loads(index.read_text()).get("metadata", {}) if index.is_file() else {}
 
 
 def _config_fields(raw: dict) -> dict:
@@ -283,6 +301,26 @@ def _span_piece(source: Read, stored: Stored, axis: int | None, parts: int, part
     return piece if along == stored.axis else split_tensor(piece, axis, parts, part)
 
 
+def _check_recorded_checksums(folder: Path, topo: Topology | None) -> None:
+    """A paddle-pp checkpoint in transformers' layout records its files' checksums: each file is
+    checked by one rank (spread by bytes, as a resume checks our layout's)."""
+    metadata = _index_metadata(folder)
+    files = metadata.get("files", {}) if WEIGHTS_LAYOUT in metadata else {}
+    ranks, rank = (topo.layout.world_size, topo.global_rank) if topo is not None else (1, 0)
+    checker = checking_ranks([{fname: entry["size"] for fname, entry in files.items()}] * ranks)
+    for fname, entry in sorted(files.items()):
+        if checker[fname] != rank:
+            continue
+        path = folder / fname
+        if not path.is_file() or path.stat().st_size != entry["size"]:
+            raise CheckpointError(f"{path} is missing or not the {entry['size']} bytes the index records: restore it "
+                                  "or resume from an older checkpoint")
+        algorithm, expected = recorded_checksum(entry)
+        if file_checksum(path, algorithm) != expected:
+            raise CheckpointError(f"{path} fails its {algorithm} checksum: the file is corrupted; restore it or "
+                                  "resume from an older checkpoint")
+
+
 def load_pretrained(pretrained: PretrainedFolder, model, axes: dict, topo: Topology | None) -> None:
     """Fill `model`'s parameters (this rank's TP slices) from the folder; a failure on any rank
     fails every rank. `topo` None: one process, single card (tools)."""
@@ -294,6 +332,7 @@ def load_pretrained(pretrained: PretrainedFolder, model, axes: dict, topo: Topol
         for name, param in model.state_dict().items():
             axis = axes.get(name) if tp > 1 else None
             set_parameter(param, pretrained.read(name, axis, tp, tp_rank))
+        _check_recorded_checksums(pretrained.folder, topo)
         outcome = None
     except LOAD_ERRORS as err:
         outcome = checkpoint_error(err)

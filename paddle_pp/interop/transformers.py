@@ -22,7 +22,7 @@ from checkpoint.unified_io import UnifiedReader
 from modeling.family import ModelFamily
 from modeling.paddlenlp_fused import fused_stored
 from modeling.registry import config_from_dict, family, plan_of
-from modeling.tp_plan import TensorPlan
+from modeling.tp_plan import ModelPlan, TensorPlan
 from modeling.transformers_adapter import Stored, join
 from paddle_pp.interop.pretrained import open_pretrained, stored_shape
 
@@ -55,33 +55,44 @@ def write_model_shards(groups: dict[str, Group], shape_of: Callable[[str], list[
     return weight_map
 
 
+class StoredTensors:
+    """The tensors a folder stores for a model (`locate`: names, transposes, fused tensors), each
+    made on demand from our single-card tensors (`read`): shared by the exports and by checkpoints
+    saved in transformers' layout (`transformers_layout`)."""
+
+    def __init__(self, plan: ModelPlan, locate: Callable[[str, TensorPlan], Stored]):
+        self.plan, self.locate = plan, locate
+        self.groups: dict[str, Group] = {}
+        for name, row in plan.items():
+            self.groups.setdefault(locate(name, row).name, []).append((name, locate(name, row).part))
+
+    def shape(self, stored_name: str) -> list[int]:
+        name = self.groups[stored_name][0][0]
+        return stored_shape(self.plan[name].shape, self.locate(name, self.plan[name]))
+
+    def make(self, stored_name: str, read: Callable[[str], np.ndarray],
+             on_tensor: Callable[[str, int], None] | None = None) -> np.ndarray:
+        """The stored tensor `stored_name`, from our tensors as `read` gives them."""
+        members = []
+        for name, _ in self.groups[stored_name]:
+            stored = self.locate(name, self.plan[name])
+            members.append((stored, read(name).T if stored.transposed else read(name)))
+            if on_tensor:
+                on_tensor(name, members[-1][1].nbytes)
+        return join(members)
+
+
 def export_stored(folder: Path, target: Path, locate: Callable[[str, TensorPlan], Stored], folder_config: dict,
                   fmt: str, max_shard_bytes: int, on_tensor: Callable[[str, int], None] | None, dtype: str) -> Path:
     """A folder of the tensors `locate` says where to store (names, transposes, fused tensors), built
     from a unified checkpoint one stored tensor at a time, with `folder_config` as its config.json."""
     folder = Path(folder)
-    plan = plan_of(config_from_dict(json.loads((folder / CONFIG_FILE).read_text())))
+    stored = StoredTensors(plan_of(config_from_dict(json.loads((folder / CONFIG_FILE).read_text()))), locate)
     unified = UnifiedReader(folder, MODEL)
-    groups: dict[str, Group] = {}
-    for name, row in plan.items():
-        stored = locate(name, row)
-        groups.setdefault(stored.name, []).append((name, stored.part))
-
-    def read(stored_name: str) -> np.ndarray:
-        members = []
-        for name, _ in groups[stored_name]:
-            stored = locate(name, plan[name])
-            members.append((stored, unified.read(name).T if stored.transposed else unified.read(name)))
-            if on_tensor:
-                on_tensor(name, members[-1][1].nbytes)
-        return join(members)
-
-    def shape_of(stored_name: str) -> list[int]:
-        name = groups[stored_name][0][0]
-        return stored_shape(plan[name].shape, locate(name, plan[name]))
-
     with new_folder(target) as partial:
-        weight_map = write_model_shards(groups, shape_of, read, partial, max_shard_bytes, fmt, dtype)
+        weight_map = write_model_shards(stored.groups, stored.shape,
+                                        lambda name: stored.make(name, unified.read, on_tensor), partial,
+                                        max_shard_bytes, fmt, dtype)
         finish_folder(partial, weight_map, folder_config, folder)
     return Path(target)
 

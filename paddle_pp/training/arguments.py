@@ -128,6 +128,9 @@ class CheckpointArguments:
     save_total_limit: int = flag(0, "keep at most N checkpoints, deleting the oldest (0: keep all)")
     resume_from_checkpoint: str = flag("", "a checkpoint folder, or 'latest' for output_dir's newest committed one")
     async_save: bool = flag(False, "write checkpoints in the background while training continues")
+    save_to_hf: bool = flag(False, "keep each checkpoint's weights in transformers' names and layout with its "
+                                   "config.json (PaddleFormers' name): the folder loads in transformers as it is and "
+                                   "still resumes under any layout; costs one more write of the weights per save")
     save_gradients: bool = flag(False, "also write the last step's reduced, unclipped gradients into each checkpoint "
                                        "(tools/check_alignment.py compares them)")
     ignore_load_lr_and_optim: bool = flag(False, "resume weights, step and data position only: fresh optimizer "

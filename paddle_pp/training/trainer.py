@@ -29,6 +29,7 @@ from paddle_pp.data.sampler import SequentialBatches
 from paddle_pp.data.source import build_data, dataset_sizes, plan_data
 from paddle_pp.data.tokenizer import load_text_tokenizer
 from paddle_pp.interop.pretrained import load_pretrained, open_pretrained
+from paddle_pp.interop.transformers_layout import TransformersWeights, checkpoint_config, load_resumed
 from paddle_pp.runtime.errors import UserError
 from paddle_pp.runtime.fleet_wrappers import wrap_for_layout
 from paddle_pp.runtime.layout import Layout, launched_rank
@@ -168,7 +169,8 @@ class Pretrainer:
             for note in (*self.layout.notes, *notes):
                 print(f"note: {note}", file=sys.stderr)
         if self.resume_dir is not None:
-            check_compatible(self.resume_dir, self.config, self.layout)
+            check_compatible(self.resume_dir, self.config, self.layout, checkpoint_config(self.resume_dir))
+        self.weights_rewrite = TransformersWeights(self.config) if args.checkpoint.save_to_hf else None
         self.data_plan = plan_data(
             data.input_dir, data.corpus, self.tokenizer.folder, data.data_cache, data.split, data.data_impl,
             data.max_seq_length, data.seed, dataset_sizes(self.batches.global_batch, optim.max_steps,
@@ -198,7 +200,7 @@ class Pretrainer:
         elif self.resume_dir is None:
             init_single_card_weights(raw, self.plan, self.topo, data.seed, args.model.initializer_range)
         else:  # weights before the wrappers take the model (stage3 slices what it finds), states after
-            resumed = load_checkpoint(self.resume_dir, raw, None, self.topo, self.axes)
+            resumed = load_resumed(self.resume_dir, raw, self.axes, self.topo)
         self.criterion = getattr(raw, "criterion", None)
         self.clip = ReportingGlobalNormClip(optim.max_grad_norm)
         optimizer = _build_optimizer(raw, optim, self.schedule, self.clip)
@@ -262,7 +264,7 @@ class Pretrainer:
             config=self.config, trainer_state=trainer_state,
             extra_files=tuple(self.tokenizer.files()), keep=ckpt.save_total_limit,
             asynchronous=ckpt.async_save, gradients=recorded_gradients(self.optimizer) if ckpt.save_gradients else None,
-            replica_check=ckpt.replica_check)
+            replica_check=ckpt.replica_check, rewrite=self.weights_rewrite)
         if not ckpt.async_save:
             self.pending_save = None
 

@@ -3,12 +3,12 @@ the model its config.json describes is built for this rank (`build_causal_lm`), 
 `--model_name_or_path` reads them (each rank its tp pieces and its experts), evaluated on a batch (the
 loss transformers computed on the same rows is the test's), trained two steps (the experts'
 correction biases moved after each by the balancing rule, as the trainer does) and saved as a
-unified checkpoint (single-card names; the test exports it back to transformers and compares it with
-other layouts'). One launch serves every family: the process group, fleet's hybrid topology and
-Paddle's start-up are paid once.
+unified checkpoint (single-card tensors; with --save_to_hf in transformers' layout, which the test
+loads in transformers as it is; compared with other layouts'). One launch serves every family: the
+process group, fleet's hybrid topology and Paddle's start-up are paid once.
 
-argv: ROWS.npy OUT_DIR BLOCK FOLDER... [layout flags] [--recompute] [--micro_batch_size N]. Result: per folder its loss on
-the rows, the two training losses and each MoE layer's correction bias this rank holds after the
+argv: ROWS.npy OUT_DIR BLOCK FOLDER... [layout flags] [--recompute] [--save_to_hf] [--micro_batch_size N].
+Result: per folder its loss on the rows, the two training losses and each MoE layer's correction bias this rank holds after the
 first step; checkpoints under OUT_DIR/<folder name>/checkpoint-2.
 """
 
@@ -27,6 +27,7 @@ from modeling.attention_core import BlockwiseCore
 from modeling.execution import Execution, Recompute
 from modeling.registry import build_causal_lm, config_from_dict, plan_of, validate_layout
 from paddle_pp.interop.pretrained import load_pretrained, open_pretrained
+from paddle_pp.interop.transformers_layout import TransformersWeights
 from paddle_pp.runtime.fleet_wrappers import wrap_for_layout
 from paddle_pp.runtime.launch import write_result
 from paddle_pp.runtime.layout import Layout, add_layout_args
@@ -40,7 +41,7 @@ ACCUMULATE = 4  # micro-batches per step unless --micro_batch_size says: the pip
 BIAS_RATE = 1e-3  # the trainer's default --moe_router_bias_update_rate
 
 
-def start(folder: Path, rows: np.ndarray, out: Path, choices: Execution, topo) -> dict:
+def start(folder: Path, rows: np.ndarray, out: Path, choices: Execution, topo, save_to_hf: bool) -> dict:
     accumulate = choices.accumulate_steps
     pretrained = open_pretrained(folder)
     config = config_from_dict(pretrained.config)
@@ -70,7 +71,8 @@ def start(folder: Path, rows: np.ndarray, out: Path, choices: Execution, topo) -
         if step == 0:
             result["biases"] = {str(layer.layer_index): layer.router_layer.correction.numpy().tolist()
                                 for layer in balanced_layers(raw)}
-    save_checkpoint(out / folder.name, 2, raw, optimizer, topo, plan, config=config, trainer_state={"step": 2})
+    save_checkpoint(out / folder.name, 2, raw, optimizer, topo, plan, config=config, trainer_state={"step": 2},
+                    rewrite=TransformersWeights(config) if save_to_hf else None)
     return result
 
 
@@ -81,6 +83,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("block", type=int)
     parser.add_argument("folders", nargs="+")
     parser.add_argument("--recompute", action="store_true", help="recompute whole decoder layers")
+    parser.add_argument("--save_to_hf", action="store_true", help="checkpoints in transformers' layout")
     parser.add_argument("--micro_batch_size", type=int, help="the same on every layout compared: an MoE layer's "
                         "Switch aux loss is a micro-batch's statistic")
     args = parser.parse_args(argv)
@@ -91,7 +94,7 @@ def main(argv: list[str]) -> None:
     topo = init_distributed(layout, micro_batch_size=micro_batch, accumulate_steps=accumulate)
     choices = Execution(attention=BlockwiseCore(args.block), recompute=Recompute("full" if args.recompute else None),
                         accumulate_steps=accumulate)
-    results = {Path(folder).name: start(Path(folder), rows, Path(args.out), choices, topo) for folder in args.folders}
+    results = {Path(folder).name: start(Path(folder), rows, Path(args.out), choices, topo, args.save_to_hf) for folder in args.folders}
     write_result({"rank": topo.global_rank, "folders": results})
     end_job(topo)
 

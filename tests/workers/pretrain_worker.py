@@ -31,7 +31,8 @@ def held_elements(trainer) -> dict[str, int]:
 def resumed_exactly(trainer) -> bool | None:
     """Whether every weight and optimizer state this rank holds (its tp piece; under stage1 the
     states of the parameters it updates) equals the checkpoint it resumed, before any step: the
-    unified files' piece, or a pre-split copy's rank file (None: not resumed)."""
+    unified files' piece (weights saved with --save_to_hf read as a transformers folder's are), or a
+    pre-split copy's rank file (None: not resumed)."""
     import numpy as np
 
     from checkpoint.format import MODEL, OPTIMIZER, STATE_SEPARATOR
@@ -39,26 +40,37 @@ def resumed_exactly(trainer) -> bool | None:
     from checkpoint.shards import ShardReader
     from checkpoint.split import is_split, rank_file
     from checkpoint.unified_io import UnifiedReader
+    from paddle_pp.interop.pretrained import is_transformers_checkpoint, open_pretrained
 
-    if trainer.resume_dir is None:
+    folder = trainer.resume_dir
+    if folder is None:
         return None
     tp, tp_rank = trainer.layout.tp, trainer.topo.tp_rank
-    if is_split(trainer.resume_dir):
-        weights, states = (ShardReader(trainer.resume_dir / rank_file(kind, tp_rank, trainer.topo.pp_rank))
-                           for kind in (MODEL, OPTIMIZER))
 
-        def saved(reader, key: str) -> np.ndarray:
+    def piece(reader, key: str) -> np.ndarray:
+        if isinstance(reader, ShardReader):  # a pre-split copy's rank file holds this rank's pieces whole
             return reader.read(key).reshape(-1)
-    else:
-        weights, states = UnifiedReader(trainer.resume_dir, MODEL), UnifiedReader(trainer.resume_dir, OPTIMIZER)
+        axis = reader.tensors[key].get("tp_axis") if tp > 1 else None
+        return reader.read(key, axis, tp, tp_rank).reshape(-1)
 
-        def saved(reader, key: str) -> np.ndarray:
-            axis = reader.tensors[key].get("tp_axis") if tp > 1 else None
-            return reader.read(key, axis, tp, tp_rank).reshape(-1)
+    if is_split(folder):
+        weights, states = (ShardReader(folder / rank_file(kind, tp_rank, trainer.topo.pp_rank))
+                           for kind in (MODEL, OPTIMIZER))
+    else:
+        weights, states = (None if is_transformers_checkpoint(folder) else UnifiedReader(folder, MODEL),
+                           UnifiedReader(folder, OPTIMIZER))
+    if weights is None:
+        pretrained = open_pretrained(folder)
+
+        def saved_weight(name: str) -> np.ndarray:
+            return pretrained.read(name, trainer.axes.get(name) if tp > 1 else None, tp, tp_rank).reshape(-1)
+    else:
+        def saved_weight(name: str) -> np.ndarray:
+            return piece(weights, name)
 
     by_parameter = states_by_parameter(trainer.optimizer)
-    pairs = [(param, saved(weights, name)) for name, param in trainer.raw_model.state_dict().items()]
-    moments = [(tensor, saved(states, f"{name}{STATE_SEPARATOR}{state}"))
+    pairs = [(param, saved_weight(name)) for name, param in trainer.raw_model.state_dict().items()]
+    moments = [(tensor, piece(states, f"{name}{STATE_SEPARATOR}{state}"))
                for name, param in trainer.raw_model.state_dict().items()
                for state, tensor in by_parameter.get(param.name, {}).items()]
     return bool(moments) and all(np.array_equal(tensor.numpy().reshape(-1), value) for tensor, value in pairs + moments)
