@@ -8,6 +8,8 @@ layout: tests/test_family_training.py and tests/test_moe.py (their launches save
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,13 +25,14 @@ from checkpoint.unified_io import UnifiedReader
 from checkpoint.verify import verify_checkpoint
 from modeling.registry import family_of, plan_of
 from paddle_pp.interop.pretrained import TRANSFORMERS, open_pretrained
-from paddle_pp.interop.transformers import export_hf
+from paddle_pp.interop.transformers import export_hf, export_paddlenlp_fused
 from paddle_pp.interop.transformers_layout import TransformersWeights, checkpoint_config, load_resumed
 from paddle_pp.runtime.layout import Layout
 from paddle_pp.runtime.topology import Topology
 
 import hf_models
 from parity import our_logits, our_model
+from runs import REPO
 
 SINGLE = Topology(Layout(world_size=1), None, 0, 0, 0, 0, 0)
 EXPORT_TOL = 1e-4  # our logits against transformers' on the same weights (as the exports' tests)
@@ -49,6 +52,11 @@ def _save(model, optimizer, out: Path, step: int, save_to_hf: bool):
     save_checkpoint(out, step, model, optimizer, SINGLE, plan_of(config), config=config, trainer_state={"step": step},
                     rewrite=TransformersWeights(config) if save_to_hf else None)
     return out / f"checkpoint-{step}"
+
+
+def _tool(script: str, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "tools" / script), *map(str, args)], capture_output=True,
+                          text=True, timeout=300, cwd=REPO)
 
 
 def _stored(folder: Path) -> dict[str, np.ndarray]:
@@ -101,11 +109,18 @@ def test_a_checkpoint_saved_to_hf_resumes_with_every_weight_exact(tmp_path):
 
 
 def test_a_checkpoint_saved_to_hf_is_refused_where_our_layout_is_read_and_checked_on_resume(tmp_path):
+    """Readers of our layout refuse it by name (the tools too, without a traceback), the verify tool
+    passes it, and a corrupted file fails verification and the resume."""
     model, optimizer = _trained("qwen2", tmp_path)
     folder = _save(model, optimizer, tmp_path / "out", 1, save_to_hf=True)
-    for read in (lambda: UnifiedReader(folder, "model"), lambda: export_hf(folder, tmp_path / "export")):
+    for read in (lambda: UnifiedReader(folder, "model"), lambda: export_hf(folder, tmp_path / "export"),
+                 lambda: export_paddlenlp_fused(folder, tmp_path / "fused", frozenset({"fuse_attention_qkv"}))):
         with pytest.raises(CheckpointError, match="saved with --save_to_hf.*tools/convert_hf.py import"):
             read()
+    split = _tool("reshard.py", "split", folder, tmp_path / "split", "--tensor_parallel_degree", "2")
+    assert split.returncode == 1 and "saved with --save_to_hf" in split.stderr and "Traceback" not in split.stderr
+    verified = _tool("verify_checkpoint.py", folder)
+    assert verified.returncode == 0 and verified.stdout.strip().endswith(": OK"), verified.stdout + verified.stderr
     shard = max(folder.glob("model-*.safetensors"), key=lambda path: path.stat().st_size)
     data = bytearray(shard.read_bytes())
     data[-5] ^= 0x01

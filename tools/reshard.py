@@ -29,11 +29,12 @@ from checkpoint.split import join_split, split_checkpoint
 from checkpoint.unified_io import export_weights, rechunk
 from checkpoint.writers import assign_writers
 from modeling.paddlenlp_fused import FFN, QKV
-from modeling.registry import config_from_dict, load_config, plan_of, validate_layout
+from modeling.registry import config_from_dict, plan_of, validate_layout
 from paddle_pp.interop.fleet import merge_fleet
 from paddle_pp.interop.paddleformers import import_flex
 from paddle_pp.interop.pickled import ALLOW_UNSAFE_PICKLE_HELP
 from paddle_pp.interop.transformers import export_paddlenlp_fused
+from paddle_pp.interop.transformers_layout import checkpoint_config
 from paddle_pp.planning.memory import Workload, dispatch_bytes_per_step, plan_layout, ring_bytes_per_step
 from paddle_pp.runtime.errors import UserError
 from paddle_pp.runtime.flags import add_flags, read_flags
@@ -44,7 +45,8 @@ DATA_SUFFIXES = {".safetensors", ".pdparams", ".pdopt", ".distcp"}
 
 
 def _plan(args) -> int:
-    config = load_config(args.checkpoint) if args.checkpoint else config_from_dict(json.loads(args.config.read_text()))
+    config = config_from_dict(checkpoint_config(args.checkpoint) if args.checkpoint else
+                              json.loads(args.config.read_text()))
     layout = Layout.from_args(args, world_size=args.world_size, device=args.device)
     compute_bytes = 2 if args.bf16 else 4
     workload = read_flags(Workload, args)
@@ -97,7 +99,7 @@ def _rewrite(args) -> int:
         if args.command == "split":
             layout = Layout.from_args(args, world_size=args.tensor_parallel_degree * args.pipeline_parallel_degree
                                       * args.sharding_parallel_degree, device="cpu")
-            config = load_config(args.source)
+            config = config_from_dict(checkpoint_config(args.source))
             validate_layout(config, layout)
             out = split_checkpoint(args.source, args.target, layout, plan_of(config), on_tensor)
         elif args.command == "weights" and (args.fuse_attention_qkv or args.fuse_attention_ffn):

@@ -16,7 +16,14 @@ from typing import Callable
 import numpy as np
 
 from checkpoint.durable import new_folder
-from checkpoint.format import CONFIG_FILE, MODEL, CheckpointError, copy_tokenizer_files
+from checkpoint.format import (
+    CONFIG_FILE,
+    MODEL,
+    CheckpointError,
+    copy_tokenizer_files,
+    read_index,
+    require_our_layout,
+)
 from checkpoint.shards import TensorSpec, pack, write_shard
 from checkpoint.unified_io import UnifiedReader
 from modeling.family import ModelFamily
@@ -101,6 +108,7 @@ def export_hf(folder: Path, target: Path, max_shard_bytes: int = 5 << 30,
               on_tensor: Callable[[str, int], None] | None = None, dtype: str = "float32") -> Path:
     """A transformers-loadable folder (config.json, model.safetensors[ + index], tokenizer) from a
     unified checkpoint, its weights in `dtype` (shards.EXPORT_DTYPES)."""
+    require_our_layout(read_index(folder, MODEL), Path(folder))
     saved = json.loads((Path(folder) / CONFIG_FILE).read_text())
     adapter, config = _transformers_family(saved, Path(folder)).transformers, config_from_dict(saved)
     return export_stored(folder, target, lambda name, row: adapter.stored(name, row, config),
@@ -111,6 +119,7 @@ def export_paddlenlp_fused(folder: Path, target: Path, fused: frozenset[str], ma
                            on_tensor: Callable[[str, int], None] | None = None, dtype: str = "float32") -> Path:
     """A PaddleNLP save_pretrained-style folder whose model fuses the projections `fused` names
     (fuse_attention_qkv, fuse_attention_ffn), as PaddleNLP's own model with those flags stores them."""
+    require_our_layout(read_index(folder, MODEL), Path(folder))
     saved = json.loads((Path(folder) / CONFIG_FILE).read_text())
     model_family = family(saved.get("model_type"))
     unknown = fused - model_family.paddlenlp_fused
