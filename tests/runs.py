@@ -46,7 +46,9 @@ class Run:
 
 FINAL_STEP = 20
 FINAL_SAVE = ("--save_steps", str(FINAL_STEP))  # the single-card runs keep their final weights for parity tests
-SINGLE = Run("single", flags=FINAL_SAVE)
+# The single-card LLaMA run: its 20 steps are every layout's reference, its step-10 save is where resumes
+# from one card start, its final weights are the parity tests' (a save does not change what is trained).
+SINGLE = Run("single", flags=("--save_steps", str(RESUME_STEP)))
 SINGLE_GPT = Run("full_gpt", flags=GPT + FINAL_SAVE)
 CP2 = ("--context_parallel_degree", "2")
 MICRO2 = ("--per_device_train_batch_size", "2")  # 4 micro-batches of 2 a step: half the ring's round trips
@@ -59,6 +61,9 @@ GPT_CP2_PP2 = Run("gpt_cp2_pp2_recompute", 4, GPT + CP2 + PP2 + MICRO2 + (
 # The 16-rank run both suites need: the trainer compares its 20 steps with single card, the
 # checkpoint tests resume its step-10 checkpoint on one card.
 FOUR_D_SAVING = Run("4d_saving", 16, TP2 + PP2 + SHARDING2 + ("--save_steps", str(RESUME_STEP)))
+# tp2 x pp2 saving in the background at step 10: the trainer suite compares its 20 steps with single card
+# (so saving in the background changes nothing trained), the checkpoint suite resumes its step-10 save.
+TP2_PP2_SAVING = Run("tp2pp2_async_saving", 4, TP2 + PP2 + ("--async_save", "--save_steps", str(RESUME_STEP)))
 
 
 def pretrain(launch, data_cache: Path, out: Path, nproc: int, flags, tag: str, nnodes: int = 1) -> list[dict]:

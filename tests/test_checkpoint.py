@@ -38,6 +38,7 @@ from runs import (
     SINGLE,
     SINGLE_GPT,
     TP2,
+    TP2_PP2_SAVING,
     Run,
     planned_writers,
     pretrain,
@@ -48,7 +49,7 @@ RESUME_TOL = 1e-5
 LAYOUTS = {  # name: (nproc, flags)
     "single": (1, ()),
     "4d": (FOUR_D_SAVING.nproc, FOUR_D_SAVING.flags),
-    "tp2pp2": (4, TP2 + PP2 + ("--async_save",)),  # TP pieces written in place from host copies, in the background
+    "tp2pp2": (TP2_PP2_SAVING.nproc, TP2_PP2_SAVING.flags),  # TP pieces written in place from host copies, in the background
     "dp2_sharding2": (4, SHARDING2),
     "pp2": (2, PP2),
     "pp2_vpp2": (2, PP2 + ("--virtual_pp_degree", "2")),
@@ -65,9 +66,11 @@ def full(model: str) -> Run:
 
 
 def first(model: str, layout: str) -> Run:
-    """10 steps under `layout` and a save; for 4D, the trainer suite's run that saves at step 10 too."""
-    if layout == "4d":
-        return FOUR_D_SAVING
+    """10 steps under `layout` and a save; for LLaMA on one card, under 4D and tp2 x pp2, the trainer
+    suite's 20-step runs, which save at step 10 too."""
+    shared = {"4d": FOUR_D_SAVING, "tp2pp2": TP2_PP2_SAVING, "single": SINGLE}
+    if model == "llama" and layout in shared:
+        return shared[layout]
     nproc, flags = LAYOUTS[layout]
     return Run(f"first_{model}_{layout}", nproc, (GPT if model == "gpt" else ()) + flags + HALF)
 

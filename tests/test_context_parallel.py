@@ -26,7 +26,6 @@ from runs import (
     CP2_PP2,
     FINAL_SAVE,
     GPT_CP2_PP2,
-    HALF,
     MICRO2,
     MODEL,
     PP2,
@@ -70,10 +69,9 @@ LAYOUTS = [
     (Run("cp4", 4, cp(4) + MICRO2 + FINAL_SAVE), SINGLE),
     (GPT_CP2_PP2, SINGLE_GPT),
 ]
-SINGLE_FIRST_HALF = Run("first_llama_single", 1, HALF)  # the checkpoint suite's 10 single-card steps and save
 RESUMES = {  # cp ranks hold whole weights: the checkpoint is the same whichever the cp degree
     "cp2_tp2_sp->single": Run("cp2_tp2_sp_to_single", 1, (), resume_from=CP2_TP2_SP),
-    "single->cp2_pp2": Run("single_to_cp2_pp2", 4, cp(2) + PP2 + MICRO2, resume_from=SINGLE_FIRST_HALF),
+    "single->cp2_pp2": Run("single_to_cp2_pp2", 4, cp(2) + PP2 + MICRO2, resume_from=SINGLE),
 }
 
 

@@ -13,8 +13,9 @@ that saved its folder with our logits (1e-4). Gemma 3 (tied, sandwich norms, q/k
 rotary per layer type) and Phi-3 (fused projections, partial longrope rotary, windows) train 20
 steps on one card and under tp2 x pp2, and resume the latter's step-10 checkpoint, saved in
 transformers' layout, under tp2 + SP (Gemma 3) and stage3 x tp2 (Phi-3). LLaMA
-(tied, Llama 3.1 rope), GPT-2 (its fused c_attn cut into q, k, v and over tp on load: tp2 x pp2)
-and the transformers 5 folders whose fields differ in their own way train 3 steps on one card.
+(tied, Llama 3.1 rope; their own tokenizers) and GPT-2 (its fused c_attn cut into q, k, v and over tp
+on load: tp2 x pp2) train 3 steps through the trainer's flags; the transformers 5 folders whose
+fields differ in their own way start in the per-layer launch.
 Qwen3's and Gemma's layers are Gemma 3's with fewer switches (per-head q/k norms, 1 + weight norms,
 ties): their folders give transformers' logits (tests/test_model_folders.py) and Gemma's exports
 from its transformers 5 start and loads in PaddleNLP.
@@ -55,11 +56,13 @@ EXPORTED = {"qwen2": "qwen2:transformers5", "gemma": "gemma:transformers5"}
 # the kinds whose attention differs per layer, started from both versions' folders in one launch
 PER_LAYER = ["gemma2", "gemma3_text", "phi3", "olmo2", "smollm3", "granite", "ernie4_5", "mpt", "mistral", "qwen2_window"]
 SHORT = ("--max_steps", str(FOLDER_STEPS), "--eval_steps", "0", "--warmup_steps", "1")
+# transformers 4.x folders through the trainer's flags (their own tokenizers: Llama 3's tokenizer.json, SmolLM's)
+SHORT_RUNS = [(kind, "transformers4") for kind in ("llama_tied", "llama3", "gpt2")]
 # transformers 5 folders of the kinds whose config or export differs in its own way (llama3 rope, linear rope with
-# biases, Qwen2's layer_types, Gemma's norms, GPT-2); plain and tied LLaMA, Mistral and Qwen3 read and write the same
-# fields (their 5.x folders' logits: tests/test_model_folders.py; a 5.x start with q/k norms: tests/test_moe.py)
-SHORT_RUNS = [(kind, "transformers4") for kind in ("llama_tied", "llama3", "gpt2")] + \
-    [(kind, "transformers5") for kind in ("llama3", "llama_linear", "qwen2", "gemma", "gpt2")]
+# biases, Qwen2's layer_types, Gemma's norms, GPT-2), started in the per-layer launch; plain and tied LLaMA, Mistral
+# and Qwen3 read and write the same fields (their 5.x folders' logits: tests/test_model_folders.py; a 5.x start with
+# q/k norms: tests/test_moe.py)
+FIVE = ["llama3", "llama_linear", "qwen2", "gemma", "gpt2"]
 
 
 @pytest.fixture(scope="module")
@@ -89,14 +92,16 @@ def runs(pretrain_run, transformers4_folders, transformers5_folders):
 
 @pytest.fixture(scope="module")
 def per_layer_starts(run_workers_module, transformers4_folders, transformers5_folders, tmp_path_factory):
-    """Every PER_LAYER kind from both versions' folders, started in one tp2 x pp2 + SP launch: (its
-    result by folder name `<kind>-<version>`, the folder of their checkpoints)."""
+    """Every PER_LAYER kind from both versions' folders and the FIVE kinds from transformers 5's, started
+    in one tp2 x pp2 + SP launch: (its result by folder name `<kind>-<version>`, the folder of their
+    checkpoints)."""
     links = tmp_path_factory.mktemp("per_layer")
     folders = []
-    for kind in PER_LAYER:
-        for version, root in (("transformers4", transformers4_folders), ("transformers5", transformers5_folders)):
-            (links / f"{kind}-{version}").symlink_to(root / kind)
-            folders.append(links / f"{kind}-{version}")
+    for kind, version in [(kind, version) for kind in PER_LAYER for version in ("transformers4", "transformers5")] + \
+            [(kind, "transformers5") for kind in FIVE]:
+        root = transformers4_folders if version == "transformers4" else transformers5_folders
+        (links / f"{kind}-{version}").symlink_to(root / kind)
+        folders.append(links / f"{kind}-{version}")
     results = run_workers_module("folders_worker.py", 4, [transformers5_folders / "rows.npy", links / "out", 8,
                                                           *folders, *TP2, *PP2, *SP, "--save_to_hf"], timeout=900,
                                  tag="per_layer")
@@ -110,9 +115,9 @@ def transformers5_checkpoint_logits(per_layer_starts, tmp_path_factory):
     _, out = per_layer_starts
     ids = tmp_path_factory.mktemp("ids5") / "ids.npy"
     np.save(ids, IDS)
-    folders = [out / f"{kind}-transformers5" / "checkpoint-2" for kind in PER_LAYER]
+    folders = [out / f"{kind}-transformers5" / "checkpoint-2" for kind in PER_LAYER + FIVE]
     hf_models.transformers5("logits", ids, *folders)
-    return {kind: np.load(f"{folder}.npy") for kind, folder in zip(PER_LAYER, folders)}
+    return {kind: np.load(f"{folder}.npy") for kind, folder in zip(PER_LAYER + FIVE, folders)}
 
 
 @pytest.mark.parametrize("kind", PER_LAYER)
@@ -215,23 +220,31 @@ def test_a_new_familys_checkpoint_exports_to_transformers_and_loads_in_paddlenlp
 
 @pytest.mark.parametrize("kind, saved_by", SHORT_RUNS, ids=[f"{kind}-{which}" for kind, which in SHORT_RUNS])
 def test_a_transformers_folder_starts_at_transformers_loss_and_exports_back(
-        kind, saved_by, runs, transformers4_folders, transformers5_folders, data_cache, tmp_path):
-    """GPT-2's transformers 4.x folder under tp2 x pp2, the others on one card: step 1's loss
-    is that transformers' loss on the batch; the export after 3 steps gives that transformers'
-    logits; a tied model still holds one embedding."""
+        kind, saved_by, runs, transformers4_folders, data_cache, tmp_path):
+    """GPT-2's transformers 4.x folder under tp2 x pp2, the others on one card, each with its own
+    tokenizer: step 1's loss is that transformers' loss on the batch; the export after 3 steps gives
+    that transformers' logits; a tied model still holds one embedding."""
     result, out = runs(f"{kind}:{saved_by}")
     checkpoint = out / f"checkpoint-{FOLDER_STEPS}"
-    if saved_by == "transformers4":
-        expected = _transformers_loss(transformers4_folders / kind, data_cache, FOLDER_STEPS, 0)
-        _export_matches(checkpoint, tmp_path / "export", lambda export: hf_models.logits(export, IDS))
-    else:
-        expected = json.loads((transformers5_folders / f"{kind}.json").read_text())["loss"]
-
-        def transformers5_logits(export):
-            np.save(tmp_path / "ids.npy", IDS)
-            hf_models.transformers5("logits", tmp_path / "ids.npy", export)
-            return np.load(f"{export}.npy")
-
-        _export_matches(checkpoint, tmp_path / "export", transformers5_logits)
+    expected = _transformers_loss(transformers4_folders / kind, data_cache, FOLDER_STEPS, 0)
+    _export_matches(checkpoint, tmp_path / "export", lambda export: hf_models.logits(export, IDS))
     np.testing.assert_allclose(result["losses"][0], expected, rtol=LOSS_RTOL)
     _one_embedding(checkpoint, tmp_path / "export")
+
+
+@pytest.mark.parametrize("kind", FIVE)
+def test_a_transformers_5_folder_starts_at_its_loss_and_its_checkpoint_loads_back(
+        kind, per_layer_starts, transformers5_folders, transformers5_checkpoint_logits):
+    """Llama 3's rope, linear rope with biases, Qwen2's layer_types, Gemma's norms and GPT-2 from
+    transformers 5's folders under tp2 x pp2 + SP: the loss transformers 5 computed on the rows
+    (1e-5), and the checkpoint, in transformers' layout, loads in transformers 5 with our logits
+    (1e-4), a tied model's with one embedding."""
+    started, out = per_layer_starts
+    result, checkpoint = started[f"{kind}-transformers5"], out / f"{kind}-transformers5" / "checkpoint-2"
+    expected = json.loads((transformers5_folders / f"{kind}.json").read_text())["loss"]
+    np.testing.assert_allclose(result["loss"], expected, rtol=LOSS_RTOL)
+    np.testing.assert_allclose(transformers5_checkpoint_logits[kind], our_logits(checkpoint, IDS), atol=EXPORT_TOL,
+                               rtol=EXPORT_TOL)
+    if json.loads((checkpoint / "config.json").read_text()).get("tie_word_embeddings"):
+        assert not [name for name in json.loads((checkpoint / "model.safetensors.index.json").read_text())["weight_map"]
+                    if "lm_head" in name]

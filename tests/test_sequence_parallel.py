@@ -20,7 +20,6 @@ from paddle_pp.runtime.layout import Layout
 
 from runs import (
     GPT,
-    HALF,
     PP2,
     RESUME_STEP,
     SINGLE,
@@ -51,10 +50,9 @@ def test_sequence_parallel_trains_like_single_card(pretrain_run, run, reference)
     assert_trains_like(pretrain_run, run, reference, PARITY_RTOL, skip=ZERO_GRADIENT)
 
 
-SINGLE_FIRST_HALF = Run("first_llama_single", 1, HALF)  # the checkpoint suite's 10 single-card steps and save
 SP_RESUMES = {  # the checkpoint does not depend on SP: either way the single-card curve continues
     "tp2_pp2_sp->single": Run("tp2_pp2_sp_to_single", 1, (), resume_from=TP2_PP2_SP),
-    "single->tp2_sp": Run("single_to_tp2_sp", 2, TP2 + ("--sequence_parallel",), resume_from=SINGLE_FIRST_HALF),
+    "single->tp2_sp": Run("single_to_tp2_sp", 2, TP2 + ("--sequence_parallel",), resume_from=SINGLE),
 }
 
 

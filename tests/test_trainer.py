@@ -22,12 +22,12 @@ from paddle_pp.training.arguments import parse_args
 from paddle_pp.training.precision import PrecisionError
 from paddle_pp.training.trainer import Pretrainer, TrainingConfigError
 
-from runs import CP2_PP2, FOUR_D_SAVING, MODEL, PP2, REPO, SCRIPT, SINGLE, TP2, Run
+from runs import CP2_PP2, FOUR_D_SAVING, MODEL, REPO, SCRIPT, SINGLE, TP2_PP2_SAVING, Run
 
 LOSS_RTOL = 1e-4
 RUNS = {run.tag: run for run in (
     SINGLE,
-    Run("tp2pp2", 4, TP2 + PP2),
+    TP2_PP2_SAVING,
     Run("single_dense", 1, ("--no-use_flash_attention",)),
     Run("pp4", 4, ("--pipeline_parallel_degree", "4")),
     CP2_PP2,
@@ -42,7 +42,7 @@ def trained(pretrain_run):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", ["tp2pp2", "dp2_sharding2_tp2_pp2", "pp4"])
+@pytest.mark.parametrize("name", ["tp2pp2_async_saving", "dp2_sharding2_tp2_pp2", "pp4"])
 def test_layout_loss_curve_matches_single_card(trained, name):
     (reference, *_), _ = trained("single")
     results, _ = trained(name)
