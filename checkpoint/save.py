@@ -339,10 +339,10 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, topo: Topolog
     (e.g. the tokenizer) are copied in; `gradients` ({parameter's internal name: {"grad": tensor}})
     adds a gradients kind, for alignment checks; `rewrite` turns the model's files into another
     layout before the commit (`ModelRewrite`). `replica_check` (see `replicas.judge_replicas`)
-    runs before anything is created: a failed check leaves nothing behind. Three all-gathers of
-    small objects in all (fingerprints with holdings; outcomes; end of commit): rank 0 clears a stale
-    folder of this step before the first, each rank that writes creates the folder after it. Each is
-    a few tens of ms among 4 ranks on 2 cores."""
+    runs before anything is created: a failed check leaves nothing behind. Four all-gathers of
+    small objects in all (fingerprints with holdings; outcomes; indexes written; commit), two more
+    with `rewrite`: rank 0 clears a stale folder of this step before the first, each rank that
+    writes creates the folder after it. Each is a few tens of ms among 4 ranks on 2 cores."""
     output_dir = Path(output_dir)
     axes = plan.axes()
     state = model.state_dict()
