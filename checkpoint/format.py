@@ -88,8 +88,10 @@ def read_versioned_json(path: Path) -> dict:
 
 
 def weights_layout(folder: Path) -> str | None:
-    """How a checkpoint folder stores its weights (`WEIGHTS_LAYOUT`); None for ours."""
-    return read_index(folder, MODEL)["metadata"].get(WEIGHTS_LAYOUT)
+    """How a checkpoint folder stores its weights (`WEIGHTS_LAYOUT`); None for ours, and for a folder
+    with no model index of ours (a pre-split copy, a model folder of another library)."""
+    path = Path(folder) / index_name(MODEL)
+    return json.loads(path.read_text()).get("metadata", {}).get(WEIGHTS_LAYOUT) if path.is_file() else None
 
 
 def require_our_layout(index: dict, folder: Path) -> None:

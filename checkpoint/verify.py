@@ -28,7 +28,7 @@ def verify_checkpoint(folder: Path, plan_of_folder: Callable[[Path], ModelPlan] 
     are under transformers' names: the optimizer's keys are then checked against the plan's names,
     and their names and shapes are the reader's to check (`pretrained.open_pretrained`)."""
     folder = Path(folder)
-    ours = not (folder / index_name(MODEL)).is_file() or weights_layout(folder) is None
+    ours = weights_layout(folder) is None
     problems: list[str] = _against_config(folder, plan_of_folder) if plan_of_folder and ours else []
     model_names: set[str] | None = set()
     for kind in (MODEL, OPTIMIZER):

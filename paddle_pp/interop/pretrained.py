@@ -145,11 +145,6 @@ def _not_loaded(name: str, *_piece) -> np.ndarray:
     raise CheckpointError(f"{name}: the folder was opened for its config only (open_pretrained(weights=False))")
 
 
-def is_transformers_checkpoint(folder: Path) -> bool:
-    """A paddle-pp checkpoint whose weights are in transformers' layout (`--save_to_hf`)."""
-    return WEIGHTS_LAYOUT in _index_metadata(Path(folder))
-
-
 def _is_unified(folder: Path) -> bool:
     """A paddle-pp checkpoint in our own layout (one saved with --save_to_hf reads as transformers')."""
     metadata = _index_metadata(folder)

@@ -31,13 +31,14 @@ from checkpoint.format import (
     index_name,
     read_index,
     tensor_nbytes,
+    weights_layout,
 )
 from checkpoint.load import load_checkpoint
 from checkpoint.shards import TensorSpec, write_shard
 from checkpoint.unified_io import UnifiedReader
 from modeling.registry import config_from_dict, family_of, plan_of
 from modeling.tp_plan import ModelPlan
-from paddle_pp.interop.pretrained import is_transformers_checkpoint, load_pretrained, open_pretrained
+from paddle_pp.interop.pretrained import load_pretrained, open_pretrained
 from paddle_pp.interop.transformers import StoredTensors
 from paddle_pp.runtime.topology import Topology
 
@@ -108,7 +109,7 @@ def checkpoint_config(folder: Path) -> dict:
     """Our config of a checkpoint folder, in either weights layout (config.json is transformers' when
     it was saved with --save_to_hf), as `config.to_dict()` gives it."""
     folder = Path(folder)
-    if not is_transformers_checkpoint(folder):
+    if weights_layout(folder) is None:
         return json.loads((folder / CONFIG_FILE).read_text())
     return config_from_dict(open_pretrained(folder, weights=False).config).to_dict()
 
@@ -120,7 +121,7 @@ def checkpoint_plan(folder: Path) -> ModelPlan:
 
 def load_resumed(folder: Path, model, axes: dict, topo: Topology) -> dict:
     """The weights of a checkpoint to resume, in either weights layout, and its trainer state."""
-    if not is_transformers_checkpoint(folder):
+    if weights_layout(folder) is None:
         return load_checkpoint(folder, model, None, topo, axes)
     load_pretrained(open_pretrained(Path(folder)), model, axes, topo)
     return json.loads((Path(folder) / TRAINER_STATE_FILE).read_text())

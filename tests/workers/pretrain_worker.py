@@ -35,12 +35,12 @@ def resumed_exactly(trainer) -> bool | None:
     pre-split copy's rank file (None: not resumed)."""
     import numpy as np
 
-    from checkpoint.format import MODEL, OPTIMIZER, STATE_SEPARATOR
+    from checkpoint.format import MODEL, OPTIMIZER, STATE_SEPARATOR, weights_layout
     from checkpoint.optimizer_state import states_by_parameter
     from checkpoint.shards import ShardReader
     from checkpoint.split import is_split, rank_file
     from checkpoint.unified_io import UnifiedReader
-    from paddle_pp.interop.pretrained import is_transformers_checkpoint, open_pretrained
+    from paddle_pp.interop.pretrained import open_pretrained
 
     folder = trainer.resume_dir
     if folder is None:
@@ -57,7 +57,7 @@ def resumed_exactly(trainer) -> bool | None:
         weights, states = (ShardReader(folder / rank_file(kind, tp_rank, trainer.topo.pp_rank))
                            for kind in (MODEL, OPTIMIZER))
     else:
-        weights, states = (None if is_transformers_checkpoint(folder) else UnifiedReader(folder, MODEL),
+        weights, states = (None if weights_layout(folder) is not None else UnifiedReader(folder, MODEL),
                            UnifiedReader(folder, OPTIMIZER))
     if weights is None:
         pretrained = open_pretrained(folder)
