@@ -59,8 +59,8 @@ def main() -> None:
     memory = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, (tp, sp) in CASES.items():
-            (rank0, *_) = launch(WORKER, tp, ["llama", tp, int(sp), *shape], work_dir=Path(tmp) / name, timeout=900)
-            measured = rank0["bytes"]["dense"]
+            (rank0, *_) = launch(WORKER, tp, [tp, *shape, f"llama:{int(sp)}"], work_dir=Path(tmp) / name, timeout=900)
+            measured = rank0[f"llama:{int(sp)}"]["bytes"]["dense"]
             by_kind: dict[str, int] = {}
             for sublayer, size in measured.items():
                 by_kind[kind(sublayer)] = by_kind.get(kind(sublayer), 0) + size

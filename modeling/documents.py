@@ -25,14 +25,35 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
+from modeling.context_parallel import chunk_bounds, split_sequence
 
-def document_positions(input_ids: paddle.Tensor, end_ids: tuple[int, ...]) -> paddle.Tensor:
+
+def document_positions(input_ids: paddle.Tensor, end_ids: tuple[int, ...], ring=None) -> paddle.Tensor:
     """int64 [batch, seq]: each token's position inside its document (0 at a sample's first token
-    and after every end-of-document token), without leaving the device."""
+    and after every end-of-document token), without leaving the device. Under context parallelism
+    (`ring`: `input_ids` are this rank's two chunks of each sequence) a document may begin on another
+    rank: where documents end is summed over the ring into the whole sequence first (one small
+    all-reduce), the positions found there, and this rank's kept."""
     ended = paddle.zeros(input_ids.shape, "bool")
     for end in end_ids:
         ended = paddle.logical_or(ended, input_ids == end)
-    batch, seq = input_ids.shape
+    if ring is None or ring.degree == 1:
+        return _positions_after(ended)
+    batch, local = input_ids.shape
+    whole = local * ring.degree
+    halves = (paddle.slice(ended, [1], [0], [local // 2]), paddle.slice(ended, [1], [local // 2], [local]))
+    pieces, previous = [], 0
+    for (start, stop), half in zip(chunk_bounds(whole, ring.degree, ring.rank), halves):
+        pieces += [paddle.zeros([batch, start - previous], "float32"), half.astype("float32")]
+        previous = stop
+    pieces.append(paddle.zeros([batch, whole - previous], "float32"))
+    everywhere = ring.all_reduce(paddle.concat([p for p in pieces if p.shape[1]], axis=1)) > 0.5
+    return split_sequence(_positions_after(everywhere), ring.degree, ring.rank)
+
+
+def _positions_after(ended: paddle.Tensor) -> paddle.Tensor:
+    """Positions inside documents of a whole sequence whose end-of-document tokens are `ended`."""
+    batch, seq = ended.shape
     begins = paddle.concat([paddle.ones([batch, 1], "bool"), ended[:, :-1]], axis=1)
     index = paddle.arange(seq, dtype="int64").unsqueeze(0).expand([batch, seq])
     starts = paddle.cummax(paddle.where(begins, index, paddle.zeros_like(index)), axis=1)[0]
@@ -54,29 +75,42 @@ def unpack(value) -> tuple[paddle.Tensor, paddle.Tensor | None]:
 
 @dataclass(frozen=True)
 class Documents:
-    """Where each position's document starts, per batch row (host values: the blockwise core picks
-    the blocks it computes from them)."""
+    """Where each query's document starts, per batch row, as a sequence position (host values: the
+    blockwise core picks the blocks it computes from them), and the sequence positions of the keys
+    a call sees (None: key j is position j, a whole sequence's call). Queries and keys are in
+    increasing positions, so starts only grow along a row; under context parallelism a rank's
+    queries are its two chunks and each call of the ring sees another rank's (`for_keys`)."""
 
-    starts: np.ndarray  # int64 [batch, seq]
+    starts: np.ndarray  # int64 [batch, queries]
+    keys: np.ndarray | None = None  # int64 [keys]
 
     @classmethod
-    def of(cls, positions: paddle.Tensor) -> Documents:
-        held = positions.numpy()
-        return cls(np.arange(held.shape[1])[None, :] - held)
+    def of(cls, positions: paddle.Tensor, held: np.ndarray | None = None) -> Documents:
+        """From the document positions of the queries at sequence positions `held` (None: 0..seq-1)."""
+        inside = positions.numpy()
+        return cls((np.arange(inside.shape[1]) if held is None else held)[None, :] - inside)
+
+    def for_keys(self, keys: np.ndarray, rows: slice = slice(None)) -> Documents:
+        """The documents of a call of the queries `rows` on the keys at positions `keys`."""
+        return Documents(self.starts[:, rows], keys)
+
+    def _key(self, j: int) -> int:
+        return j if self.keys is None else int(self.keys[j])
 
     def oldest_key(self, i0: int) -> int:
-        """The first key any query from position i0 on still sees (starts only grow along a row)."""
-        return int(self.starts[:, i0].min())
+        """The first key (index) any query from query i0 on still sees."""
+        oldest = int(self.starts[:, i0].min())
+        return oldest if self.keys is None else int(np.searchsorted(self.keys, oldest))
 
     def cuts(self, i0: int, i1: int, j0: int) -> bool:
         """Whether some query in [i0, i1) has its document start after key j0 (the block needs the mask)."""
-        return bool(self.starts[:, i1 - 1].max() > j0)
+        return bool(self.starts[:, i1 - 1].max() > self._key(j0))
 
     def mask(self, i0: int, i1: int, j0: int, j1: int, groups: int) -> paddle.Tensor:
         """fp32 [batch, 1, (i1 - i0) x groups, j1 - j0]: 0 where a query row's document holds the key,
         -inf where it does not (rows laid out as the blockwise core's: position r // groups)."""
         rows = np.repeat(self.starts[:, i0:i1], groups, axis=1)[:, None, :, None]
-        keys = np.arange(j0, j1)[None, None, None, :]
+        keys = (np.arange(j0, j1) if self.keys is None else self.keys[j0:j1])[None, None, None, :]
         return paddle.to_tensor(np.where(keys >= rows, 0.0, -np.inf).astype(np.float32))
 
     def visible(self, groups: int) -> paddle.Tensor:

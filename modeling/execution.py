@@ -21,6 +21,7 @@ from modeling.attention_core import CORES, AttentionCore, choose_core
 from modeling.attention_core.ring import Ring
 from modeling.attention_core.spec import CoreSpec
 from modeling.context_parallel import local_positions
+from modeling.documents import Documents
 from modeling.router_stats import RouterStats
 from paddle_pp.runtime.experts import ExpertGroup
 
@@ -103,6 +104,11 @@ class Execution:
         if self.ring is None:
             return None
         return local_positions(local_len * self.ring.degree, self.ring.degree, self.ring.rank)
+
+    def documents_at(self, positions: paddle.Tensor | None) -> Documents | None:
+        """Where the documents of this rank's queries start, from their positions inside their documents
+        (None: one causal stream); sequence positions, which under context parallelism are not 0..n-1."""
+        return None if positions is None else Documents.of(positions, self.positions(positions.shape[1]))
 
     def spec_for(self, spec: CoreSpec) -> CoreSpec:
         """A layer's attention spec as this run computes it (inside documents, when per-document)."""

@@ -3,7 +3,7 @@ gives, token by token, what its documents give run one at a time. The references
 own models (made inside the test) run on each document alone, for the logits of LLaMA 3, Gemma 2
 (windows, soft-caps), GPT-2 (learned positions), DeepSeek-V3 (latent attention, yarn) and GPT-OSS
 (sinks, windows); our single-card model on each document alone, for the gradients of the summed
-loss; and the single card per document, for tp2 x pp2 + SP (the positions cross the pipeline's p2p)."""
+loss; and the single card per document, for the ring of cp2 x tp2 x pp2 + SP and cp4."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from paddle_pp.training.arguments import parse_args
 from paddle_pp.training.trainer import run_execution
 
 import hf_models
-from parity import EVAL_RTOL, TRAIN_TOL, assert_matches, our_model, run_model, write_model_files
+from parity import EVAL_RTOL, TRAIN_TOL, assert_matches, layout_runs, our_model, write_model_files
 from runs import PP2, TP2
 
 END = 3  # the end-of-document token of these tests
@@ -113,14 +113,25 @@ CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_la
 BLOCKWISE = ("--attention", "blockwise", "--block", "6", "--documents", str(END))
 
 
-@pytest.mark.multiproc
-def test_per_document_training_under_tp2_pp2_sp_matches_the_single_card(run_workers_module, tmp_path_factory):
-    """Eval loss (1e-6), 3 AdamW steps and every parameter after them (1e-5): tp2 x pp2 + SP with
-    the blockwise core against one card's dense core, both per document."""
+CP2, CP4 = ("--context_parallel_degree", "2"), ("--context_parallel_degree", "4")
+LAYOUTS = {"cp2_tp2_pp2_sp": (8, CP2 + TP2 + PP2 + ("--sequence_parallel",) + BLOCKWISE), "cp4": (4, CP4 + BLOCKWISE)}
+
+
+@pytest.fixture(scope="module")
+def documents_runs(run_workers_module, tmp_path_factory):
     files = write_model_files(tmp_path_factory.mktemp("llama_documents"), "llama", CONFIG, LlamaForCausalLM)
-    single = run_model(run_workers_module, files, 1, ("--documents", str(END)), "single")
-    layout = run_model(run_workers_module, files, 4, TP2 + PP2 + ("--sequence_parallel",) + BLOCKWISE, "tp2_pp2_sp")
-    assert_matches("tp2_pp2_sp", layout, single)
+    return layout_runs(run_workers_module, files, LAYOUTS, ("--documents", str(END)))
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_per_document_training_under_cp_tp_pp_and_sp_matches_the_single_card(documents_runs, layout):
+    """Eval loss (1e-6), 3 AdamW steps and every parameter after them (1e-5) against one card's dense
+    core, all per document (an end-of-document token at about one position in six of 16): the ring
+    of cp2 x tp2 x pp2 + SP (the positions cross the pipeline's p2p; a document begun on the other
+    rank) and of cp4 (three ring steps of 2-token chunks, queries that see none of a step's keys),
+    with the blockwise kernel's blocks of 6 crossing chunks and documents."""
+    assert_matches(layout, documents_runs(layout), documents_runs("single"))
 
 
 @pytest.mark.parametrize("window", [None, 3])
@@ -144,7 +155,7 @@ def test_the_flag_sets_the_tokenizers_end_token_and_refuses_what_it_cannot_keep(
     execution, notes = run_execution(per_document, CPU, None, 64, 2)
     assert execution.documents == (2,) and any("ends at token 2" in note for note in notes)
     assert run_execution(parse_args([]).model, CPU, None, 64, 2)[0].documents is None
-    with pytest.raises(UserError, match="--no-use_global_causal_attn with --context_parallel_degree 2"):
-        run_execution(per_document, Layout(world_size=2, device="cpu", context_parallel_degree=2), None, 64, 2)
+    under_cp = run_execution(per_document, Layout(world_size=2, device="cpu", context_parallel_degree=2), None, 64, 2)
+    assert under_cp[0].documents == (2,)
     with pytest.raises(UserError, match="no end-of-sequence token"):
         run_execution(per_document, CPU, None, 64, None)

@@ -367,25 +367,30 @@ EXPERT_COUNT_FIELD = {"qwen3_moe": "num_experts", "qwen2_moe": "num_experts", "m
                       "olmoe": "num_experts", "deepseek_v3": "n_routed_experts", "deepseek_v2": "n_routed_experts",
                       "glm4_moe": "n_routed_experts", "gpt_oss": "num_local_experts", "ernie4_5_moe": "moe_num_experts"}
 VERSIONS = ("transformers4", "transformers5")
+SPLIT_VERSION = "transformers5"  # the folders the split layout starts
 
 
 @pytest.fixture(scope="module")
 def moe_starts(moe_folders, run_workers_module, tmp_path_factory):
-    """Every MoE kind from both versions' folders started in one launch per layout (`workers/
-    folders_worker.py`): ep2 x dp2 x tp2 x pp2 + SP recomputing whole layers (8 ranks; its checkpoints
-    saved in transformers' layout), and one card,
-    both with one row per micro-batch (the Switch aux loss is a micro-batch's statistic). Per layout: (the results by folder name `<kind>-<version>`, the folder of their checkpoints)."""
+    """Every MoE kind started in one launch per layout (`workers/folders_worker.py`): from transformers
+    5's folders under ep2 x dp2 x tp2 x pp2 + SP recomputing whole layers (8 ranks; its checkpoints
+    saved in transformers' layout), from both versions' on one card, both with one row per micro-batch
+    (the Switch aux loss is a micro-batch's statistic). A 4.x folder differs from a 5 one in its
+    config's spelling and its weights, both read before any layout is applied: its start under the
+    split layout would run the 5 folder's code paths again (and cost 7 s a folder on 8 ranks here).
+    Per layout: (the results by folder name `<kind>-<version>`, the folder of their checkpoints)."""
     links = tmp_path_factory.mktemp("moe_starts")
-    folders = []
+    folders = {version: [] for version in VERSIONS}
     for kind in KINDS:
         for version in VERSIONS:
             (links / f"{kind}-{version}").symlink_to(moe_folders[version] / kind)
-            folders.append(links / f"{kind}-{version}")
+            folders[version].append(links / f"{kind}-{version}")
     rows = moe_folders["transformers5"] / "rows.npy"
     started = {}
-    for name, nproc, layout in (("split", 8, (*EP2, *DP2_TP2_PP2_SP, "--recompute", "--save_to_hf")),
-                                ("single", 1, ())):
-        results = run_workers_module("folders_worker.py", nproc, [rows, links / name, 8, *folders, *layout,
+    for name, nproc, started_folders, layout in (
+            ("split", 8, folders[SPLIT_VERSION], (*EP2, *DP2_TP2_PP2_SP, "--recompute", "--save_to_hf")),
+            ("single", 1, [folder for version in VERSIONS for folder in folders[version]], ())):
+        results = run_workers_module("folders_worker.py", nproc, [rows, links / name, 8, *started_folders, *layout,
                                                                   "--micro_batch_size", 1],
                                      timeout=900, tag=f"moe_starts_{name}")
         assert len({json.dumps({k: v["losses"] for k, v in r["folders"].items()}) for r in results}) == 1
@@ -399,25 +404,28 @@ def test_an_moe_folder_starts_under_ep2_tp2_pp2_sp_at_its_loss_and_trains_like_s
                                                                                           moe_folders):
     """Both versions' folders of every family (Qwen3-MoE's per-head q/k norms, OLMoE's split over tp,
     DeepSeek-V3's latent attention with sigmoid group-limited routing and correction biases that change
-    the choice, V2's greedy groups, GLM-4.5's, GPT-OSS's sinks and stacked experts) start under ep2 x
-    dp2 x tp2 x pp2 + SP, recomputing whole layers, at transformers' loss; their two steps and the
-    checkpoint's weights are one card's (every q/k norm and correction bias to 1e-5; other weights to
-    1e-4: Adam's first steps turn near-zero gradients' summation noise into lr-sized moves)."""
+    the choice, V2's greedy groups, GLM-4.5's, GPT-OSS's sinks and stacked experts) start on one card
+    at the loss of the transformers that saved them; transformers 5's start under ep2 x dp2 x tp2 x pp2
+    + SP, recomputing whole layers, at that loss, and their two steps and the checkpoint's weights are
+    one card's (every q/k norm and correction bias to 1e-5; other weights to 1e-4: Adam's first steps
+    turn near-zero gradients' summation noise into lr-sized moves)."""
     rows = np.load(moe_folders["transformers5"] / "rows.npy")
     (split, split_out), (single, single_out) = moe_starts["split"], moe_starts["single"]
+    expected = {"transformers5": json.loads((moe_folders["transformers5"] / f"{kind}.json").read_text())["loss"],
+                "transformers4": hf_models.loss(moe_folders["transformers4"] / kind, rows)}
     for version in VERSIONS:
-        name = f"{kind}-{version}"
-        expected = json.loads((moe_folders[version] / f"{kind}.json").read_text())["loss"] \
-            if version == "transformers5" else hf_models.loss(moe_folders[version] / kind, rows)
-        np.testing.assert_allclose(split[0]["folders"][name]["loss"], expected, rtol=LOSS_RTOL, err_msg=version)
-        np.testing.assert_allclose(split[0]["folders"][name]["losses"], single[0]["folders"][name]["losses"],
-                                   rtol=RESUME_RTOL, err_msg=version)
-        weights = [open_pretrained(out / name / "checkpoint-2") for out in (split_out, single_out)]
-        for tensor in plan_of(config_from_dict(weights[1].config)):  # the split one's in transformers' layout
-            got, reference = weights[0].read(tensor, None, 1, 0), weights[1].read(tensor, None, 1, 0)
-            drift = np.linalg.norm(got - reference) / max(np.linalg.norm(reference), 1e-12)
-            exact = tensor.endswith(("q_norm.weight", "k_norm.weight", "e_score_correction_bias"))
-            assert drift < (RESUME_RTOL if exact else PARITY_RTOL), f"{name} {tensor}: {drift:.2g}"
+        np.testing.assert_allclose(single[0]["folders"][f"{kind}-{version}"]["loss"], expected[version],
+                                   rtol=LOSS_RTOL, err_msg=version)
+    name = f"{kind}-{SPLIT_VERSION}"
+    np.testing.assert_allclose(split[0]["folders"][name]["loss"], expected[SPLIT_VERSION], rtol=LOSS_RTOL)
+    np.testing.assert_allclose(split[0]["folders"][name]["losses"], single[0]["folders"][name]["losses"],
+                               rtol=RESUME_RTOL)
+    weights = [open_pretrained(out / name / "checkpoint-2") for out in (split_out, single_out)]
+    for tensor in plan_of(config_from_dict(weights[1].config)):  # the split one's in transformers' layout
+        got, reference = weights[0].read(tensor, None, 1, 0), weights[1].read(tensor, None, 1, 0)
+        drift = np.linalg.norm(got - reference) / max(np.linalg.norm(reference), 1e-12)
+        exact = tensor.endswith(("q_norm.weight", "k_norm.weight", "e_score_correction_bias"))
+        assert drift < (RESUME_RTOL if exact else PARITY_RTOL), f"{name} {tensor}: {drift:.2g}"
 
 
 @pytest.mark.multiproc
@@ -429,22 +437,21 @@ def test_the_correction_bias_moves_by_the_rule_from_the_steps_global_counts_on_e
     4 micro-batches each under ep2 x tp2 x pp2 + SP, every layer recomputed, so counted once)."""
     rows = np.load(moe_folders["transformers5"] / "rows.npy")
     split, _ = moe_starts["split"]
-    for version in VERSIONS:
-        model, config = _our_model(moe_folders[version] / kind, train=True)
-        with paddle.no_grad():
-            model(paddle.to_tensor(rows[:, :-1]))
-        _, counts, _ = model.run.router_stats.take()
-        layers = [layer for layer in model.sublayers() if type(layer).__name__ == "SparseMoE"]
-        assert sorted(counts) == [layer.layer_index for layer in layers] and layers
-        for layer in layers:
-            load = counts[layer.layer_index].numpy().astype(np.float32)
-            assert load.sum() == rows.shape[0] * (rows.shape[1] - 1) * config.num_experts_per_tok
-            expected = layer.router_layer.correction.numpy() + np.float32(1e-3) * np.sign(load.mean() - load)
-            held = [r["folders"][f"{kind}-{version}"]["biases"].get(str(layer.layer_index)) for r in split]
-            assert sum(bias is not None for bias in held) == 4  # the ranks of its pipeline stage
-            for bias in held:
-                if bias is not None:
-                    np.testing.assert_array_equal(np.float32(bias), expected.astype(np.float32))
+    model, config = _our_model(moe_folders[SPLIT_VERSION] / kind, train=True)
+    with paddle.no_grad():
+        model(paddle.to_tensor(rows[:, :-1]))
+    _, counts, _ = model.run.router_stats.take()
+    layers = [layer for layer in model.sublayers() if type(layer).__name__ == "SparseMoE"]
+    assert sorted(counts) == [layer.layer_index for layer in layers] and layers
+    for layer in layers:
+        load = counts[layer.layer_index].numpy().astype(np.float32)
+        assert load.sum() == rows.shape[0] * (rows.shape[1] - 1) * config.num_experts_per_tok
+        expected = layer.router_layer.correction.numpy() + np.float32(1e-3) * np.sign(load.mean() - load)
+        held = [r["folders"][f"{kind}-{SPLIT_VERSION}"]["biases"].get(str(layer.layer_index)) for r in split]
+        assert sum(bias is not None for bias in held) == 4  # the ranks of its pipeline stage
+        for bias in held:
+            if bias is not None:
+                np.testing.assert_array_equal(np.float32(bias), expected.astype(np.float32))
 
 
 @pytest.fixture(scope="module")
@@ -454,7 +461,7 @@ def transformers5_checkpoint_logits(moe_starts, tmp_path_factory):
     _, out = moe_starts["split"]
     ids = tmp_path_factory.mktemp("moe_ids") / "ids.npy"
     np.save(ids, IDS)
-    folders = {f"{kind}-{version}": out / f"{kind}-{version}" / "checkpoint-2" for kind in KINDS for version in VERSIONS}
+    folders = {f"{kind}-{SPLIT_VERSION}": out / f"{kind}-{SPLIT_VERSION}" / "checkpoint-2" for kind in KINDS}
     hf_models.transformers5("logits", ids, *folders.values())
     return {name: np.load(f"{folder}.npy") for name, folder in folders.items()}
 
@@ -475,21 +482,24 @@ def _stored_names(folder) -> set[str]:
 @pytest.mark.parametrize("kind", KINDS)
 def test_an_moe_checkpoint_loads_in_both_transformers_as_saved_and_exported(kind, moe_starts, moe_folders,
                                                                             transformers5_checkpoint_logits, tmp_path):
-    """The split start's checkpoint, saved in transformers' layout, and the single card's, exported: the
-    folder's tensor names (GPT-OSS's experts stacked again, DeepSeek's correction biases beside their
-    routers) and config.json are the same in both and the expert count is under the family's field;
-    transformers 5.23 loads the checkpoint as it is and 4.55 the export, each with our logits."""
+    """The split start's checkpoint (of transformers 5's folder), saved in transformers' layout, and the
+    single card's of both versions' folders, exported: the folder's tensor names (GPT-OSS's experts
+    stacked again, DeepSeek's correction biases beside their routers) and config.json are the same in
+    all and the expert count is under the family's field; transformers 5.23 loads the checkpoint as it
+    is and 4.55 the exports, each with our logits."""
     (_, out), (_, single_out) = moe_starts["split"], moe_starts["single"]
     for version in VERSIONS:
         name = f"{kind}-{version}"
-        checkpoint = out / name / "checkpoint-2"
         export = export_hf(single_out / name / "checkpoint-2", tmp_path / name)
-        written = json.loads((checkpoint / "config.json").read_text())
-        assert written == json.loads((export / "config.json").read_text())
+        written = json.loads((export / "config.json").read_text())
         assert written[EXPERT_COUNT_FIELD[kind]] == config_from_dict(
             open_pretrained(moe_folders[version] / kind).config).num_experts
-        assert _stored_names(checkpoint) == _stored_names(export) == _stored_names(moe_folders[version] / kind)
-        np.testing.assert_allclose(transformers5_checkpoint_logits[name], our_logits(checkpoint, IDS), atol=EXPORT_TOL,
-                                   rtol=EXPORT_TOL)
+        assert _stored_names(export) == _stored_names(moe_folders[version] / kind)
         np.testing.assert_allclose(hf_models.logits(export, IDS), our_logits(export, IDS), atol=EXPORT_TOL,
                                    rtol=EXPORT_TOL)
+        if version == SPLIT_VERSION:
+            checkpoint = out / name / "checkpoint-2"
+            assert json.loads((checkpoint / "config.json").read_text()) == written
+            assert _stored_names(checkpoint) == _stored_names(export)
+            np.testing.assert_allclose(transformers5_checkpoint_logits[name], our_logits(checkpoint, IDS),
+                                       atol=EXPORT_TOL, rtol=EXPORT_TOL)

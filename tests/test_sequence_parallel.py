@@ -69,9 +69,15 @@ BATCH, SEQ, HIDDEN, INTERMEDIATE, HEADS, KV_HEADS = 2, 64, 96, 160, 6, 2
 
 @pytest.fixture(scope="module")
 def measured_activations(run_workers_module):
-    return {(model_type, tp, sp): run_workers_module(
-        "activation_worker.py", tp, [model_type, tp, int(sp), BATCH, SEQ, HIDDEN, INTERMEDIATE, HEADS, KV_HEADS],
-        tag=f"activations_{model_type}_tp{tp}_sp{int(sp)}") for model_type, tp, sp in ACTIVATION_CASES}
+    """{case: every rank's measurement}, one launch per tp degree measuring all of its cases."""
+    measured = {}
+    for tp in sorted({tp for _, tp, _ in ACTIVATION_CASES}):
+        cases = {f"{model_type}:{int(sp)}": (model_type, tp, sp) for model_type, case_tp, sp in ACTIVATION_CASES
+                 if case_tp == tp}
+        ranks = run_workers_module("activation_worker.py", tp, [tp, BATCH, SEQ, HIDDEN, INTERMEDIATE, HEADS, KV_HEADS,
+                                                                *cases], tag=f"activations_tp{tp}")
+        measured |= {case: [rank[name] for rank in ranks] for name, case in cases.items()}
+    return measured
 
 
 def _config(model_type: str):

@@ -154,27 +154,47 @@ def attend(q_rows: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, groups: in
     a query sees keys up to its own (within `spec.window`, and inside its document when `documents`
     are given); otherwise every key."""
     blocks = Blocks(q_rows.shape[2] // groups, k.shape[2], groups, causal, block, spec, documents)
+    # A causal call's rows each see their own position; a ring call's rows on another rank's keys may
+    # see none of them inside their documents: such a row's output is 0 and its log-sum-exp -inf,
+    # which the ring's merge weighs at 0 (its maximum is then taken as 0 to keep exp finite)
+    unseen_rows = documents is not None and not causal
     outputs, sums = [], []
     for i0, i1 in blocks.queries():
         q_block = q_rows[:, :, i0 * groups:i1 * groups]
+        keys = blocks.keys_for(i0, i1)
+        if not keys:
+            rows = [q_rows.shape[0], q_rows.shape[1], (i1 - i0) * groups]
+            outputs.append(paddle.zeros(rows + [v.shape[3]], out_dtype or q_rows.dtype))
+            sums.append(paddle.full(rows + [1], -np.inf, FP32))
+            continue
         high = acc = total = None
         # the diagonal block first: every row sees its own position there, so its running maximum is
         # finite from the start and a later block the window hides from a row adds exp(-inf) = 0
-        for j0, j1 in reversed(blocks.keys_for(i0, i1)):
+        for j0, j1 in reversed(keys):
             scores, _ = blocks.scores(q_block, k[:, :, j0:j1], i0, i1, j0, j1)
             block_high = scores.max(-1, keepdim=True)
             new_high = block_high if high is None else paddle.maximum(high, block_high)
-            probs = paddle.exp(scores - new_high)
+            finite_high = _finite(new_high) if unseen_rows else new_high
+            probs = paddle.exp(scores - finite_high)
             values = paddle.matmul(probs.astype(v.dtype), v[:, :, j0:j1]).astype(FP32)
             if high is None:
                 total, acc = probs.sum(-1, keepdim=True), values
             else:
-                rescale = paddle.exp(high - new_high)
+                rescale = paddle.exp(high - finite_high)
                 total, acc = total * rescale + probs.sum(-1, keepdim=True), acc * rescale + values
             high = new_high
-        outputs.append((acc / total).astype(out_dtype or q_rows.dtype))
+        if unseen_rows:
+            acc, high = acc / paddle.where(total > 0, total, paddle.ones_like(total)), _finite(high)
+        else:
+            acc = acc / total
+        outputs.append(acc.astype(out_dtype or q_rows.dtype))
         sums.append(high + paddle.log(total))
     return _joined(outputs), _joined(sums)
+
+
+def _finite(high: paddle.Tensor) -> paddle.Tensor:
+    """Running row maxima with -inf (a row that has seen no key yet) taken as 0."""
+    return paddle.where(paddle.isinf(high), paddle.zeros_like(high), high)
 
 
 def attend_backward(q_rows, k, v, out_rows, lse, dout_rows, groups: int, causal: bool, block: int = DEFAULT_BLOCK,
@@ -210,8 +230,13 @@ def attend_backward(q_rows, k, v, out_rows, lse, dout_rows, groups: int, causal:
             dq[n] = dq_part if dq[n] is None else dq[n] + dq_part
             dk_block = dk_part if dk_block is None else dk_block + dk_part
             dv_block = dv_part if dv_block is None else dv_block + dv_part
+        if dk_block is None:  # (a ring call with documents) a key block every query's document begins after
+            dk_block, dv_block = paddle.zeros(k_block.shape, FP32), paddle.zeros(v_block.shape, FP32)
         dk.append(dk_block)
         dv.append(dv_block)
+    for n, (i0, i1) in enumerate(query_blocks):
+        if dq[n] is None:  # (the same) a query block that saw none of the keys
+            dq[n] = paddle.zeros(q_rows.shape[:2] + [(i1 - i0) * groups, q_rows.shape[3]], FP32)
     return _joined(dq).astype(q_rows.dtype), _joined(dk).astype(k.dtype), _joined(dv).astype(v.dtype)
 
 
@@ -293,7 +318,8 @@ class RingKernel:
     queries as rows [batch, kv_heads, seq x groups, qk_dim] (scaled before the kernel), k and v as
     [batch, kv_heads, seq, head_dim]; positions on axis 2 of both, the log-sum-exp [batch, kv_heads,
     rows, 1]. Honours the spec's scale and soft-cap (windows and ALiBi need positions the ring's
-    blocks do not carry: context parallelism refuses them) and sinks."""
+    blocks do not carry: context parallelism refuses them), sinks, and documents (each call's
+    `Documents` carry its keys' positions)."""
 
     axis = 2
 
@@ -314,11 +340,12 @@ class RingKernel:
     def keys(self, t):
         return to_heads(t, self.seq_first)
 
-    def attend(self, q, k, v, causal: bool):
-        return attend(q, k, v, self.groups, causal, self.block, out_dtype=FP32, spec=self.spec)
+    def attend(self, q, k, v, causal: bool, documents: Documents | None = None):
+        return attend(q, k, v, self.groups, causal, self.block, out_dtype=FP32, spec=self.spec, documents=documents)
 
-    def attend_backward(self, q, k, v, out, lse, dout, causal: bool):
-        grads = attend_backward(q, k, v, out, lse, dout, self.groups, causal, self.block, spec=self.spec)
+    def attend_backward(self, q, k, v, out, lse, dout, causal: bool, documents: Documents | None = None):
+        grads = attend_backward(q, k, v, out, lse, dout, self.groups, causal, self.block, spec=self.spec,
+                                documents=documents)
         return [grad.astype(FP32) for grad in grads]
 
     def with_sinks(self, out, lse, sinks):

@@ -124,11 +124,13 @@ class RingKernel:
     outputs = queries
     keys = _batch_first
 
-    def attend(self, q, k, v, causal: bool):
+    def attend(self, q, k, v, causal: bool, documents: None = None):
+        if documents is not None:  # flash_attn has no per-call mask: `ring_attention` sends these to blockwise
+            raise ValueError("the flash ring kernel cannot keep attention inside documents")
         out, lse = flash_block(q, k, v, causal)
         return out.astype(FP32), lse.transpose([0, 2, 1]).unsqueeze(-1)
 
-    def attend_backward(self, q, k, v, out, lse, dout, causal: bool):
+    def attend_backward(self, q, k, v, out, lse, dout, causal: bool, documents: None = None):
         grads = flash_block_backward(q, k, v, out.astype(q.dtype), lse.squeeze(-1).transpose([0, 2, 1]).contiguous(),
                                      dout, causal)
         return [grad.astype(FP32) for grad in grads]

@@ -12,10 +12,14 @@ sinks are counted once, after the merge. Backward runs the ring again with a sec
 behind: the gradients of each block's k and v, each rank adding its part before passing them on,
 and one last shift returns them home.
 
-A layer's scale, soft-cap and sinks hold around the ring. A sliding window shorter than the
-sequence and ALiBi need positions across blocks the ring does not give its kernels: such a model
-under context parallelism is refused by name before any process group (`context_parallel_refusal`),
-never computed as full attention.
+A layer's scale, soft-cap and sinks hold around the ring, and so do documents (per-document
+attention): each call's kernel is told the sequence positions of the keys it sees (`_RingDocuments`),
+masks the keys outside each query's document, and skips the blocks wholly before every query's
+document; a call's row that sees none of the arriving keys adds nothing to the merge. The blockwise
+kernel computes them (flash's has no per-call document mask: a per-document ring runs blockwise).
+A sliding window shorter than the sequence and ALiBi need positions across blocks the ring does not
+give its kernels: such a model under context parallelism is refused by name before any process group
+(`context_parallel_refusal`), never computed as full attention.
 """
 
 from __future__ import annotations
@@ -26,10 +30,12 @@ from typing import Any, Callable, Protocol
 import paddle
 from paddle.autograd import PyLayer
 
-from modeling.attention_core import CORES, AttentionCore, Heads
+from modeling.attention_core import CORES, AttentionCore, BlockwiseCore, Heads
 from modeling.attention_core.blockwise import NO_SINKS_SHAPE
 from modeling.attention_core.spec import PLAIN, CoreSpec
 from modeling.autocast import full_precision
+from modeling.context_parallel import local_positions
+from modeling.documents import Documents
 
 FP32_BYTES = 4
 
@@ -73,6 +79,24 @@ def _sees_all_of_first_chunk(ring: Ring, step: int) -> bool:
     return (ring.rank - step) % ring.degree < ring.rank
 
 
+@dataclass(frozen=True)
+class _RingDocuments:
+    """Per-document attention around the ring: this rank's queries' document starts (sequence
+    positions), and each call's `Documents` with the positions of the keys it sees."""
+
+    documents: Documents | None
+    ring: Ring
+
+    def call(self, source: int, local_len: int, first_chunk_only: bool = False, second_half_queries: bool = False):
+        """The documents of this rank's queries (all, or the second half) on the keys of rank
+        `source` (both its chunks, or its first): None when the run is not per document."""
+        if self.documents is None:
+            return None
+        keys = local_positions(local_len * self.ring.degree, self.ring.degree, source)
+        keys = keys[:local_len // 2] if first_chunk_only else keys
+        return self.documents.for_keys(keys, slice(local_len // 2, None) if second_half_queries else slice(None))
+
+
 class _RingAttention(PyLayer):
     """Causal attention of this rank's queries on the whole sequence's keys and values, the latter
     passed around the ring; keeps q, k, v as given, the output and the log-sum-exp (as the blockwise
@@ -80,44 +104,51 @@ class _RingAttention(PyLayer):
     when the layer has none)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, ring: Ring, kernel):
+    def forward(ctx, q, k, v, sinks, ring: Ring, kernel, documents: Documents | None):
         axis = kernel.axis
+        docs = _RingDocuments(documents, ring)
         with full_precision():
             q_local, kv = kernel.queries(q, scaled=True), [kernel.keys(k), kernel.keys(v)]
+            local_len = kv[0].shape[axis]
             arriving = ring.start_shift(kv) if ring.degree > 1 else None
-            out, lse = kernel.attend(q_local, *kv, True)
+            out, lse = kernel.attend(q_local, *kv, True, docs.call(ring.rank, local_len))
             for step in range(1, ring.degree):
                 kv = arriving()
                 if step + 1 < ring.degree:  # the next block travels while this one computes
                     arriving = ring.start_shift(kv)
+                source = (ring.rank - step) % ring.degree
                 if _sees_all_of_first_chunk(ring, step):
                     first = [_part(t, axis, 0, t.shape[axis] // 2) for t in kv]
-                    out, lse = _merge(out, lse, *kernel.attend(q_local, *first, False))
+                    part = kernel.attend(q_local, *first, False, docs.call(source, local_len, first_chunk_only=True))
+                    out, lse = _merge(out, lse, *part)
                 else:
                     second = _part(q_local, axis, q_local.shape[axis] // 2)
-                    out, lse = _merge_second_half(out, lse, *kernel.attend(second, *kv, False), axis)
+                    part = kernel.attend(second, *kv, False, docs.call(source, local_len, second_half_queries=True))
+                    out, lse = _merge_second_half(out, lse, *part, axis)
             if sinks.shape[0]:
                 out, lse = kernel.with_sinks(out, lse, sinks)
             result = kernel.output(out, q.dtype)
         ctx.save_for_backward(q, k, v, result, lse, sinks)
-        ctx.setting = (ring, kernel)
+        ctx.setting = (ring, kernel, docs)
         ctx.sinks_learn = not sinks.stop_gradient  # Paddle wants None back for an input without gradient
         return result
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, sinks = ctx.saved_tensor()
-        ring, kernel = ctx.setting
+        ring, kernel, docs = ctx.setting
         axis = kernel.axis
         with full_precision():
             q_local, out_local, dout_local = kernel.queries(q, scaled=True), kernel.outputs(out), kernel.outputs(dout)
             dsinks = kernel.sink_grad(out_local, lse, dout_local, sinks) if ctx.sinks_learn else None
             kv = [kernel.keys(k), kernel.keys(v)]
+            local_len = kv[0].shape[axis]
+            own = docs.call(ring.rank, local_len)
             if ring.degree == 1:
-                dq, dk, dv = kernel.attend_backward(q_local, *kv, out_local, lse, dout_local, True)
+                dq, dk, dv = kernel.attend_backward(q_local, *kv, out_local, lse, dout_local, True, own)
                 return kernel.query_grad(dq, q), kernel.key_grad(dk, k), kernel.key_grad(dv, v), dsinks
             arriving = ring.start_shift(kv)
-            dq, dk, dv = kernel.attend_backward(q_local, *kv, out_local, lse, dout_local, True)
+            dq, dk, dv = kernel.attend_backward(q_local, *kv, out_local, lse, dout_local, True, own)
             grads_arriving = ring.start_shift([dk, dv], "grad")
             half = q_local.shape[axis] // 2
             second = [_part(t, axis, half) for t in (q_local, out_local, lse, dout_local)]
@@ -125,10 +156,12 @@ class _RingAttention(PyLayer):
                 keys, values = arriving()
                 if step + 1 < ring.degree:
                     arriving = ring.start_shift([keys, values])
+                source = (ring.rank - step) % ring.degree
                 if _sees_all_of_first_chunk(ring, step):
                     first = keys.shape[axis] // 2
                     part = kernel.attend_backward(q_local, _part(keys, axis, 0, first), _part(values, axis, 0, first),
-                                                  out_local, lse, dout_local, False)
+                                                  out_local, lse, dout_local, False,
+                                                  docs.call(source, local_len, first_chunk_only=True))
                     dq = dq + part[0]
                     key_grads, value_grads = grads_arriving()  # this block's gradients from the ranks before
                     key_grads, value_grads = (
@@ -136,7 +169,8 @@ class _RingAttention(PyLayer):
                         for grads, new in ((key_grads, part[1]), (value_grads, part[2])))
                 else:
                     query, output, partial_lse, output_grad = second
-                    part = kernel.attend_backward(query, keys, values, output, partial_lse, output_grad, False)
+                    part = kernel.attend_backward(query, keys, values, output, partial_lse, output_grad, False,
+                                                  docs.call(source, local_len, second_half_queries=True))
                     dq = paddle.concat([_part(dq, axis, 0, half), _part(dq, axis, half) + part[0]], axis=axis)
                     key_grads, value_grads = grads_arriving()
                     key_grads, value_grads = key_grads + part[1], value_grads + part[2]
@@ -146,12 +180,15 @@ class _RingAttention(PyLayer):
 
 
 def ring_attention(q, k, v, ring: Ring, seq_first: bool = False, inner: AttentionCore = CORES["blockwise"],
-                   spec: CoreSpec = PLAIN, sinks: paddle.Tensor | None = None):
+                   spec: CoreSpec = PLAIN, sinks: paddle.Tensor | None = None, documents: Documents | None = None):
     """As the inner core's attention for this rank's tokens of a sequence cut over `ring`, each block
-    computed by `inner`'s ring kernel (blockwise; or flash: Paddle's kernel on GPU)."""
+    computed by `inner`'s ring kernel (blockwise; or flash: Paddle's kernel on GPU), inside each
+    query's document when `documents` (the starts of this rank's queries) are given."""
+    if documents is not None and not isinstance(inner, BlockwiseCore):
+        inner = CORES["blockwise"]  # the only kernel taking each call's documents
     kernel = inner.ring_kernel(q.shape, k.shape[2], v.shape[3], seq_first, spec)
     return _RingAttention.apply(q, k, v, paddle.zeros(NO_SINKS_SHAPE, "float32") if sinks is None else sinks, ring,
-                                kernel)
+                                kernel, documents)
 
 
 def context_parallel_refusal(spec: CoreSpec, seq_len: int) -> str | None:
@@ -175,9 +212,7 @@ class RingCore(AttentionCore):
     inner: AttentionCore = field(default_factory=lambda: CORES["blockwise"])
 
     def __call__(self, q, k, v, seq_first, spec=PLAIN, sinks=None, documents=None):
-        if documents is not None:  # the run refuses cp with per-document attention before building a model
-            raise ValueError("ring attention does not compute per-document attention")
-        return ring_attention(q, k, v, self.ring, seq_first, self.inner, spec, sinks)
+        return ring_attention(q, k, v, self.ring, seq_first, self.inner, spec, sinks, documents)
 
     def refusal(self, spec: CoreSpec, sinks: bool, heads: Heads) -> str | None:
         return self.inner.refusal(spec, sinks, heads)

@@ -16,7 +16,6 @@ from modeling.attention_core.spec import PLAIN, CoreSpec
 from modeling.blocks.norms import rms_norm_saved_bytes
 from modeling.blocks.parts import Block, ColumnLinear, Declared, Leaf, Norm, Part, RowLinear
 from modeling.blocks.rotary import Rotary
-from modeling.documents import Documents
 from modeling.execution import Execution
 from modeling.sequence_parallel import gather_tokens
 from modeling.tp_plan import VECTOR_SPLIT, ZEROS, Placement, TensorPlan
@@ -148,7 +147,7 @@ class SelfAttention(Block):
         if declared.rotary is not None:
             q, k = declared.rotary.rotate(q, k, seq_first, run.kernels.fused_rope, run.cp, positions)
         sinks = self.sinks if declared.sinks else None
-        documents = Documents.of(positions) if positions is not None else None
+        documents = run.documents_at(positions)
         out = run.recompute("core_attn", lambda *qkv: self.attend(*qkv, seq_first, self.spec, sinks, documents),
                             q, k, v, training=self.training)
         return getattr(self, declared.output)(out)

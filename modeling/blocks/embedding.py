@@ -32,7 +32,7 @@ def embed(config, run: Execution, tokens: nn.Layer, positions: nn.Layer | None, 
     if multiplier:  # a scale op keeps nothing for backward; a product with a tensor would keep the embeddings
         dtype = str(hidden.dtype).removeprefix("paddle.")
         hidden = paddle.scale(hidden, float(np.asarray(multiplier, _NUMPY_DTYPES[dtype]).astype(np.float32)))
-    in_documents = document_positions(input_ids, run.documents) if run.documents is not None else None
+    in_documents = document_positions(input_ids, run.documents, run.ring) if run.documents is not None else None
     if positions is not None:
         held = run.positions(input_ids.shape[-1])  # the positions of this rank's tokens under context parallelism
         ids = paddle.arange(input_ids.shape[-1], dtype="int64") if held is None else paddle.to_tensor(held)

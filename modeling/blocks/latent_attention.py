@@ -39,7 +39,6 @@ from modeling.attention_core.spec import PLAIN, CoreSpec
 from modeling.blocks.norms import rms_norm_saved_bytes
 from modeling.blocks.parts import Block, ColumnLinear, Declared, Leaf, Norm, Part, RowLinear
 from modeling.blocks.rotary import Rotary
-from modeling.documents import Documents
 from modeling.execution import Execution
 from modeling.sequence_parallel import gather_tokens
 from modeling.tp_plan import REPLICATED, UNDER_SEQUENCE_PARALLEL, ZEROS, Placement, TensorPlan
@@ -161,7 +160,7 @@ class LatentSelfAttention(Block):
         k_nope, v = paddle.split(keys, [declared.nope_dim, declared.v_dim], axis=-1)
         q = paddle.concat([q_nope, q_rot], axis=-1)
         k = paddle.concat([k_nope, k_rot.expand(lead + [heads, declared.rope_dim])], axis=-1)
-        spec, documents = run.spec_for(declared.spec), Documents.of(positions) if positions is not None else None
+        spec, documents = run.spec_for(declared.spec), run.documents_at(positions)
         out = run.recompute("core_attn", lambda *qkv: self.attend(*qkv, seq_first, spec, None, documents), q, k, v,
                             training=self.training)
         return self.o_proj(out)

@@ -116,12 +116,15 @@ class Rotary:
         False, its `position_ids`) where the rotary is the plain whole-head one; it has no CPU kernel
         (untested here)."""
         seq_len = q.shape[0 if seq_first else 1]
-        tables = self.tables(seq_len, seq_first and positions is None, cp)
+        if positions is None:
+            tables = self.tables(seq_len, seq_first, cp)
+        else:  # rows picked by position: the table of the whole sequence (under cp, of every rank's tokens)
+            tables = self.tables(seq_len * cp[0], False, (1, 0))
         head_dim = q.shape[-1]
         if fused and self.dim == head_dim and not self.interleaved:
             from paddle.incubate.nn.functional import fused_rotary_position_embedding
 
-            flat = [table.astype(q.dtype).reshape([seq_len, self.dim]) for table in reversed(tables)]
+            flat = [table.astype(q.dtype).reshape([-1, self.dim]) for table in reversed(tables)]
             q, k, _ = fused_rotary_position_embedding(q, k, None, sin=flat[0], cos=flat[1], position_ids=positions,
                                                       use_neox_rotary_style=False, time_major=seq_first)
             return q, k

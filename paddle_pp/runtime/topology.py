@@ -121,6 +121,7 @@ def init_distributed(layout: Layout, micro_batch_size: int = 1, accumulate_steps
 
         cpu.apply()
         paddle.set_device("cpu")
+        cpu.wait_for_job_store()
     actual_world = dist.get_world_size() if dist.is_initialized() else launched_world_size()
     if actual_world != layout.world_size:
         raise ValueError(

@@ -86,16 +86,10 @@ def run_execution(args: ModelArguments, layout: Layout, compute_dtype: str | Non
     """The run's attention core, recompute, fused kernels and document boundaries (the data's
     `end_of_document` token under --no-use_global_causal_attn) from the model flags
     (`choose_execution`), and notes on what was asked for and not taken on this device."""
-    if not args.use_global_causal_attn:
-        if layout.cp > 1:
-            raise TrainingConfigError(
-                f"--no-use_global_causal_attn with --context_parallel_degree {layout.cp}: ring attention does not "
-                "keep attention inside documents (not implemented); use --context_parallel_degree 1, or drop "
-                "--no-use_global_causal_attn")
-        if end_of_document is None:
-            raise TrainingConfigError(
-                "--no-use_global_causal_attn: the tokenizer has no end-of-sequence token to find where documents end; "
-                "use a tokenizer with one (the data must have been written with it after every document)")
+    if not args.use_global_causal_attn and end_of_document is None:
+        raise TrainingConfigError(
+            "--no-use_global_causal_attn: the tokenizer has no end-of-sequence token to find where documents end; "
+            "use a tokenizer with one (the data must have been written with it after every document)")
     if layout.cp > 1 and not args.use_flash_attention:
         raise TrainingConfigError(
             f"--context_parallel_degree {layout.cp} with --no-use_flash_attention: the dense attention core keeps no "

@@ -1,10 +1,11 @@
 """Measures what one decoder layer keeps for backward on each tp rank (training.activations), for
-each attention core and recompute granularity.
+each attention core and recompute granularity, for several models in one launch (the launch's tp
+degree for all; sequence parallelism is the model's choice, not the process groups').
 
-argv: model_type tp sequence_parallel(0/1) batch seq_len hidden intermediate heads kv_heads
-Result: per core, the layer's saved bytes by sublayer with nothing recomputed (saved-tensor hooks)
-and, per granularity ("none" included), the bytes one layer's training forward leaves allocated
-beyond its input and output (Paddle's CPU allocator).
+argv: tp batch seq_len hidden intermediate heads kv_heads CASE... with CASE `model_type:sequence_parallel(0/1)`
+Result: per case, per core, the layer's saved bytes by sublayer with nothing recomputed (saved-tensor
+hooks) and, per granularity ("none" included), the bytes one layer's training forward leaves
+allocated beyond its input and output (Paddle's CPU allocator).
 """
 
 from __future__ import annotations
@@ -15,18 +16,19 @@ CORES = ("dense", "blockwise")
 GRANULARITIES = ("none", "full", "full_attn", "core_attn")
 
 
-def run(model_type: str, tp: int, sequence_parallel: bool, batch: int, seq_len: int, hidden: int,
+def run(topo, model_type: str, sequence_parallel: bool, batch: int, seq_len: int, hidden: int,
         intermediate: int, heads: int, kv_heads: int) -> dict:
+    import dataclasses
+
     import paddle
 
     from modeling.attention_core import CORES as BY_NAME
     from modeling.execution import Execution, Recompute
     from modeling.registry import build_causal_lm, config_from_dict
-    from paddle_pp.runtime.layout import Layout
-    from paddle_pp.runtime.topology import init_distributed
     from paddle_pp.training.activations import decoder_layer_activations, held_bytes
 
-    topo = init_distributed(Layout(world_size=tp, tensor_parallel_degree=tp, sequence_parallel=sequence_parallel))
+    tp = topo.layout.tp
+    topo = dataclasses.replace(topo, layout=dataclasses.replace(topo.layout, sequence_parallel=sequence_parallel))
     config = config_from_dict(dict(model_type=model_type, vocab_size=512, hidden_size=hidden,
                                    intermediate_size=intermediate, num_hidden_layers=2, num_attention_heads=heads,
                                    max_position_embeddings=seq_len)
@@ -54,7 +56,12 @@ def run(model_type: str, tp: int, sequence_parallel: bool, batch: int, seq_len: 
 
 if __name__ == "__main__":
     from paddle_pp.runtime.launch import write_result
+    from paddle_pp.runtime.layout import Layout
+    from paddle_pp.runtime.topology import end_job, init_distributed
 
-    model_type, *numbers = sys.argv[1:]
-    tp, sp, batch, seq_len, hidden, intermediate, heads, kv_heads = map(int, numbers)
-    write_result(run(model_type, tp, bool(sp), batch, seq_len, hidden, intermediate, heads, kv_heads))
+    tp, batch, seq_len, hidden, intermediate, heads, kv_heads = map(int, sys.argv[1:8])
+    topo = init_distributed(Layout(world_size=tp, tensor_parallel_degree=tp))
+    cases = [case.split(":") for case in sys.argv[8:]]
+    write_result({case: run(topo, model_type, bool(int(sp)), batch, seq_len, hidden, intermediate, heads, kv_heads)
+                  for case, (model_type, sp) in zip(sys.argv[8:], cases)})
+    end_job(topo)

@@ -2,9 +2,12 @@
 the whole sequence, which every rank also runs (same seed).
 
 For each case (batch-first and sequence-first, GQA, blocks that split the chunks unevenly; a layer
-of its own scale, and one with a scale, a soft-cap and sinks): the blockwise core on the whole
-sequence, and `ring_attention` on this rank's two chunks; this rank's rows of the output and of dq,
-dk, dv (and of the sinks' gradient) are compared. Each case runs the ring twice: with the blockwise
+of its own scale, and one with a scale, a soft-cap and sinks; per-document attention, an
+end-of-document token at about one position in five): the blockwise core on the whole sequence,
+and `ring_attention` on this rank's two chunks; this rank's rows of the output and of dq, dk, dv
+(and of the sinks' gradient) are compared; per document, also this rank's positions inside their
+documents found from its own tokens (`document_positions` over the ring) against the whole
+sequence's. Each case runs the ring twice: with the blockwise
 kernel, and (where the layer is one Paddle's flash kernel computes) with the flash kernel's calls and bookkeeping (argument order, layouts, log-sum-exp
 transposes and padding) around `FlashOps`, a CPU stand-in for `paddle._C_ops.flash_attn` and
 `flash_attn_grad` with their signatures and returns (their GPU kernels cannot run here). The loss: logits and labels whose ignored labels all sit
@@ -132,7 +135,8 @@ def main(cp: int, measure_len: int = 0):
     from modeling.attention_core import CORES, BlockwiseCore
     from modeling.attention_core.ring import ring_attention, ring_traffic_bytes
     from modeling.attention_core.spec import PLAIN, CoreSpec
-    from modeling.context_parallel import split_sequence
+    from modeling.context_parallel import local_positions, split_sequence
+    from modeling.documents import Documents, document_positions
     from modeling.execution import Execution
     from modeling.loss import IGNORE_INDEX, CausalLMCriterion
     from paddle_pp.runtime.layout import Layout
@@ -142,12 +146,24 @@ def main(cp: int, measure_len: int = 0):
     flash._C_ops = FlashOps
     ring = topo.ring
     errors, ring_bytes = {}, {}
-    # (batch, chunk length, heads, kv heads, head_dim, block, sequence first, spec, sinks)
-    for batch, chunk, heads, kv_heads, head_dim, block, seq_first, spec, sinks in [
-            (2, 10, 4, 2, 8, 4, False, PLAIN, False), (1, 12, 6, 2, 16, 5, True, PLAIN, False),
-            (2, 7, 4, 1, 8, 512, False, CoreSpec(scale=0.21), False),
-            (2, 9, 4, 2, 8, 4, True, CoreSpec(scale=0.3, softcap=2.0), True)]:
+    # (batch, chunk length, heads, kv heads, head_dim, block, sequence first, spec, sinks, per document)
+    for batch, chunk, heads, kv_heads, head_dim, block, seq_first, spec, sinks, per_document in [
+            (2, 10, 4, 2, 8, 4, False, PLAIN, False, False), (1, 12, 6, 2, 16, 5, True, PLAIN, False, False),
+            (2, 7, 4, 1, 8, 512, False, CoreSpec(scale=0.21), False, False),
+            (2, 9, 4, 2, 8, 4, True, CoreSpec(scale=0.3, softcap=2.0), True, False),
+            (2, 6, 4, 2, 8, 5, False, PLAIN, False, True), (1, 5, 4, 1, 8, 3, True, CoreSpec(softcap=2.0), True, True)]:
         seq = 2 * cp * chunk
+        whole_documents = local_documents = None
+        positions_differ = 0.0
+        if per_document:  # token 0 ends a document
+            ids = np.random.default_rng(11).integers(1, 50, [batch, seq])
+            ids[np.random.default_rng(12).random(ids.shape) < 1 / 5] = 0
+            in_documents = document_positions(paddle.to_tensor(ids), (0,))
+            whole_documents = Documents.of(in_documents)
+            mine_in_documents = document_positions(paddle.to_tensor(split_sequence(ids, cp, ring.rank)), (0,), ring)
+            positions_differ = float(np.abs(mine_in_documents.numpy()
+                                            - split_sequence(in_documents.numpy(), cp, ring.rank)).max())
+            local_documents = Documents.of(mine_in_documents, local_positions(seq, cp, ring.rank))
         rng = np.random.default_rng(7)
         lead = [seq, batch] if seq_first else [batch, seq]
         whole = [rng.standard_normal(lead + [n, head_dim]).astype("float32") for n in (heads, kv_heads, kv_heads)]
@@ -162,19 +178,21 @@ def main(cp: int, measure_len: int = 0):
             return out.numpy(), [g.numpy() for g in grads]
 
         expected, expected_grads = run(whole + logits, lambda q, k, v, *s: BlockwiseCore(block)(
-            q, k, v, seq_first, spec, s[0] if s else None), upstream)
+            q, k, v, seq_first, spec, s[0] if s else None, whole_documents), upstream)
         mine = lambda a: split_sequence(a, cp, ring.rank, axis)  # noqa: E731
         inners = {"blockwise": BlockwiseCore(block), "flash": CORES["flash"]}
         for kernel, inner in inners.items():
-            if sinks and kernel == "flash":
-                continue  # a layer with a soft-cap and sinks takes the blockwise kernel (RingCore.serving)
+            if (sinks or per_document) and kernel == "flash":
+                continue  # such a layer's ring takes the blockwise kernel (RingCore.serving, ring_attention)
             counting = CountingRing(ring)
             got, grads = run([mine(a) for a in whole] + logits, lambda q, k, v, *s: ring_attention(
-                q, k, v, counting, seq_first, inner, spec, s[0] if s else None), mine(upstream))
+                q, k, v, counting, seq_first, inner, spec, s[0] if s else None, local_documents), mine(upstream))
             case = f"{kernel}_b{batch}_chunk{chunk}_h{heads}_kv{kv_heads}_block{block}{'_seq_first' * seq_first}" \
-                   f"{'_spec' * (spec != PLAIN)}{'_sinks' * sinks}"
+                   f"{'_spec' * (spec != PLAIN)}{'_sinks' * sinks}{'_documents' * per_document}"
             errors[case] = {"out": _relative(got, mine(expected)),
                             **{f"d{name}": _relative(g, mine(e)) for name, g, e in zip("qkv", grads, expected_grads)}}
+            if per_document:
+                errors[case]["positions"] = positions_differ
             if sinks:  # each rank's sink gradient is its tokens' part: the parts sum to the whole
                 errors[case]["dsinks"] = _relative(ring.all_reduce(paddle.to_tensor(grads[3])).numpy(),
                                                    expected_grads[3])

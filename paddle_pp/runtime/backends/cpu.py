@@ -10,7 +10,9 @@ moved (a different Paddle version). Nothing here runs on GPU, where NCCL and sto
 from __future__ import annotations
 
 import os
+import socket
 import sys
+import time
 import types
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +28,9 @@ from paddle_pp.runtime.launch import free_port
 TARGET_PADDLE_VERSION = "3.3.1"
 
 _applied = False
+STORE_TIMEOUT_S = 900  # Paddle's default FLAGS_stop_check_timeout, the job store's own timeout
+LISTEN_PROBE_INTERVAL_S, LISTEN_PROBE_CONNECT_S = 0.01, 5.0
+PROCESS_FDS = "/proc/self/fd"
 _group_stores: list[Any] = []  # per-group TCPStores must outlive their process groups
 
 
@@ -509,6 +514,7 @@ def _make_new_process_group_impl(upstream):
 
     def new_process_group_impl(backend, store, rank, world_size, group_name, pg_options, group_id=0,
                                nccl_comm_init_option=0, nccl_config=None):
+        set_tcp_nodelay()  # the job store's client, made just before the first (default) group
         if backend != "gloo" or group_id == 0:
             return upstream(backend, store, rank, world_size, group_name, pg_options, group_id,
                             nccl_comm_init_option, nccl_config)
@@ -517,14 +523,73 @@ def _make_new_process_group_impl(upstream):
             host = _endpoint_host()
             port = free_port(host)
             store.set(key, f"{host}:{port}".encode())
-            group_store = core.TCPStore(host, port, True, world_size, 900)
+            group_store = core.TCPStore(host, port, True, world_size, STORE_TIMEOUT_S)
         else:
             host, port = bytes(store.get(key)).decode().rsplit(":", 1)
-            group_store = core.TCPStore(host, int(port), False, world_size, 900)
+            wait_until_listening(host, int(port))
+            group_store = core.TCPStore(host, int(port), False, world_size, STORE_TIMEOUT_S)
+        set_tcp_nodelay()  # the group store's client, before gloo's rendezvous talks through it
         _group_stores.append(group_store)
         return core.ProcessGroupGloo.create(group_store, rank, world_size, group_id)
 
     return new_process_group_impl
+
+
+def set_tcp_nodelay(enabled: bool = True) -> None:
+    """Set TCP_NODELAY (Nagle's algorithm off; `enabled` False turns it back on: `bench/job_startup.py`)
+    on every TCP socket of this process (idempotent, and harmless on any socket).
+
+    Paddle 3.3.1's TCPStore client (`tcputils::tcp_connect`) leaves Nagle's algorithm on, and every
+    request is several small sends (a command, then a key's length, then its bytes): the second send
+    waits for the server's acknowledgement of the first, which Linux delays by 40 ms. So every store
+    operation took 44 ms here, and a gloo group's creation, about ten of them, 0.45 s: 5 s of start-up
+    in a 4-rank hybrid job. The server side already sets the option on the sockets it accepts."""
+    if not os.path.isdir(PROCESS_FDS):  # not Linux: the start-up stays as slow as Paddle makes it
+        return
+    for name in os.listdir(PROCESS_FDS):
+        try:
+            sock = socket.socket(fileno=int(name))
+        except OSError:  # not a socket, or closed since the listing
+            continue
+        try:
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, int(enabled))
+        except OSError:  # a socket in a state that refuses the option is left as it is
+            pass
+        finally:
+            sock.detach()  # the fd stays the owner's
+
+
+def wait_until_listening(host: str, port: int, timeout: float = STORE_TIMEOUT_S) -> None:
+    """Return once `host:port` accepts connections (or after `timeout`, leaving the failure to Paddle).
+
+    A TCPStore's server blocks in its constructor until every member has connected, so its address
+    is published before it listens, and a member that connects first is refused; Paddle's client
+    (`tcputils::tcp_connect`) then sleeps 3 s (`kDelay`) before it tries again, which happened at
+    about every second group creation once the store answered in microseconds. Probing every 10 ms
+    here costs a refused connection each; the one that succeeds is closed before Paddle connects,
+    which the server sees as a client that left without a request."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=LISTEN_PROBE_CONNECT_S).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(LISTEN_PROBE_INTERVAL_S)
+
+
+def wait_for_job_store() -> None:
+    """On a non-zero rank, wait until rank 0's job-wide TCPStore listens (`wait_until_listening`),
+    at the endpoint Paddle's `CreateOrGetGlobalTCPStore` connects to: PADDLE_MASTER, else the first
+    of PADDLE_TRAINER_ENDPOINTS. Called before `fleet.init`, which creates that store."""
+    if int(os.environ.get("PADDLE_TRAINER_ID", "0")) == 0 or int(os.environ.get("PADDLE_TRAINERS_NUM", "1")) < 2:
+        return
+    endpoint = os.environ.get("PADDLE_MASTER") or os.environ.get("PADDLE_TRAINER_ENDPOINTS", "").split(",")[0]
+    if ":" in endpoint:
+        host, port = endpoint.rsplit(":", 1)
+        wait_until_listening(host, int(port))
 
 
 def _patch_group_creation() -> None:
