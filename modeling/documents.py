@@ -11,7 +11,9 @@ ids (`state` / `unpack`). Each layer reads from them what its rotary needs and w
 document starts (`Documents`): query i sees keys j with start(i) <= j <= i, a causal mask with a
 lower bound per row, which every core applies (dense masks, blockwise also skips the key blocks
 every query of a block has left behind, flash hands Paddle's flashmask the row each key stops being
-seen at).
+seen at). Under context parallelism a rank holds two chunks of each sequence: the ends are summed
+over the ring before positions are found, starts are sequence positions, and each call of the ring
+gives its kernel the positions of the keys it sees (`Documents.for_keys`).
 
 PaddleFormers cuts documents where its index's documents end, we where their end-of-document token
 is; the two agree on data prepared with an end-of-document token after every document, which is
