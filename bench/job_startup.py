@@ -33,24 +33,14 @@ SETTINGS = {"nagle on (Paddle's clients)": False, "TCP_NODELAY (paddle-pp)": Tru
 
 
 def _group(store, rank: int, world: int, group_id: int, nodelay: bool) -> None:
-    """One gloo group of every rank, its store made and published as the CPU backend does, with
-    Nagle's algorithm as asked on every socket before gloo's rendezvous runs through the store."""
+    """One gloo group of every rank, its store made as the CPU backend makes it, with Nagle's
+    algorithm as asked on every socket before gloo's rendezvous runs through the store."""
     from paddle.base import core
 
     from paddle_pp.runtime.backends import cpu
-    from paddle_pp.runtime.launch import free_port
 
-    key = f"bench/group/{group_id}"
-    if rank == 0:
-        port = free_port()
-        store.set(key, f"127.0.0.1:{port}".encode())
-        group_store = core.TCPStore("127.0.0.1", port, True, world, cpu.STORE_TIMEOUT_S)
-    else:
-        host, port = bytes(store.get(key)).decode().rsplit(":", 1)
-        cpu.wait_until_listening(host, int(port))
-        group_store = core.TCPStore(host, int(port), False, world, cpu.STORE_TIMEOUT_S)
+    group_store = cpu.make_group_store(store, rank, world, f"bench/group/{group_id}")
     cpu.set_tcp_nodelay(nodelay)
-    cpu._group_stores.append(group_store)  # a store must outlive its group, as in the backend
     core.ProcessGroupGloo.create(group_store, rank, world, group_id)
 
 

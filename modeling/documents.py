@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
-from modeling.context_parallel import chunk_bounds, split_sequence
+from modeling.context_parallel import local_positions
 
 
 def document_positions(input_ids: paddle.Tensor, end_ids: tuple[int, ...], ring=None) -> paddle.Tensor:
@@ -42,15 +42,9 @@ def document_positions(input_ids: paddle.Tensor, end_ids: tuple[int, ...], ring=
     if ring is None or ring.degree == 1:
         return _positions_after(ended)
     batch, local = input_ids.shape
-    whole = local * ring.degree
-    halves = (paddle.slice(ended, [1], [0], [local // 2]), paddle.slice(ended, [1], [local // 2], [local]))
-    pieces, previous = [], 0
-    for (start, stop), half in zip(chunk_bounds(whole, ring.degree, ring.rank), halves):
-        pieces += [paddle.zeros([batch, start - previous], "float32"), half.astype("float32")]
-        previous = stop
-    pieces.append(paddle.zeros([batch, whole - previous], "float32"))
-    everywhere = ring.all_reduce(paddle.concat([p for p in pieces if p.shape[1]], axis=1)) > 0.5
-    return split_sequence(_positions_after(everywhere), ring.degree, ring.rank)
+    held = paddle.to_tensor(local_positions(local * ring.degree, ring.degree, ring.rank)).expand([batch, local])
+    flags = paddle.zeros([batch, local * ring.degree], "float32").put_along_axis(held, ended.astype("float32"), axis=1)
+    return paddle.take_along_axis(_positions_after(ring.all_reduce(flags) > 0.5), held, axis=1)
 
 
 def _positions_after(ended: paddle.Tensor) -> paddle.Tensor:

@@ -72,11 +72,16 @@ def _merge_second_half(out, lse, part_out, part_lse, axis: int):
     return [paddle.concat([_part(whole, axis, 0, half), new], axis=axis) for whole, new in zip((out, lse), merged)]
 
 
-def _sees_all_of_first_chunk(ring: Ring, step: int) -> bool:
-    """Whether the k and v arriving at `step` came from an earlier rank (its first chunk precedes
-    both of ours: every local query sees that chunk) rather than a later one (only our second chunk
-    sees them, both chunks)."""
-    return (ring.rank - step) % ring.degree < ring.rank
+def _source(ring: Ring, step: int) -> int:
+    """The rank whose k and v arrive at ring step `step`."""
+    return (ring.rank - step) % ring.degree
+
+
+def _sees_all_of_first_chunk(ring: Ring, source: int) -> bool:
+    """Whether the k and v of `source` came from an earlier rank (its first chunk precedes both of
+    ours: every local query sees that chunk) rather than a later one (only our second chunk sees
+    them, both chunks)."""
+    return source < ring.rank
 
 
 @dataclass(frozen=True)
@@ -116,8 +121,8 @@ class _RingAttention(PyLayer):
                 kv = arriving()
                 if step + 1 < ring.degree:  # the next block travels while this one computes
                     arriving = ring.start_shift(kv)
-                source = (ring.rank - step) % ring.degree
-                if _sees_all_of_first_chunk(ring, step):
+                source = _source(ring, step)
+                if _sees_all_of_first_chunk(ring, source):
                     first = [_part(t, axis, 0, t.shape[axis] // 2) for t in kv]
                     part = kernel.attend(q_local, *first, False, docs.call(source, local_len, first_chunk_only=True))
                     out, lse = _merge(out, lse, *part)
@@ -156,8 +161,8 @@ class _RingAttention(PyLayer):
                 keys, values = arriving()
                 if step + 1 < ring.degree:
                     arriving = ring.start_shift([keys, values])
-                source = (ring.rank - step) % ring.degree
-                if _sees_all_of_first_chunk(ring, step):
+                source = _source(ring, step)
+                if _sees_all_of_first_chunk(ring, source):
                     first = keys.shape[axis] // 2
                     part = kernel.attend_backward(q_local, _part(keys, axis, 0, first), _part(values, axis, 0, first),
                                                   out_local, lse, dout_local, False,

@@ -518,21 +518,29 @@ def _make_new_process_group_impl(upstream):
         if backend != "gloo" or group_id == 0:
             return upstream(backend, store, rank, world_size, group_name, pg_options, group_id,
                             nccl_comm_init_option, nccl_config)
-        key = f"paddle_pp/gloo_group_store/{group_id}"
-        if rank == 0:
-            host = _endpoint_host()
-            port = free_port(host)
-            store.set(key, f"{host}:{port}".encode())
-            group_store = core.TCPStore(host, port, True, world_size, STORE_TIMEOUT_S)
-        else:
-            host, port = bytes(store.get(key)).decode().rsplit(":", 1)
-            wait_until_listening(host, int(port))
-            group_store = core.TCPStore(host, int(port), False, world_size, STORE_TIMEOUT_S)
+        group_store = make_group_store(store, rank, world_size, f"paddle_pp/gloo_group_store/{group_id}")
         set_tcp_nodelay()  # the group store's client, before gloo's rendezvous talks through it
-        _group_stores.append(group_store)
         return core.ProcessGroupGloo.create(group_store, rank, world_size, group_id)
 
     return new_process_group_impl
+
+
+def make_group_store(store, rank: int, world_size: int, key: str):
+    """A group's own TCPStore (kept alive in `_group_stores`): its rank 0 publishes a free port under
+    `key` on the job's `store`, then serves it; the members wait until it listens, then connect."""
+    from paddle.base import core
+
+    if rank == 0:
+        host = _endpoint_host()
+        port = free_port(host)
+        store.set(key, f"{host}:{port}".encode())
+        group_store = core.TCPStore(host, port, True, world_size, STORE_TIMEOUT_S)
+    else:
+        host, port = bytes(store.get(key)).decode().rsplit(":", 1)
+        wait_until_listening(host, int(port))
+        group_store = core.TCPStore(host, int(port), False, world_size, STORE_TIMEOUT_S)
+    _group_stores.append(group_store)
+    return group_store
 
 
 def set_tcp_nodelay(enabled: bool = True) -> None:
@@ -542,8 +550,9 @@ def set_tcp_nodelay(enabled: bool = True) -> None:
     Paddle 3.3.1's TCPStore client (`tcputils::tcp_connect`) leaves Nagle's algorithm on, and every
     request is several small sends (a command, then a key's length, then its bytes): the second send
     waits for the server's acknowledgement of the first, which Linux delays by 40 ms. So every store
-    operation took 44 ms here, and a gloo group's creation, about ten of them, 0.45 s: 5 s of start-up
-    in a 4-rank hybrid job. The server side already sets the option on the sockets it accepts."""
+    operation took 44 ms here, and a gloo group's creation, about ten of them, 0.4 s on 2 ranks and
+    1.3 s on 4 (`bench/job_startup.py`), a dozen groups in a row at a hybrid job's start. The server
+    side already sets the option on the sockets it accepts."""
     if not os.path.isdir(PROCESS_FDS):  # not Linux: the start-up stays as slow as Paddle makes it
         return
     for name in os.listdir(PROCESS_FDS):
