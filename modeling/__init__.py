@@ -10,7 +10,7 @@ constructor, never a config field. Models use the runtime's topology and layout 
 (imported under TYPE_CHECKING); from the runtime they import its errors, its expert groups (expert
 parallelism's exchange and which experts a rank holds), the optimizer hook the tp sums run in
 (`tp_gradients`, through `fleet_wrappers.reduce_first`) and, first of all, its start-up
-(`runtime/startup.py`: PaddleNLP's base classes imported without PaddleNLP's package init).
+(`runtime/startup.py`: PaddleNLP's base classes imported without PaddleNLP's package inits).
 """
 
 from paddle_pp.runtime.startup import lean_paddlenlp

@@ -23,6 +23,7 @@ from modeling.attention_core.spec import CoreSpec
 from modeling.context_parallel import local_positions
 from modeling.documents import Documents
 from modeling.router_stats import RouterStats
+from modeling.saved_tensors import recomputed_region
 from paddle_pp.runtime.experts import ExpertGroup
 
 GRANULARITIES = ("full", "full_attn", "core_attn")  # PaddleNLP's recompute_granularity values
@@ -46,19 +47,21 @@ class Recompute:
         when an input carries a gradient: recomputing a stop_gradient pipeline input hangs the
         schedule in reentrant mode (PaddleNLP#7235), and a region without gradients needs nothing.
         Its second run (the recomputation) runs under `recomputing()`, so what a layer counts once per
-        forward (the experts' loads the balancing rule reads) is not counted twice."""
+        forward (the experts' loads the balancing rule reads) is not counted twice; both runs inside
+        `recomputed_region()`, where our PyLayers save strided tensors as copies (`saved_tensors`)."""
         if self.granularity == scope and training and any(not t.stop_gradient for t in inputs):
             runs = [0]
 
             def counted(*args):
                 runs[0] += 1
-                if runs[0] == 1:
-                    return function(*args)
-                _RECOMPUTING[0] += 1
-                try:
-                    return function(*args)
-                finally:
-                    _RECOMPUTING[0] -= 1
+                with recomputed_region():
+                    if runs[0] == 1:
+                        return function(*args)
+                    _RECOMPUTING[0] += 1
+                    try:
+                        return function(*args)
+                    finally:
+                        _RECOMPUTING[0] -= 1
 
             return fleet_recompute(counted, *inputs, use_reentrant=self.use_reentrant)
         return function(*inputs)

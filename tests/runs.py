@@ -21,10 +21,15 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "run_pretrain.py"
 TRAINER = REPO / "tests" / "workers" / "pretrain_worker.py"  # run_pretrain.py writing per-rank results
 CORPUS, TOKENIZER = REPO / "data" / "jargon-4.4.7.txt", REPO / "data" / "tokenizer"
+# Micro-batches of 2: a step of 8 sequences is 4 micro-batches on one card, fewer collectives a step than
+# 8 of 1 (every tp all-reduce and pipeline hand-over is a gloo round trip, 3-4 ms on 2 shared cores).
 MODEL = ("--hidden_size", "64", "--intermediate_size", "128", "--num_hidden_layers", "4", "--num_attention_heads", "4",
          "--num_key_value_heads", "2", "--max_seq_length", "32", "--global_batch_size", "8",
-         "--per_device_train_batch_size", "1", "--max_steps", "20", "--warmup_steps", "5", "--eval_steps", "10",
+         "--per_device_train_batch_size", "2", "--max_steps", "20", "--warmup_steps", "5", "--eval_steps", "10",
          "--eval_iters", "1", "--disable_progress_bar")
+# Micro-batches of 1 where a data degree of 4 would leave each rank one micro-batch of 2 a step: the
+# pipeline and the sharded gradient paths keep accumulating over two.
+MICRO1 = ("--per_device_train_batch_size", "1")
 GPT = ("--model_type", "gpt", "--num_key_value_heads", "0")
 TP2, PP2 = ("--tensor_parallel_degree", "2"), ("--pipeline_parallel_degree", "2")
 SHARDING2 = ("--sharding_parallel_degree", "2", "--sharding", "stage1")
@@ -51,16 +56,15 @@ FINAL_SAVE = ("--save_steps", str(FINAL_STEP))  # the single-card runs keep thei
 SINGLE = Run("single", flags=("--save_steps", str(RESUME_STEP)))
 SINGLE_GPT = Run("full_gpt", flags=GPT + FINAL_SAVE)
 CP2 = ("--context_parallel_degree", "2")
-MICRO2 = ("--per_device_train_batch_size", "2")  # 4 micro-batches of 2 a step: half the ring's round trips
 # The context-parallel suite compares it with single card; the trainer suite's 2-node launch with it.
-CP2_PP2 = Run("cp2_pp2", 4, CP2 + PP2 + MICRO2 + FINAL_SAVE)
+CP2_PP2 = Run("cp2_pp2", 4, CP2 + PP2 + FINAL_SAVE)
 # Tied GPT (embedding and head on both stages), recomputing attention blocks: the context-parallel
 # suite compares it with single card, the checkpoint suite resumes its step-10 save on one card.
-GPT_CP2_PP2 = Run("gpt_cp2_pp2_recompute", 4, GPT + CP2 + PP2 + MICRO2 + (
+GPT_CP2_PP2 = Run("gpt_cp2_pp2_recompute", 4, GPT + CP2 + PP2 + (
     "--save_steps", str(RESUME_STEP), "--recompute", "--recompute_granularity", "full_attn"))
 # The 16-rank run both suites need: the trainer compares its 20 steps with single card, the
 # checkpoint tests resume its step-10 checkpoint on one card.
-FOUR_D_SAVING = Run("4d_saving", 16, TP2 + PP2 + SHARDING2 + ("--save_steps", str(RESUME_STEP)))
+FOUR_D_SAVING = Run("4d_saving", 16, TP2 + PP2 + SHARDING2 + MICRO1 + ("--save_steps", str(RESUME_STEP)))
 # tp2 x pp2 saving in the background at step 10: the trainer suite compares its 20 steps with single card
 # (so saving in the background changes nothing trained), the checkpoint suite resumes its step-10 save.
 TP2_PP2_SAVING = Run("tp2pp2_async_saving", 4, TP2 + PP2 + ("--async_save", "--save_steps", str(RESUME_STEP)))

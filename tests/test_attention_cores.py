@@ -170,3 +170,29 @@ def test_fused_swiglu_equals_the_reference_mlp():
     np.testing.assert_allclose(fused.numpy(), reference.numpy(), rtol=FORWARD_RTOL, atol=1e-7)
     for got, expected in zip(paddle.grad(fused.sum(), [gate, up]), paddle.grad(reference.sum(), [gate, up])):
         np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=GRAD_RTOL, atol=1e-7)
+
+
+def test_recomputing_the_core_on_strided_sequence_first_views_keeps_its_gradients():
+    """Under sequence parallelism the core's q, k and v are [seq, batch, ...] views of [batch, seq, ...]
+    buffers; Paddle 3.3.1's non-reentrant recompute reads such a view a PyLayer saved as if it were
+    contiguous (`modeling/saved_tensors.py`), which trained tp2 + SP + recompute with micro-batches of
+    two wrongly. Recomputed (as `--recompute_granularity core_attn` does) the core's gradients are the
+    ones it gives without recompute (rtol 1e-6; the same ops run)."""
+    from modeling.execution import Recompute
+
+    batch, seq, heads, kv_heads, head_dim = 2, 12, 4, 2, 8
+    rng = np.random.default_rng(5)
+    x = paddle.to_tensor(rng.standard_normal([batch, seq, 32]).astype("float32"))
+    weights = [paddle.to_tensor(rng.standard_normal([32, n * head_dim]).astype("float32"))
+               for n in (heads, kv_heads, kv_heads)]
+    for tensor in (x, *weights):
+        tensor.stop_gradient = False
+
+    def gradients(recompute: Recompute) -> list[np.ndarray]:
+        views = [paddle.matmul(x, w).reshape([batch, seq, -1, head_dim]).transpose([1, 0, 2, 3]) for w in weights]
+        assert not any(view.is_contiguous() for view in views)  # the case that went wrong
+        out = recompute("core_attn", lambda q, k, v: BlockwiseCore(block=5)(q, k, v, True), *views)
+        return [g.numpy() for g in paddle.grad((out * out).sum(), [x, *weights])]
+
+    for plain, recomputed in zip(gradients(Recompute()), gradients(Recompute("core_attn"))):
+        np.testing.assert_allclose(recomputed, plain, rtol=FORWARD_RTOL, atol=1e-6)

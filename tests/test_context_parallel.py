@@ -26,7 +26,6 @@ from runs import (
     CP2_PP2,
     FINAL_SAVE,
     GPT_CP2_PP2,
-    MICRO2,
     MODEL,
     PP2,
     RESUME_STEP,
@@ -58,20 +57,19 @@ def stage(name: str) -> tuple[str, ...]:
         ("--stage3_segment_size", "1024") if name == "stage3" else ())
 
 
-# micro-batches of 2 (MICRO2) against single card's of 1: the same 8 sequences a step, and half the ring's round trips
-CP2_TP2_SP = Run("cp2_tp2_sp", 4, cp(2) + TP2 + ("--sequence_parallel",) + MICRO2 + SAVE)
+CP2_TP2_SP = Run("cp2_tp2_sp", 4, cp(2) + TP2 + ("--sequence_parallel",) + SAVE)
 LAYOUTS = [
     (CP2_TP2_SP, SINGLE),
     (CP2_PP2, SINGLE),
-    (Run("cp2_sharding2_stage1_recompute", 4, cp(2) + stage("stage1") + MICRO2 + FINAL_SAVE + (
+    (Run("cp2_sharding2_stage1_recompute", 4, cp(2) + stage("stage1") + FINAL_SAVE + (
         "--recompute", "true", "--recompute_granularity", "core_attn", "--recompute_use_reentrant", "1")), SINGLE),
-    (Run("cp2_sharding2_stage3", 4, cp(2) + stage("stage3") + MICRO2 + FINAL_SAVE), SINGLE),
-    (Run("cp4", 4, cp(4) + MICRO2 + FINAL_SAVE), SINGLE),
+    (Run("cp2_sharding2_stage3", 4, cp(2) + stage("stage3") + FINAL_SAVE), SINGLE),
+    (Run("cp4", 4, cp(4) + FINAL_SAVE), SINGLE),
     (GPT_CP2_PP2, SINGLE_GPT),
 ]
 RESUMES = {  # cp ranks hold whole weights: the checkpoint is the same whichever the cp degree
     "cp2_tp2_sp->single": Run("cp2_tp2_sp_to_single", 1, (), resume_from=CP2_TP2_SP),
-    "single->cp2_pp2": Run("single_to_cp2_pp2", 4, cp(2) + PP2 + MICRO2, resume_from=SINGLE),
+    "single->cp2_pp2": Run("single_to_cp2_pp2", 4, cp(2) + PP2, resume_from=SINGLE),
 }
 
 
@@ -150,7 +148,7 @@ def test_a_kill_during_a_cp2_save_leaves_the_last_checkpoint_resumable(pretrain_
     out = tmp_path / "out"
     common = [*MODEL, "--save_steps", "2", "--data_cache", str(data_cache), "--output_dir", str(out)]
     with pytest.raises(LaunchError):
-        launch(TRAINER.parent / "killed_save_worker.py", 2, [*common, *cp(2), *MICRO2], work_dir=tmp_path / "killed",
+        launch(TRAINER.parent / "killed_save_worker.py", 2, [*common, *cp(2)], work_dir=tmp_path / "killed",
                timeout=300)
     assert (out / "latest").read_text().strip() == "checkpoint-2"
     assert (out / ".tmp-checkpoint-4").is_dir() and not (out / "checkpoint-4").exists()

@@ -32,7 +32,7 @@ from paddle_pp.runtime.topology import Topology, build_strategy
 from paddle_pp.training import precision
 from paddle_pp.training.step import eval_loss
 
-from runs import FINAL_STEP, MODEL as MODEL_FLAGS, REPO, SINGLE, TP2
+from runs import FINAL_STEP, MICRO1, MODEL as MODEL_FLAGS, REPO, SINGLE, TP2
 
 ADAM_STATES = ("moment1", "moment2", "beta1_pow_acc", "beta2_pow_acc")
 STAGE3 = ("--sharding_parallel_degree", "2", "--sharding", "stage3", "--stage3_segment_size", "1024")
@@ -279,8 +279,8 @@ def test_master_grad_accumulates_bf16_micro_batches_into_fp32_bit_for_bit(pretra
     nproc, flags = MASTER_GRAD_LAYOUTS[layout]
     sharding = nproc if layout == "stage2" else 1
     steps = 8 // sharding  # the test model's global batch of 8, one sample per micro-batch
-    results = run_workers("master_grad_worker.py", nproc, [*MODEL_FLAGS, *flags, "--amp_master_grad", "--data_cache",
-                                                            data_cache, "--output_dir", tmp_path / "out"])
+    results = run_workers("master_grad_worker.py", nproc, [*MODEL_FLAGS, *MICRO1, *flags, "--amp_master_grad",
+                                                            "--data_cache", data_cache, "--output_dir", tmp_path / "out"])
     checked = set()
     for result in results:
         assert {op for op, _ in result["mixed"]} == {"add_", "adamw_"}, result["mixed"]

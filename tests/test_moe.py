@@ -38,6 +38,7 @@ from paddle_pp.runtime.launch import LaunchError, launch
 import hf_models
 from parity import our_logits
 from runs import (
+    MICRO1,
     MODEL,
     PP2,
     RESUME_STEP,
@@ -286,9 +287,9 @@ def moe_runs(moe_folders):
     hybrid = Run("deepseek_ep2_tp2_pp2_sp", 8, start + DP2_TP2_PP2_SP + EP2 + (
         "--recompute", "--save_steps", str(RESUME_STEP)))
     return {"single": single, "ep2_tp2_pp2_sp": hybrid,
-            "ep2_stage1": Run("deepseek_ep2_stage1", 4, start + EP2 + (
+            "ep2_stage1": Run("deepseek_ep2_stage1", 4, start + EP2 + MICRO1 + (
                 "--sharding_parallel_degree", "2", "--sharding", "stage1", "--recompute", "--save_steps", "20")),
-            "stage2": Run("deepseek_dp2_stage2", 4, start + ("--sharding_parallel_degree", "2", "--sharding",
+            "stage2": Run("deepseek_dp2_stage2", 4, start + MICRO1 + ("--sharding_parallel_degree", "2", "--sharding",
                                                              "stage2", "--recompute", "--save_steps", "20")),
             "resumed_ep4": Run("deepseek_resumed_ep4", 4, start + EP4, resume_from=hybrid),
             "resumed_single": Run("deepseek_resumed_single", 1, start, resume_from=hybrid)}

@@ -16,6 +16,7 @@ from modeling.registry import plan_of_folder
 
 from runs import (
     FOUR_D_SAVING,
+    MICRO1,
     PP2,
     RESUME_STEP,
     SINGLE,
@@ -38,13 +39,14 @@ def sharded(stage: str, degree: int) -> tuple[str, ...]:
     return ("--sharding", stage, "--sharding_parallel_degree", str(degree)) + (SEGMENT if stage == "stage3" else ())
 
 
-STAGE2 = Run("dp2_sharding2_stage2", 4, sharded("stage2", 2) + SAVE)
-STAGE3 = Run("sharding4_stage3", 4, sharded("stage3", 4) + SAVE)
+# A data degree of 4 on 4 ranks: micro-batches of 1 (MICRO1) keep the sharded gradients accumulating.
+STAGE2 = Run("dp2_sharding2_stage2", 4, sharded("stage2", 2) + MICRO1 + SAVE)
+STAGE3 = Run("sharding4_stage3", 4, sharded("stage3", 4) + MICRO1 + SAVE)
 RESUMES = {  # the pairs: each continues the single-card curve from the step-10 checkpoint
     "sharding4_stage3->tp2pp2": Run("stage3_to_tp2pp2", 4, TP2 + PP2, resume_from=STAGE3),
     "4d_stage1->tp2_sharding2_stage3": Run("4d_to_tp2_stage3", 4, TP2 + sharded("stage3", 2),
                                            resume_from=FOUR_D_SAVING),
-    "dp2_sharding2_stage2->sharding4_stage2": Run("stage2_to_sharding4_stage2", 4, sharded("stage2", 4),
+    "dp2_sharding2_stage2->sharding4_stage2": Run("stage2_to_sharding4_stage2", 4, sharded("stage2", 4) + MICRO1,
                                                   resume_from=STAGE2),
 }
 
@@ -115,5 +117,5 @@ def test_resume_across_stages_continues_the_single_card_run(pretrain_run, pair):
 @pytest.mark.multiproc
 def test_same_layout_stage3_resume_is_bitwise(pretrain_run):
     uninterrupted = history(pretrain_run, STAGE3)
-    result = history(pretrain_run, Run("stage3_same_layout", 4, sharded("stage3", 4), resume_from=STAGE3))
+    result = history(pretrain_run, Run("stage3_same_layout", 4, sharded("stage3", 4) + MICRO1, resume_from=STAGE3))
     assert result["losses"] == uninterrupted["losses"][RESUME_STEP:]

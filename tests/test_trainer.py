@@ -14,11 +14,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from paddle_pp.training.arguments import parse_args
+from paddle_pp.training.loss_plot import nice_ticks
 from paddle_pp.training.precision import PrecisionError
 from paddle_pp.training.trainer import Pretrainer, TrainingConfigError
 
@@ -88,7 +90,26 @@ def test_single_card_run_writes_metrics_and_plot(trained):
     # 8.34 -> 7.47 on PaddleNLP's sample order (random weights give about ln 4096 = 8.3 at step 1)
     assert records[-1]["loss"] < records[0]["loss"] - 0.5, "20 steps must visibly lower the loss"
     assert max(r["lr"] for r in records) == pytest.approx(3e-3)
-    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    _assert_plots(out / "loss.svg", records)
+
+
+def _assert_plots(svg: Path, records: list[dict]) -> None:
+    """loss.svg is an SVG document with one point per step (train) and per evaluation, the loss falling
+    downwards on the page (SVG's y grows down) as it fell in metrics.jsonl."""
+    from xml.etree import ElementTree
+
+    lines = {line.get("class"): [tuple(map(float, point.split(","))) for point in line.get("points").split()]
+             for line in ElementTree.parse(svg).getroot().iter("{http://www.w3.org/2000/svg}polyline")}
+    assert [len(lines["train loss"]), len(lines["eval loss"])] == [len(records), sum("eval_loss" in r for r in records)]
+    (x_first, y_first), (x_last, y_last) = lines["train loss"][0], lines["train loss"][-1]
+    assert x_last > x_first and y_last > y_first
+
+
+def test_plot_ticks_are_round_and_cover_the_range():
+    ticks = nice_ticks(7.47, 8.34)
+    assert ticks[0] <= 7.47 and ticks[-1] >= 8.34 and 4 <= len(ticks) <= 8
+    steps = {round(b - a, 9) for a, b in zip(ticks, ticks[1:])}
+    assert len(steps) == 1 and steps.pop() in (0.1, 0.2, 0.25, 0.5)
 
 
 @pytest.mark.parametrize("flags, error, message", [

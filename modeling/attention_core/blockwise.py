@@ -35,6 +35,7 @@ from paddle.autograd import PyLayer
 from modeling.attention_core.spec import PLAIN, CoreSpec
 from modeling.autocast import full_precision
 from modeling.documents import Documents
+from modeling.saved_tensors import kept
 
 FP32 = "float32"
 DEFAULT_BLOCK = 512  # query and key positions per block: 512 x 512 fp32 scores per (batch, kv head, group)
@@ -277,7 +278,7 @@ class _BlockwiseAttention(PyLayer):
             if sinks.shape[0]:
                 out_rows, lse = with_sinks(out_rows, lse, sink_rows(sinks, kv_heads, q.shape[0 if seq_first else 1]))
             out = from_rows(out_rows, groups, seq_first)
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.save_for_backward(*kept(q, k, v, out, lse, sinks))
         ctx.layout = (seq_first, block, groups, scale, spec, documents)
         ctx.sinks_learn = not sinks.stop_gradient  # Paddle wants None back for an input without gradient
         return out

@@ -36,6 +36,7 @@ from modeling.attention_core.spec import PLAIN, CoreSpec
 from modeling.autocast import full_precision
 from modeling.context_parallel import local_positions
 from modeling.documents import Documents
+from modeling.saved_tensors import kept
 
 FP32_BYTES = 4
 
@@ -133,7 +134,7 @@ class _RingAttention(PyLayer):
             if sinks.shape[0]:
                 out, lse = kernel.with_sinks(out, lse, sinks)
             result = kernel.output(out, q.dtype)
-        ctx.save_for_backward(q, k, v, result, lse, sinks)
+        ctx.save_for_backward(*kept(q, k, v, result, lse, sinks))
         ctx.setting = (ring, kernel, docs)
         ctx.sinks_learn = not sinks.stop_gradient  # Paddle wants None back for an input without gradient
         return result

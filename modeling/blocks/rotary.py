@@ -27,6 +27,7 @@ from paddle.autograd import PyLayer
 
 from modeling.autocast import full_precision
 from modeling.context_parallel import local_positions
+from modeling.saved_tensors import kept
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 NEEDED = {"linear": ("factor",),
@@ -250,7 +251,7 @@ class _Rotary(PyLayer):
 
     @staticmethod
     def forward(ctx, x, cos, sin):
-        ctx.save_for_backward(cos, sin)
+        ctx.save_for_backward(*kept(cos, sin))
         # expanded first: a product broadcasting over inner axes is 10x slower on CPU
         return x * cos.expand(x.shape) + rotate_half(x) * sin.expand(x.shape)
 

@@ -110,7 +110,7 @@ class OptimizerArguments:
 
 @dataclass
 class OutputArguments:
-    output_dir: Path = flag(Path("output"), "metrics.jsonl, loss.png and checkpoints go here")
+    output_dir: Path = flag(Path("output"), "metrics.jsonl, loss.svg and checkpoints go here")
     logging_steps: int = flag(1, "write metrics every N steps")
     eval_steps: int = flag(0, "evaluate every N steps (0: only at the end)")
     eval_iters: int = flag(2, "global batches of held-out data per evaluation")

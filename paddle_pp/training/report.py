@@ -1,5 +1,5 @@
-"""What rank 0 shows and keeps: a progress bar (tqdm), `metrics.jsonl`, and `loss.png` at the end;
-and the byte-progress bar of the offline checkpoint tools."""
+"""What rank 0 shows and keeps: a progress bar (tqdm) and `metrics.jsonl` (`loss_plot.py` draws
+`loss.svg` from it at the end); and the byte-progress bar of the offline checkpoint tools."""
 
 from __future__ import annotations
 
@@ -99,28 +99,3 @@ def read_metrics(path: Path) -> list[dict]:
     if torn:
         warnings.warn(f"{path}: skipped {torn} torn line(s) left by a killed run", stacklevel=2)
     return records
-
-
-def plot_loss(metrics_path: Path, png_path: Path) -> Path:
-    """Training loss per step (and eval loss where measured), written where a person looks: the output dir."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    records = read_metrics(metrics_path)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
-    if train:
-        ax.plot(*zip(*train), label="train loss")
-    if evals:
-        ax.plot(*zip(*evals), "o-", label="eval loss")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
-    return Path(png_path)

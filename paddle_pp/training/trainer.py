@@ -40,10 +40,11 @@ from paddle_pp.training.arguments import DataArguments, ModelArguments, Optimize
 from paddle_pp.training.expert_balance import update_correction_biases
 from paddle_pp.training.grad_norm import ReportingGlobalNormClip, report_clipped_norm
 from paddle_pp.training.gradient_record import record_gradients, recorded_gradients
+from paddle_pp.training.loss_plot import plot_loss
 from paddle_pp.training.model_config import check_dropout, model_config, tokenizer_dir
 from paddle_pp.training.output_lock import acquire, release
 from paddle_pp.training.replicated_sync import needs_replicated_sync, sync_replicated
-from paddle_pp.training.report import MetricsLog, VisualDLLog, plot_loss, training_bar
+from paddle_pp.training.report import MetricsLog, VisualDLLog, read_metrics, training_bar
 from paddle_pp.training.router_metrics import router_metrics, step_routing
 from paddle_pp.training.schedule import WarmupCosine
 from paddle_pp.training.skips import merge, parse_intervals, skipped
@@ -340,7 +341,7 @@ class Pretrainer:
         return float(np.mean(losses))
 
     def train(self) -> list[dict]:
-        """Run to `--max_steps`; rank 0 writes metrics.jsonl, shows progress and plots loss.png."""
+        """Run to `--max_steps`; rank 0 writes metrics.jsonl, shows progress and plots loss.svg."""
         out, max_steps, is_writer = self.args.output, self.args.optim.max_steps, self.topo.global_rank == 0
         save_steps = self.args.checkpoint.save_steps
         output = Path(out.output_dir)
@@ -380,7 +381,7 @@ class Pretrainer:
             board.close()
         if log:
             log.close()
-            plot_loss(output / "metrics.jsonl", output / "loss.png")
+            plot_loss(read_metrics(output / "metrics.jsonl"), output / "loss.svg")
         if self.lock is not None:
             release(self.lock)
         return history
