@@ -1,0 +1,106 @@
+"""Where a CPU launch's fixed time goes, outside the steps, measured side by side.
+
+Each measurement runs in fresh processes, alternating the two ways `--repeats` times (medians):
+- Paddle's launcher around a script that does nothing, `--nproc` ranks: from the launcher's start to
+  the last rank starting, and from the last rank's end to the launcher's exit;
+- `import paddle` alone, in one process;
+- paddle-pp's trainer imports (`paddle_pp.training.cli`) with PaddleNLP's inits skipped
+  (`runtime/startup.py`) against the same imports with `paddlenlp.data`'s and
+  `paddlenlp.transformers`' inits run (the top init skipped, as before this start-up);
+- rank 0's plot at the end of a run: `loss.svg` written directly (`training/loss_plot.py`) against
+  the matplotlib `loss.png` of the same records that it replaced.
+Writes bench/results/launch_overhead.json.
+
+  .venv/bin/python bench/launch_overhead.py --nproc 4 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from machine import machine
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results" / "launch_overhead.json"
+NOOP = "import os, sys, time; open(os.path.join(sys.argv[1], os.environ['PADDLE_TRAINER_ID']), 'w').write(str(time.time()))"
+IMPORTS = {"paddlenlp inits skipped (paddle-pp)": "import paddle_pp.training.cli",
+           # the start-up before: only paddlenlp's top init skipped, data's and transformers' run
+           "paddlenlp data/transformers inits run": "from paddle_pp.runtime import startup; startup.lean_paddlenlp(); "
+                                                     "startup._complete_up_to('paddlenlp.transformers'); "
+                                                     "import paddle_pp.training.cli"}
+RECORDS = [{"step": i, "loss": 8.3 - 0.04 * i, **({"eval_loss": 8.2 - 0.04 * i} if i % 10 == 0 else {})}
+           for i in range(1, 201)]
+PLOTS = {
+    "loss.svg (paddle-pp)": "from paddle_pp.training.loss_plot import plot_loss; plot_loss(RECORDS, OUT + '/loss.svg')",
+    "matplotlib loss.png": """
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+fig, ax = plt.subplots(figsize=(7, 4))
+ax.plot([r["step"] for r in RECORDS], [r["loss"] for r in RECORDS], label="train loss")
+ax.plot([r["step"] for r in RECORDS if "eval_loss" in r], [r["eval_loss"] for r in RECORDS if "eval_loss" in r], "o-",
+        label="eval loss")
+ax.set_xlabel("step"); ax.set_ylabel("loss"); ax.grid(alpha=0.3); ax.legend(); fig.tight_layout()
+fig.savefig(OUT + "/loss.png", dpi=100)
+"""}
+
+
+def _python(code: str, env: dict | None = None) -> float:
+    """Seconds one fresh interpreter takes to run `code` (start-up included, as a rank pays it)."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env={**os.environ, **(env or {})},
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
+def launcher(nproc: int) -> tuple[float, float]:
+    """(launcher start -> last rank started, last rank ended -> launcher exit) of a no-op job."""
+    with tempfile.TemporaryDirectory() as folder:
+        script = Path(folder) / "noop.py"
+        script.write_text(NOOP)
+        start = time.time()
+        subprocess.run([sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc), "--log_dir",
+                        str(Path(folder) / "log"), str(script), folder], check=True, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+        end = time.time()
+        started = max(float((Path(folder) / str(rank)).read_text()) for rank in range(nproc))
+    return started - start, end - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    env = {"PYTHONPATH": str(REPO)}
+    times: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory() as out:
+        prelude = f"RECORDS = {RECORDS!r}; OUT = {out!r}\n"
+        for _ in range(args.repeats):
+            to_ranks, after_ranks = launcher(args.nproc)
+            times.setdefault("launcher: start -> last rank started", []).append(to_ranks)
+            times.setdefault("launcher: last rank ended -> exit", []).append(after_ranks)
+            times.setdefault("import paddle", []).append(_python("import paddle"))
+            for name, code in {**IMPORTS, **{name: prelude + code for name, code in PLOTS.items()}}.items():
+                times.setdefault(name, []).append(_python(code, env))
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    for name, value in medians.items():
+        print(f"{name:45s} {value:6.2f} s")
+    ratios = {"trainer imports": medians["paddlenlp data/transformers inits run"] / medians["paddlenlp inits skipped (paddle-pp)"],
+              "plot": medians["matplotlib loss.png"] / medians["loss.svg (paddle-pp)"]}
+    print(f"trainer imports {ratios['trainer imports']:.2f}x faster, end-of-run plot {ratios['plot']:.2f}x faster")
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps({"machine": machine(), "nproc": args.nproc, "repeats": args.repeats,
+                                   "median_s": medians, "ratios": ratios}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
