@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from paddle_pp.training.arguments import parse_args
-from paddle_pp.training.loss_plot import nice_ticks
+from paddle_pp.training.loss_plot import nice_ticks, plot_loss
 from paddle_pp.training.precision import PrecisionError
 from paddle_pp.training.trainer import Pretrainer, TrainingConfigError
 
@@ -103,6 +103,16 @@ def _assert_plots(svg: Path, records: list[dict]) -> None:
     assert [len(lines["train loss"]), len(lines["eval loss"])] == [len(records), sum("eval_loss" in r for r in records)]
     (x_first, y_first), (x_last, y_last) = lines["train loss"][0], lines["train loss"][-1]
     assert x_last > x_first and y_last > y_first
+
+
+def test_a_diverged_step_leaves_the_plot_readable(tmp_path):
+    """A step whose loss is NaN or infinite (json writes NaN/Infinity) is left out of loss.svg."""
+    records = [{"step": 1, "loss": 8.3}, {"step": 2, "loss": float("nan")}, {"step": 3, "loss": float("inf"),
+                                                                               "eval_loss": 8.0}, {"step": 4, "loss": 7.9}]
+    plot_loss(records, tmp_path / "loss.svg")
+    text = (tmp_path / "loss.svg").read_text()
+    assert "nan" not in text.lower() and "inf" not in text.lower()
+    _assert_plots(tmp_path / "loss.svg", [records[0], records[3] | {"eval_loss": 8.0}])
 
 
 def test_plot_ticks_are_round_and_cover_the_range():

@@ -75,8 +75,9 @@ def loss_svg(series: dict[str, list[tuple[float, float]]]) -> str:
 
 
 def plot_loss(records: list[dict], svg_path: Path) -> Path:
-    """Write `loss.svg` from metrics records (`loss` per step, `eval_loss` where measured)."""
-    series = {"train loss": [(r["step"], r["loss"]) for r in records if "loss" in r],
-              "eval loss": [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]}
+    """Write `loss.svg` from metrics records (`loss` per step, `eval_loss` where measured). A loss
+    that is not finite (a diverged step) has no place on the axis: it is left out, as a gap would be."""
+    series = {name: [(r["step"], r[key]) for r in records if key in r and math.isfinite(r[key])]
+              for name, key in (("train loss", "loss"), ("eval loss", "eval_loss"))}
     Path(svg_path).write_text(loss_svg(series))
     return Path(svg_path)
