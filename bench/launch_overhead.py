@@ -3,6 +3,8 @@
 Each measurement runs in fresh processes, alternating the two ways `--repeats` times (medians):
 - Paddle's launcher around a script that does nothing, `--nproc` ranks: from the launcher's start to
   the last rank starting, and from the last rank's end to the launcher's exit;
+- a one-process job end to end, through Paddle's launcher against `runtime/launch.py`'s direct start
+  (`python script`, as a user runs one card);
 - `import paddle` alone, in one process;
 - paddle-pp's trainer imports (`paddle_pp.training.cli`) with PaddleNLP's inits skipped
   (`runtime/startup.py`) against the same imports with `paddlenlp.data`'s and
@@ -28,9 +30,12 @@ from pathlib import Path
 
 from machine import machine
 
+from paddle_pp.runtime.launch import launch
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "launch_overhead.json"
-NOOP = "import os, sys, time; open(os.path.join(sys.argv[1], os.environ['PADDLE_TRAINER_ID']), 'w').write(str(time.time()))"
+NOOP = ("import os, sys, time; "
+        "open(os.path.join(sys.argv[1], os.environ.get('PADDLE_TRAINER_ID', '0')), 'w').write(str(time.time()))")
 IMPORTS = {"paddlenlp inits skipped (paddle-pp)": "import paddle_pp.training.cli",
            # the start-up before: only paddlenlp's top init skipped, data's and transformers' run
            "paddlenlp data/transformers inits run": "from paddle_pp.runtime import startup; startup.lean_paddlenlp(); "
@@ -75,6 +80,22 @@ def launcher(nproc: int) -> tuple[float, float]:
     return started - start, end - started
 
 
+def one_process_job(direct: bool) -> float:
+    """Seconds a one-process no-op job takes end to end, started by `runtime/launch.py` (direct) or by
+    Paddle's launcher."""
+    with tempfile.TemporaryDirectory() as folder:
+        script = Path(folder) / "noop.py"
+        script.write_text(NOOP)
+        start = time.perf_counter()
+        if direct:
+            launch(script, 1, [folder], work_dir=Path(folder) / "job", collect_results=False)
+        else:
+            subprocess.run([sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "1", "--log_dir",
+                            str(Path(folder) / "log"), str(script), folder], check=True, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+        return time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=4)
@@ -88,6 +109,8 @@ def main() -> None:
             to_ranks, after_ranks = launcher(args.nproc)
             times.setdefault("launcher: start -> last rank started", []).append(to_ranks)
             times.setdefault("launcher: last rank ended -> exit", []).append(after_ranks)
+            for name, direct in (("one-process job: Paddle's launcher", False), ("one-process job: direct", True)):
+                times.setdefault(name, []).append(one_process_job(direct))
             times.setdefault("import paddle", []).append(_python("import paddle"))
             for name, code in {**IMPORTS, **{name: prelude + code for name, code in PLOTS.items()}}.items():
                 times.setdefault(name, []).append(_python(code, env))
@@ -95,8 +118,10 @@ def main() -> None:
     for name, value in medians.items():
         print(f"{name:45s} {value:6.2f} s")
     ratios = {"trainer imports": medians["paddlenlp data/transformers inits run"] / medians["paddlenlp inits skipped (paddle-pp)"],
-              "plot": medians["matplotlib loss.png"] / medians["loss.svg (paddle-pp)"]}
-    print(f"trainer imports {ratios['trainer imports']:.2f}x faster, end-of-run plot {ratios['plot']:.2f}x faster")
+              "plot": medians["matplotlib loss.png"] / medians["loss.svg (paddle-pp)"],
+              "one-process job": medians["one-process job: Paddle's launcher"] / medians["one-process job: direct"]}
+    print(f"trainer imports {ratios['trainer imports']:.2f}x faster, end-of-run plot {ratios['plot']:.2f}x faster, "
+          f"one-process job {ratios['one-process job']:.2f}x faster")
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps({"machine": machine(), "nproc": args.nproc, "repeats": args.repeats,
                                    "median_s": medians, "ratios": ratios}, indent=1) + "\n")

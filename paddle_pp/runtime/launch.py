@@ -1,4 +1,5 @@
 """Start real multi-process jobs through `paddle.distributed.launch` and collect one JSON result per rank.
+A one-process job is started as a user runs one card, `python script`, without the launcher.
 
 Tests and tools use this instead of mocks: every layout claim is proven by processes that talk
 over gloo exactly as a cluster's do over NCCL. A hard timeout kills the whole process group, and
@@ -113,7 +114,8 @@ def launch(
     retries_on_silent_abort: int = 0,
     collect_results: bool = True,
 ) -> list[dict[str, Any]]:
-    """Run `script` on `nnodes` x `nproc` ranks on this machine and return each rank's result, by rank.
+    """Run `script` on `nnodes` x `nproc` ranks on this machine and return each rank's result, by rank
+    (one rank: started directly, its log still at `log_node0/workerlog.0`).
 
     With `nnodes > 1`, one launcher per node is started with `--master 127.0.0.1:PORT --nnodes`,
     exactly as a user starts a multi-node job, so the multi-node rendezvous path is exercised.
@@ -145,22 +147,15 @@ def _launch_once(script, nproc: int, args: Sequence[str], work_dir: Path, timeou
     run_env = {"OMP_NUM_THREADS": threads, **os.environ, **(env or {}), RESULT_DIR_ENV: str(result_dir),
                "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
     run_env.pop("PADDLE_TRAINER_ID", None)
-    master = f"127.0.0.1:{free_port()}"
     log_dirs = [work_dir / f"log_node{node}" for node in range(nnodes)]
-    procs = []
-    for node, log_dir in enumerate(log_dirs):
-        cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc),
-               "--log_dir", str(log_dir)]
-        if nnodes > 1:
-            cmd += ["--master", master, "--nnodes", str(nnodes), "--rank", str(node)]
-        cmd += [str(script), *map(str, args)]
-        procs.append(subprocess.Popen(cmd, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, start_new_session=True))
+    procs = _start_single(script, args, log_dirs[0], run_env) if nproc * nnodes == 1 else \
+        _start_launchers(script, nproc, args, log_dirs, run_env)
     outputs, failures = _wait_all(procs, timeout)
     if failures:
         launcher_output = "".join(outputs)
         report = _logs_report(log_dirs, launcher_output)
-        silent = bool(SIGNAL_EXIT.search(launcher_output)) and "Traceback" not in report and "timed out" not in failures[0]
+        aborted = bool(SIGNAL_EXIT.search(launcher_output)) or procs[0].returncode == -signal.SIGABRT
+        silent = aborted and "Traceback" not in report and "timed out" not in failures[0]
         raise LaunchError(f"{'; '.join(failures)}\n{report}", silent_abort=silent, rank_logs=_rank_logs(log_dirs, nproc))
     results = []
     for rank in range(nproc * nnodes if collect_results else 0):
@@ -169,6 +164,32 @@ def _launch_once(script, nproc: int, args: Sequence[str], work_dir: Path, timeou
             raise LaunchError(f"rank {rank} wrote no result\n{_logs_report(log_dirs, ''.join(outputs))}")
         results.append(json.loads(path.read_text()))
     return results
+
+
+def _start_launchers(script, nproc: int, args: Sequence[str], log_dirs: list[Path],
+                     run_env: dict[str, str]) -> list[subprocess.Popen]:
+    """One `paddle.distributed.launch` per node, each starting `nproc` ranks that log to its log dir."""
+    master = f"127.0.0.1:{free_port()}"
+    procs = []
+    for node, log_dir in enumerate(log_dirs):
+        cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc),
+               "--log_dir", str(log_dir)]
+        if len(log_dirs) > 1:
+            cmd += ["--master", master, "--nnodes", str(len(log_dirs)), "--rank", str(node)]
+        cmd += [str(script), *map(str, args)]
+        procs.append(subprocess.Popen(cmd, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, start_new_session=True))
+    return procs
+
+
+def _start_single(script, args: Sequence[str], log_dir: Path, run_env: dict[str, str]) -> list[subprocess.Popen]:
+    """A one-process job started as a user runs one card (`python script ...`), logging where the
+    launcher would (`workerlog.0`): Paddle's launcher adds nothing to one process but about 4 s of
+    its own start and exit (docs/benchmarks.md, "Launch overhead")."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with open(log_dir / "workerlog.0", "w") as log:
+        return [subprocess.Popen([sys.executable, str(script), *map(str, args)], env=run_env, stdout=log,
+                                 stderr=subprocess.STDOUT, start_new_session=True)]
 
 
 def _wait_all(procs: list[subprocess.Popen], timeout: float) -> tuple[list[str], list[str]]:
