@@ -66,15 +66,24 @@ def _python(code: str, env: dict | None = None) -> float:
     return time.perf_counter() - start
 
 
+def _noop_job(folder: str, nproc: int, direct: bool = False) -> None:
+    """The no-op script on `nproc` ranks writing into `folder`: through Paddle's launcher, or (one
+    process) started by `runtime/launch.py` as the suite starts it."""
+    script = Path(folder) / "noop.py"
+    script.write_text(NOOP)
+    if direct:
+        launch(script, nproc, [folder], work_dir=Path(folder) / "job", collect_results=False)
+        return
+    subprocess.run([sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc), "--log_dir",
+                    str(Path(folder) / "log"), str(script), folder], check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+
+
 def launcher(nproc: int) -> tuple[float, float]:
     """(launcher start -> last rank started, last rank ended -> launcher exit) of a no-op job."""
     with tempfile.TemporaryDirectory() as folder:
-        script = Path(folder) / "noop.py"
-        script.write_text(NOOP)
         start = time.time()
-        subprocess.run([sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc), "--log_dir",
-                        str(Path(folder) / "log"), str(script), folder], check=True, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
+        _noop_job(folder, nproc)
         end = time.time()
         started = max(float((Path(folder) / str(rank)).read_text()) for rank in range(nproc))
     return started - start, end - started
@@ -84,15 +93,8 @@ def one_process_job(direct: bool) -> float:
     """Seconds a one-process no-op job takes end to end, started by `runtime/launch.py` (direct) or by
     Paddle's launcher."""
     with tempfile.TemporaryDirectory() as folder:
-        script = Path(folder) / "noop.py"
-        script.write_text(NOOP)
         start = time.perf_counter()
-        if direct:
-            launch(script, 1, [folder], work_dir=Path(folder) / "job", collect_results=False)
-        else:
-            subprocess.run([sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "1", "--log_dir",
-                            str(Path(folder) / "log"), str(script), folder], check=True, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
+        _noop_job(folder, 1, direct)
         return time.perf_counter() - start
 
 

@@ -184,8 +184,8 @@ def _start_launchers(script, nproc: int, args: Sequence[str], log_dirs: list[Pat
 
 def _start_single(script, args: Sequence[str], log_dir: Path, run_env: dict[str, str]) -> list[subprocess.Popen]:
     """A one-process job started as a user runs one card (`python script ...`), logging where the
-    launcher would (`workerlog.0`): Paddle's launcher adds nothing to one process but about 4 s of
-    its own start and exit (docs/benchmarks.md, "Launch overhead")."""
+    launcher would (`workerlog.0`): Paddle's launcher adds nothing to one process but 3.6 s of its
+    own start and exit (docs/benchmarks.md, "A launch's fixed time")."""
     log_dir.mkdir(parents=True, exist_ok=True)
     with open(log_dir / "workerlog.0", "w") as log:
         return [subprocess.Popen([sys.executable, str(script), *map(str, args)], env=run_env, stdout=log,
