@@ -52,6 +52,7 @@ def _per_tensor_mapping(writer, path: Path, file_size: int, offset: int, runs: n
 
 
 def _write(method: str, folder: Path, rank: int, args: argparse.Namespace) -> None:
+    from checkpoint.piece import Piece
     from checkpoint.shards import PieceWriter
 
     pair, part = divmod(rank, TP)
@@ -75,7 +76,7 @@ def _write(method: str, folder: Path, rank: int, args: argparse.Namespace) -> No
         writer.MAPPED_RUN_BYTES = 0
     for index in range(args.tensors):
         writer.write(folder / f"pair{pair}", args.tensors * tensor_bytes, index * tensor_bytes,
-                     (args.rows, TP * piece.shape[1]), 1, TP, part, piece)
+                     (args.rows, TP * piece.shape[1]), Piece(1, TP, part), piece)
     writer.close()
 
 

@@ -33,10 +33,10 @@ from checkpoint.format import (
     require_our_layout,
 )
 from checkpoint.optimizer_state import MASTER_WEIGHT, ensure_states, state_tp_axis, states_by_parameter
+from checkpoint.piece import Piece
 from checkpoint.shards import ShardReader, recorded_checksum
 from checkpoint.split import check_split_layout, is_split, rank_key, read_split_index
-from checkpoint.stage3 import FlatSlice, as_saved
-from modeling.tp_plan import single_card_shape
+from checkpoint.stage3 import FlatSlice, as_saved, held_piece
 from paddle_pp.runtime.layout import Layout
 from paddle_pp.runtime.stage3 import slice_param_name
 from paddle_pp.runtime.topology import Topology, gather_objects
@@ -67,9 +67,6 @@ def check_compatible(folder: Path, config, layout: Layout, saved: dict | None = 
                                       "or start a new output_dir")
 
 
-Piece = tuple[int | None, int, int]  # (TP axis or None, parts, part), as ShardReader.read takes them
-
-
 class _VerifiedFiles:
     """The tensors this rank needs, gathered per file by `want`, then read by `load`. A file this
     rank checks is read once, front to back, its checksum computed on a helper thread from the same
@@ -78,7 +75,7 @@ class _VerifiedFiles:
     def __init__(self, folder: Path, meta: dict):
         self.folder, self.meta = folder, meta
         self.readers: dict[str, ShardReader] = {}
-        self.wanted: dict[str, dict[str, tuple[Piece, list[paddle.Tensor]]]] = {}
+        self.wanted: dict[str, dict[str, tuple[Piece, list[tuple[Piece, paddle.Tensor | FlatSlice]]]]] = {}
 
     def open(self, fname: str) -> ShardReader:
         if fname not in self.readers:
@@ -92,11 +89,12 @@ class _VerifiedFiles:
             self.readers[fname] = ShardReader(path)
         return self.readers[fname]
 
-    def want(self, fname: str, name: str, piece: Piece, target: paddle.Tensor) -> None:
-        """Read tensor `name`'s `piece` into `target` (one tensor can fill several targets: a
-        parameter and its master weight)."""
+    def want(self, fname: str, name: str, piece: Piece, target: paddle.Tensor | FlatSlice) -> None:
+        """Read tensor `name`'s `piece` into `target`. One tensor can fill several targets (a
+        parameter and its master weight, one of them a stage3 slice): its TP piece is read once,
+        each target's slice cut from it."""
         self.open(fname)
-        self.wanted.setdefault(fname, {}).setdefault(name, (piece, []))[1].append(target)
+        self.wanted.setdefault(fname, {}).setdefault(name, (piece.tp_piece, []))[1].append((piece, target))
 
     def sizes(self) -> dict[str, int]:
         """Bytes of each file this rank reads from."""
@@ -107,9 +105,10 @@ class _VerifiedFiles:
             reader, check = self.readers[fname], fname in checked
             algorithm, expected = recorded_checksum(self.meta["files"][fname])
             into = {name: view for name, (_, targets) in wanted.items()
-                    if len(targets) == 1 and (view := _writable_view(targets[0])) is not None}
+                    if len(targets) == 1 and (view := _writable_view(targets[0][1])) is not None}
             digest = reader.scan({name: piece for name, (piece, _) in wanted.items()},
-                                 lambda name, array: [set_parameter(target, array) for target in wanted[name][1]],
+                                 lambda name, array: [set_parameter(target, piece.flat_slice(array))
+                                                      for piece, target in wanted[name][1]],
                                  hasher if check else None, algorithm, into)
             if check and digest != expected:
                 raise CheckpointError(f"{reader.path} fails its {algorithm} checksum: the file is corrupted; restore it "
@@ -146,9 +145,8 @@ class _UnifiedFiles(_VerifiedFiles):
         require_our_layout(self.index, folder)
         super().__init__(folder, self.index["metadata"])
 
-    def want_local(self, name: str, local_shape: list[int], axis: int | None, topo: Topology,
-                   target: paddle.Tensor) -> None:
-        full = single_card_shape(local_shape, axis, topo.layout.tp)
+    def want_local(self, name: str, local_shape: list[int], piece: Piece, target: paddle.Tensor | FlatSlice) -> None:
+        full = piece.full_shape(local_shape)
         saved = self.meta["tensors"].get(name, {}).get("shape")
         if name not in self.index["weight_map"]:
             raise CheckpointError(f"checkpoint {self.folder} has no tensor {name!r}: it was saved from a different "
@@ -156,8 +154,7 @@ class _UnifiedFiles(_VerifiedFiles):
         if saved != full:
             raise CheckpointError(f"{name}: the checkpoint holds shape {saved}, this model needs {full} (single-card "
                                   f"shapes); it was saved from a different model configuration")
-        split = axis is not None and topo.layout.tp > 1
-        self.want(self.index["weight_map"][name], name, (axis if split else None, topo.layout.tp, topo.tp_rank), target)
+        self.want(self.index["weight_map"][name], name, piece, target)
 
     def holds(self, name: str) -> bool:
         return name in self.index["weight_map"]
@@ -173,8 +170,7 @@ class _SplitFiles(_VerifiedFiles):
         if self.fname is None:
             raise CheckpointError(f"{folder} has no {kind} file for tp rank {topo.tp_rank}, stage {topo.pp_rank}")
 
-    def want_local(self, name: str, local_shape: list[int], axis: int | None, topo: Topology,
-                   target: paddle.Tensor) -> None:
+    def want_local(self, name: str, local_shape: list[int], piece: Piece, target: paddle.Tensor | FlatSlice) -> None:
         reader = self.open(self.fname)
         if name not in reader.names:
             raise CheckpointError(f"{reader.path} has no tensor {name!r}: the split copy is of another model or "
@@ -182,7 +178,7 @@ class _SplitFiles(_VerifiedFiles):
         if reader.shape(name) != list(local_shape):
             raise CheckpointError(f"{name}: {reader.path} holds shape {reader.shape(name)}, this rank needs "
                                   f"{list(local_shape)}")
-        self.want(self.fname, name, (None, 1, 0), target)
+        self.want(self.fname, name, piece.in_tp_piece, target)
 
     def holds(self, name: str) -> bool:
         return name in self.open(self.fname).names
@@ -201,6 +197,7 @@ def _has_kind(folder: Path, kind: str) -> bool:
 
 
 def set_parameter(target: paddle.Tensor | FlatSlice, array: np.ndarray) -> None:
+    """Set `target` from `array`, its part as read (a `FlatSlice` from its flat slice)."""
     if isinstance(target, FlatSlice):
         target.assign(array)
         return
@@ -232,10 +229,11 @@ def _want_model(weights: _VerifiedFiles, states: _VerifiedFiles | None, model, a
     weights are that master rounded), else from the weights themselves; so a bf16 checkpoint
     resumed in fp32 goes on from the masters, as PaddleNLP's `master_weight_compatible` does."""
     for name, param in model.state_dict().items():
+        piece = held_piece(param, axes.get(name), topo)
         if states is not None and states.holds(_master_of(name)):
-            states.want_local(_master_of(name), list(param.shape), axes.get(name), topo, param)
+            states.want_local(_master_of(name), list(param.shape), piece, param)
         else:
-            weights.want_local(name, list(param.shape), axes.get(name), topo, param)
+            weights.want_local(name, list(param.shape), piece, param)
 
 
 def _want_optimizer(states: _VerifiedFiles, weights: Callable[[], _VerifiedFiles], model, optimizer, axes: dict,
@@ -250,8 +248,8 @@ def _want_optimizer(states: _VerifiedFiles, weights: Callable[[], _VerifiedFiles
             source, saved = states, f"{name}{STATE_SEPARATOR}{state_name}"
             if state_name == MASTER_WEIGHT and not states.holds(saved):
                 source, saved = weights(), name
-            source.want_local(saved, list(target.shape), state_tp_axis(target.shape, param.shape, axes.get(name)),
-                              topo, target)
+            piece = held_piece(target, state_tp_axis(target.shape, param.shape, axes.get(name)), topo)
+            source.want_local(saved, list(target.shape), piece, target)
 
 
 def load_checkpoint(folder: Path, model, optimizer, topo: Topology, axes: dict, verify: bool = True,

@@ -19,7 +19,7 @@ import numpy as np
 import paddle
 
 from checkpoint.format import CheckpointError
-from checkpoint.stage3 import FlatSlice
+from checkpoint.stage3 import FlatSlice, held_piece
 from paddle_pp.runtime.topology import Topology, gather_objects
 
 REPLICA_CHECKS = ("error", "warn")
@@ -55,11 +55,9 @@ def replica_fingerprints(state: dict, axes: dict, topo: Topology) -> dict[str, t
     whole tensor; the piece's fingerprint)."""
     sums = {}
     for name, tensor in state.items():
-        pieces = [f"tp piece {topo.tp_rank}"] if axes.get(name) is not None and topo.layout.tp > 1 else []
-        if isinstance(tensor, FlatSlice):
-            pieces.append(f"stage3 slice {tensor.rank}")
-            tensor = tensor.piece
-        sums[name] = (", ".join(pieces) or None, fingerprint(host_array(tensor.detach(), None, borrow=True)))
+        piece = held_piece(tensor, axes.get(name), topo)
+        storage = tensor.storage if isinstance(tensor, FlatSlice) else tensor
+        sums[name] = (piece.describe(), fingerprint(host_array(storage.detach(), None, borrow=True)))
     return sums
 
 

@@ -8,17 +8,19 @@ rank of the writer's replica computes the writer's file layout from the same pla
 piece into its place (`shards.PieceWriter`), and the file's CRC-32 is combined from the pieces'
 (`crc32_ranges`) at commit. A stage3 flat slice is first gathered over its sharding group, to the
 member in the writer's data replica (the whole sharding group of the writer's dp rank takes part,
-one tensor at a time). Shard headers are written from the planned shapes before any data, so a
-synchronous save streams one tensor at a time.
+one tensor at a time). What each rank does is data first (`save_tasks.save_tasks`, pure, tested for
+whole jobs without a process), then carried out in order. Shard headers are written from the
+planned shapes before any data, so a synchronous save streams one tensor at a time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Iterable, Iterator, Protocol
 
 import numpy as np
 import paddle
@@ -34,64 +36,43 @@ from checkpoint.format import (
     STATE_SEPARATOR,
     TRAINER_STATE_FILE,
     index_name,
-    shard_name,
     tensor_nbytes,
 )
 from checkpoint.optimizer_state import state_tp_axis, states_by_parameter
+from checkpoint.piece import Piece
 from checkpoint.replicas import host_array, judge_replicas, replica_fingerprints
-from checkpoint.shards import CHECKSUM, PieceWriter, TensorSpec, shard_layout, write_shard
-from checkpoint.stage3 import FlatSlice, as_saved, model_tensors
-from checkpoint.writers import Slot, WritePlan, assign_writers, gathered_bytes, items_from_holdings
-from modeling.tp_plan import ModelPlan, single_card_shape
+from checkpoint.save_tasks import (
+    PIECE_IN_PLACE,
+    SEND_SLICE,
+    SHARD_METADATA,
+    Holding,
+    KindTasks,
+    Task,
+    holding_sizes,
+    save_tasks,
+    writer_files,
+)
+from checkpoint.shards import CHECKSUM, PieceWriter, ShardStream, TensorSpec
+from checkpoint.stage3 import FlatSlice, as_saved, held_piece, model_tensors
+from checkpoint.writers import WritePlan, assign_writers, items_from_holdings
+from modeling.tp_plan import ModelPlan
 from paddle_pp.runtime.stage3 import slice_param_name
 from paddle_pp.runtime.topology import Topology, gather_objects
 
-
-@dataclass(frozen=True)
-class _Place:
-    """Where a TP piece goes: the single-card tensor's bytes in its writer's shard file."""
-
-    fname: str
-    offset: int
-    file_size: int
-    shape: tuple[int, ...]
-
-
-@dataclass
-class _Entry:
-    """One tensor this rank takes part in saving: writes whole, writes a TP piece of, or (stage3)
-    sends its slice of."""
-
-    name: str
-    local: paddle.Tensor | FlatSlice
-    axis: int | None
-    mine: bool  # this rank writes it whole into its own file
-    slice_root: int  # the sharding rank in the writer's data replica (a stage3 slice is gathered there)
-    place: _Place | None = None  # this rank writes its TP piece there
-
-
-@dataclass
-class _Shard:
-    kind: str
-    specs: list[TensorSpec] = field(default_factory=list)  # this rank's file
-    holes: frozenset[str] = frozenset()  # tensors of its file the tp group writes in place
-    entries: list[_Entry] = field(default_factory=list)
-
-
-Held = dict[str, dict[str, tuple["paddle.Tensor | FlatSlice", "int | None"]]]  # kind -> name -> (local, TP axis)
+Held = dict[str, dict[str, tuple["paddle.Tensor | FlatSlice", Piece]]]  # kind -> name -> (local, its part)
 
 
 def _held(state: dict, tensors: dict, axes: dict, optimizer, gradients: dict | None, topo: Topology) -> Held:
     """Every tensor this rank could write, by kind: the model's `tensors` (`stage3.model_tensors` of
     `state`); optimizer states and recorded gradients only where this rank holds them (the sharding
     rank that updates the parameter, or under stage3 every sharding rank, each its slice)."""
-    held: Held = {MODEL: {name: (tensor, axes.get(name)) for name, tensor in tensors.items()}}
+    held: Held = {MODEL: {name: (tensor, held_piece(tensor, axes.get(name), topo)) for name, tensor in tensors.items()}}
     per_parameter = {OPTIMIZER: states_by_parameter(optimizer) if optimizer is not None else None,
                      GRADIENTS: gradients}
     for kind, by_param in per_parameter.items():
         if by_param is not None:
-            held[kind] = {f"{name}{STATE_SEPARATOR}{state_name}": (saved, state_tp_axis(saved.shape, param.shape,
-                                                                                         axes.get(name)))
+            held[kind] = {f"{name}{STATE_SEPARATOR}{state_name}":
+                          (saved, held_piece(saved, state_tp_axis(saved.shape, param.shape, axes.get(name)), topo))
                           for name, param in state.items()
                           for state_name, tensor in by_param.get(slice_param_name(param), {}).items()
                           for saved in [as_saved(param, tensor, topo)]}
@@ -109,26 +90,24 @@ def _written_dtype(kind: str, tensor: paddle.Tensor) -> np.dtype:
     return np.dtype(str(tensor.dtype).removeprefix("paddle."))
 
 
-def _holdings(held: Held, topo: Topology) -> dict:
-    """What this rank could write (names, single-card bytes, TP-split) and where it sits."""
-    tp = topo.layout.tp
+def _holdings(held: Held) -> dict[str, dict[str, Holding]]:
+    """What this rank could write, as `save_tasks` takes it: each tensor's single-card spec as written
+    and the part this rank holds."""
+    return {kind: {name: Holding(TensorSpec(name, _written_dtype(kind, tensor), tuple(piece.full_shape(tensor.shape))),
+                                 piece)
+                   for name, (tensor, piece) in tensors.items()}
+            for kind, tensors in held.items()}
+
+
+def _report(holdings: dict[str, dict[str, Holding]], topo: Topology) -> dict:
+    """This rank's holdings for the job's write plan (names, single-card bytes, TP-split, bytes
+    gathered first) and where it sits."""
     return {"rank": topo.global_rank, "stage": topo.pp_rank, "replica": topo.weight_replica_index,
-            "tp_rank": topo.tp_rank, "tensors": {
-                kind: {name: [nbytes, split, gathered_bytes(nbytes, split, tp, _slices(t, topo))]
-                       for name, (t, axis) in tensors.items()
-                       for split in [axis is not None and tp > 1]
-                       for nbytes in [int(np.prod(single_card_shape(t.shape, axis, tp)))
-                                      * _written_dtype(kind, t).itemsize]}
-                for kind, tensors in held.items()}}
-
-
-def _slices(tensor, topo: Topology) -> int:
-    """How many stage3 flat slices hold `tensor` (1: held whole)."""
-    return topo.layout.sharding_degree if isinstance(tensor, FlatSlice) else 1
+            "tp_rank": topo.tp_rank, "tensors": holding_sizes(holdings, topo.layout.tp)}
 
 
 def _plan_writers(holdings: list[dict], tp: int) -> WritePlan:
-    """The job's write plan from every rank's holdings (`_holdings`), the same on every rank."""
+    """The job's write plan from every rank's holdings (`_report`), the same on every rank."""
     groups: dict[tuple, list] = {}
     for rank in holdings:
         groups.setdefault((rank["stage"], rank["replica"]), []).append(
@@ -139,65 +118,44 @@ def _plan_writers(holdings: list[dict], tp: int) -> WritePlan:
     return assign_writers(items_from_holdings(holdings), tp)
 
 
-def _file_names(plan: WritePlan, holdings: list[dict], kinds: list[str]) -> dict[str, dict[Slot, str]]:
-    """Each writer's shard file name per kind: writers of a kind are numbered in rank order."""
-    rank_of = {(h["stage"], h["replica"], h["tp_rank"]): h["rank"] for h in holdings}
-    names: dict[str, dict[Slot, str]] = {}
-    for kind in kinds:
-        slots = sorted({slot for (k, _), slot in plan.writer.items() if k == kind}, key=rank_of.__getitem__)
-        names[kind] = {slot: shard_name(kind, number + 1, len(slots)) for number, slot in enumerate(slots)}
-    return names
-
-
-SHARD_METADATA = {"format": "np"}
-
-
-def _shard(kind: str, tensors: dict, plan: WritePlan, files: dict[Slot, str], topo: Topology) -> _Shard:
-    """This rank's part in saving `kind`: the tensors it writes whole, the TP pieces it writes into
-    its tp group's files (whose layouts every member computes alike from the plan), the stage3
-    slices it sends."""
-    shard, tp, sharding = _Shard(kind), topo.layout.tp, topo.layout.sharding_degree
-    group = (topo.pp_rank, topo.weight_replica_index)
-    group_specs: dict[int, list[TensorSpec]] = {t: [] for t in range(tp)}  # each tp rank's file in this group
-    pieces: list[tuple[_Entry, int, TensorSpec]] = []
-    for name in sorted(tensors):
-        stage, replica, writer = plan.writer[(kind, name)]
-        tensor, axis = tensors[name]
-        split, ours = axis is not None and tp > 1, (stage, replica) == group
-        spec = TensorSpec(name, _written_dtype(kind, tensor), tuple(single_card_shape(tensor.shape, axis, tp)))
-        if ours:
-            group_specs[writer].append(spec)
-        if isinstance(tensor, FlatSlice):  # every sharding peer of a tp rank that takes part gathers with it
-            takes_part = (stage, replica // sharding) == (topo.pp_rank, topo.weight_replica_index // sharding) and \
-                (split or writer == topo.tp_rank)
-        else:
-            takes_part = ours and (split or writer == topo.tp_rank)
-        if takes_part:
-            shard.entries.append(_Entry(name, tensor, axis, ours and not split and writer == topo.tp_rank,
-                                        replica % sharding))
-            if ours and split:
-                pieces.append((shard.entries[-1], writer, spec))
-    layouts = {t: shard_layout(specs, SHARD_METADATA) for t, specs in group_specs.items() if specs}
-    for entry, writer, spec in pieces:
-        starts, size = layouts[writer]
-        entry.place = _Place(files[(*group, writer)], starts[spec.name], size, spec.shape)
-    shard.specs = group_specs[topo.tp_rank]
-    shard.holes = frozenset(spec.name for spec in shard.specs if tensors[spec.name][1] is not None and tp > 1)
-    return shard
-
-
-def _assembled(shard: _Shard, borrow: bool) -> Iterator[tuple[_Entry, np.ndarray]]:
-    """Drive every stage3 gather of the shard's entries in order; yield each tensor this rank writes
-    whole and each TP piece it writes in place (views of live tensors where `borrow` allows, see
-    `replicas.host_array`)."""
-    for entry in shard.entries:
-        local = entry.local
+def _arrays(tasks: KindTasks, held: dict[str, tuple], holdings: dict[str, Holding],
+            borrow: bool) -> Iterator[tuple[Task, np.ndarray]]:
+    """Each task's array as written, in order: every stage3 gather is driven here (a rank that only
+    sends its slice yields nothing for it); views of live tensors where `borrow` allows
+    (`replicas.host_array`)."""
+    for task in tasks.tasks:
+        local = held[task.name][0]
         if isinstance(local, FlatSlice):
-            local = local.gather(entry.slice_root)
-            if local is None:  # a sharding peer outside the writer's replica: it only sent its slice
-                continue
-        if entry.mine or entry.place is not None:
-            yield entry, host_array(local.detach(), _written_dtype(shard.kind, local).name, borrow)
+            local = local.gather(task.slice_root)
+        if task.action != SEND_SLICE:
+            yield task, host_array(local.detach(), holdings[task.name].spec.dtype.name, borrow)
+
+
+def _write_kind(staged: Path, tasks: KindTasks, arrays: Iterable[tuple[Task, np.ndarray]],
+                holdings: dict[str, Holding], topo: Topology, results: dict) -> None:
+    """Carry out this rank's `tasks` of one kind: each tensor whole into its own file as it comes,
+    each TP piece into its place in its tp group's writer's file."""
+    pieces, streamed = PieceWriter(), 0
+    own_file = ShardStream(staged / tasks.fname, list(tasks.specs), SHARD_METADATA, tasks.holes) \
+        if tasks.fname is not None else contextlib.nullcontext()
+    try:
+        with own_file as own:
+            for task, array in arrays:
+                if task.action == PIECE_IN_PLACE:
+                    place = task.place
+                    results["pieces"].setdefault(place.fname, {})[task.name] = pieces.write(
+                        staged / place.fname, place.file_size, place.offset, place.shape, task.piece, array)
+                else:
+                    own.put(array)
+            if own is not None:
+                entry = own.finish()
+                results["shards"][tasks.kind] = (tasks.fname, entry | {"rank": topo.global_rank}, {
+                    spec.name: {"dtype": str(spec.dtype), "shape": list(spec.shape),
+                                "tp_axis": holdings[spec.name].piece.axis} for spec in tasks.specs})
+                streamed = entry["size"] - sum(spec.nbytes for spec in tasks.specs if spec.name in tasks.holes)
+    finally:
+        pieces.close()
+    results["written"][tasks.kind] = streamed + pieces.nbytes
 
 
 class ModelRewrite(Protocol):
@@ -352,16 +310,17 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, topo: Topolog
     if topo.global_rank == 0:  # before the all-gather below, so no rank's folder below is cleared
         output_dir.mkdir(parents=True, exist_ok=True)
         commits.clear_stale_temp(output_dir, step)
+    holdings = _holdings(held)
     reports = gather_objects({"fingerprints": replica_fingerprints(tensors, axes, topo),
-                              "holdings": _holdings(held, topo)}, None, topo.layout.world_size)
-    holdings = [report["holdings"] for report in reports]
+                              "holdings": _report(holdings, topo)}, None, topo.layout.world_size)
+    everyone = [report["holdings"] for report in reports]
     judge_replicas([report["fingerprints"] for report in reports], replica_check)
-    writers = _plan_writers(holdings, topo.layout.tp)
-    files = _file_names(writers, holdings, list(held))
+    writers = _plan_writers(everyone, topo.layout.tp)
+    files = writer_files(writers, everyone, list(held))
     me = (topo.pp_rank, topo.weight_replica_index, topo.tp_rank)
-    plans = {kind: (files[kind].get(me), _shard(kind, tensors, writers, files[kind], topo))
-             for kind, tensors in held.items()}
-    if topo.global_rank == 0 or any(fname or any(e.place for e in shard.entries) for fname, shard in plans.values()):
+    plans = {kind: save_tasks(kind, holdings[kind], writers, files[kind], me, topo.layout.tp,
+                              topo.layout.sharding_degree) for kind in held}
+    if topo.global_rank == 0 or any(tasks.fname or any(task.place for task in tasks.tasks) for tasks in plans.values()):
         staged.mkdir(exist_ok=True)  # only once the checks passed: a failed one leaves nothing
     layout_info = topo.layout.record()
     extra = {"json_files": {CONFIG_FILE: single_card_config(config, plan),
@@ -370,56 +329,22 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, topo: Topolog
              "copy_files": [str(path) for path in extra_files],
              "model_metadata": model_metadata(plan)}
     pending = PendingSave(output_dir, step, topo, layout_info, plans, extra, keep, rewrite)
-
     results = pending.results = {"shards": {}, "pieces": {}, "written": {}}
-
-    def write(kind: str, fname: str | None, shard: _Shard, assembled) -> None:
-        """Stream this rank's file; each piece for a file of its tp group goes in place on the way."""
-        pieces, streamed = PieceWriter(), 0
-        try:
-            def whole():
-                for entry, array in assembled:
-                    if entry.place is None:
-                        yield array
-                        continue
-                    place = entry.place
-                    state = pieces.write(staged / place.fname, place.file_size, place.offset, place.shape, entry.axis,
-                                         topo.layout.tp, topo.tp_rank, array)
-                    results["pieces"].setdefault(place.fname, {})[entry.name] = state
-
-            arrays = whole()
-            if fname is not None:
-                entry = write_shard(staged / fname, shard.specs, arrays, SHARD_METADATA, shard.holes)
-                results["shards"][kind] = (fname, entry | {"rank": topo.global_rank}, {
-                    s.name: {"dtype": str(s.dtype), "shape": list(s.shape), "tp_axis": _axis_of(shard, s.name)}
-                    for s in shard.specs})
-                streamed = entry["size"] - sum(s.nbytes for s in shard.specs if s.name in shard.holes)
-            for _ in arrays:  # without a file of this kind: write its pieces, take its part in stage3 gathers
-                raise RuntimeError(f"{kind}: rank {topo.global_rank} has a tensor to write whole but no file")
-        finally:
-            pieces.close()
-        results["written"][kind] = streamed + pieces.nbytes
-
     if asynchronous:
-        copies = {kind: (fname, shard, list(_assembled(shard, False)))
-                  for kind, (fname, shard) in plans.items()}
+        copies = {kind: list(_arrays(tasks, held[kind], holdings[kind], borrow=False)) for kind, tasks in plans.items()}
 
         def background():
             try:
-                for kind, (fname, shard, arrays) in copies.items():
-                    write(kind, fname, shard, arrays)
+                for kind, tasks in plans.items():
+                    _write_kind(staged, tasks, copies[kind], holdings[kind], topo, results)
             except Exception as err:  # reported by finish() on every rank
                 pending.error.append(repr(err))
 
         pending.thread = threading.Thread(target=background, name=f"checkpoint-{step}-writer", daemon=False)
         pending.thread.start()
         return pending
-    for kind, (fname, shard) in plans.items():
-        write(kind, fname, shard, _assembled(shard, True))
+    for kind, tasks in plans.items():
+        _write_kind(staged, tasks, _arrays(tasks, held[kind], holdings[kind], borrow=True), holdings[kind], topo,
+                    results)
     pending.finish()
     return pending
-
-
-def _axis_of(shard: _Shard, name: str) -> int | None:
-    return next(e.axis for e in shard.entries if e.name == name)
-

@@ -27,6 +27,7 @@ import numpy as np
 
 from checkpoint import crc32_ranges
 from checkpoint.format import BFLOAT16, CheckpointError
+from checkpoint.piece import WHOLE, Piece
 
 DTYPES = {np.dtype("float32"): "F32", np.dtype("float64"): "F64", np.dtype("float16"): "F16",
           BFLOAT16: "BF16", np.dtype("int64"): "I64", np.dtype("int32"): "I32",
@@ -260,43 +261,83 @@ class DirectWriter:
                 _BOUNCE_BUFFERS.give(buffer)
 
 
+class ShardStream:
+    """A shard written as its tensors arrive: the header from the planned `specs` first, then each
+    tensor `put` in `specs` order (those named in `holes` are left to other ranks, `PieceWriter`),
+    checksummed on the way; `finish` fsyncs it and returns its index entry (`file_entry`). With
+    holes, the checksum counts them as zeros and the entry lists each hole's bytes to the end of the
+    file, for `crc32_ranges.combine`. Use it as a context manager: leaving it closes the file."""
+
+    def __init__(self, path: Path, specs: list[TensorSpec], metadata: dict[str, str] | None = None,
+                 holes: frozenset[str] = frozenset()):
+        self.path, self.specs, self.holes = Path(path), list(specs), holes
+        head = _header(self.specs, metadata or {})
+        self.total = len(head) + sum(spec.nbytes for spec in self.specs)
+        self.size, self.after, self.next = 0, {}, 0
+        self.handle = DirectWriter(self.path, self.total if holes else None)
+        self.hasher = ThreadPoolExecutor(max_workers=1)
+        self.digest = OverlappedDigest(self.hasher)
+        self.closed = False
+        self._emit(head)
+        self._skip_holes()
+
+    def _emit(self, data) -> None:
+        self.digest.update(data)
+        self.handle.write(data)
+        self.size += len(data)
+
+    def _skip_holes(self) -> None:
+        while self.next < len(self.specs) and self.specs[self.next].name in self.holes:
+            spec = self.specs[self.next]
+            self.digest.skip(spec.nbytes)
+            self.handle.skip(spec.nbytes)
+            self.size += spec.nbytes
+            self.after[spec.name] = self.total - self.size
+            self.next += 1
+
+    def put(self, array: np.ndarray) -> None:
+        """Write the next planned tensor."""
+        if self.next == len(self.specs):
+            raise CheckpointError(f"{self.path}: more tensors than planned")
+        spec, array = self.specs[self.next], np.ascontiguousarray(array)
+        if array.dtype != spec.dtype or tuple(array.shape) != spec.shape:
+            raise CheckpointError(f"{spec.name}: got {array.dtype}{list(array.shape)}, planned "
+                                  f"{spec.dtype}{list(spec.shape)}")
+        self._emit(array.view(np.uint8).reshape(-1).data if array.size else b"")
+        self.next += 1
+        self._skip_holes()
+
+    def finish(self) -> dict:
+        """Close the file once every planned tensor came; its index entry."""
+        if self.next < len(self.specs):
+            raise CheckpointError(f"{self.path}: {self.specs[self.next].name} and the tensors after it never came")
+        checksum = self.digest.hexdigest()
+        self.close()
+        return file_entry(checksum, self.size) | ({"holes": self.after} if self.holes else {})
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            try:
+                self.hasher.shutdown(wait=True)
+            finally:
+                self.handle.close()
+
+    def __enter__(self) -> ShardStream:
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.close()
+
+
 def write_shard(path: Path, specs: list[TensorSpec], tensors: Iterable[np.ndarray],
                 metadata: dict[str, str] | None = None, holes: frozenset[str] = frozenset()) -> dict:
-    """Write `tensors` (in the order of `specs`, those named in `holes` left out: other ranks write
-    them in place, `PieceWriter`) to `path`, fsync it; returns its index entry (`file_entry`), the
-    checksum computed while writing. With holes, the checksum counts them as zeros and the entry
-    lists each hole's bytes to the end of the file, for `crc32_ranges.combine`."""
-    size, after, arrays = 0, {}, iter(tensors)
-    head = _header(specs, metadata or {})
-    total = len(head) + sum(spec.nbytes for spec in specs)
-    handle = DirectWriter(path, total if holes else None)
-    try:
-        with ThreadPoolExecutor(max_workers=1) as hasher:
-            digest = OverlappedDigest(hasher)
-            handle.write(head)
-            digest.update(head)
-            size += len(head)
-            for spec in specs:
-                if spec.name in holes:
-                    digest.skip(spec.nbytes)
-                    handle.skip(spec.nbytes)
-                    size += spec.nbytes
-                    after[spec.name] = total - size
-                    continue
-                array = np.ascontiguousarray(next(arrays))
-                if array.dtype != spec.dtype or tuple(array.shape) != spec.shape:
-                    raise CheckpointError(f"{spec.name}: got {array.dtype}{list(array.shape)}, planned "
-                                          f"{spec.dtype}{list(spec.shape)}")
-                data = array.view(np.uint8).reshape(-1).data if array.size else b""
-                digest.update(data)
-                handle.write(data)
-                size += array.nbytes
-            if next(arrays, None) is not None:
-                raise CheckpointError(f"{path}: more tensors than planned")
-            checksum = digest.hexdigest()
-    finally:
-        handle.close()
-    return file_entry(checksum, size) | ({"holes": after} if holes else {})
+    """Write `tensors` (in the order of `specs`, those in `holes` left out) to `path` as a
+    `ShardStream`; returns its index entry."""
+    with ShardStream(path, specs, metadata, holes) as stream:
+        for array in tensors:
+            stream.put(array)
+        return stream.finish()
 
 
 def _open_shared(path: Path, size: int) -> int:
@@ -328,18 +369,18 @@ class PieceWriter:
         self.maps: dict[Path, mmap.mmap | None] = {}  # None: no blocks allocated up front, or mapping refused
         self.nbytes = 0
 
-    def write(self, path: Path, file_size: int, offset: int, shape: tuple[int, ...], axis: int, parts: int,
-              part: int, piece: np.ndarray) -> int:
-        """Write `piece`, the `part`-th of `parts` along `axis` of the tensor of single-card `shape`
-        stored from `offset` in `path` (a shard of `file_size` bytes)."""
+    def write(self, path: Path, file_size: int, offset: int, shape: tuple[int, ...], where: Piece,
+              piece: np.ndarray) -> int:
+        """Write `piece`, the TP piece `where` of the tensor of single-card `shape` stored from
+        `offset` in `path` (a shard of `file_size` bytes)."""
         if path not in self.fds:
             self.fds[path] = _open_shared(path, file_size)
-        fd, piece = self.fds[path], np.ascontiguousarray(piece)
+        fd, piece, axis = self.fds[path], np.ascontiguousarray(piece), where.axis
         outer = int(np.prod(shape[:axis], dtype=np.int64))
         length = outer * shape[axis] * int(np.prod(shape[axis + 1:], dtype=np.int64)) * piece.itemsize
         run, stride = piece.nbytes // max(outer, 1), length // max(outer, 1)
         runs = piece.reshape(-1).view(np.uint8).reshape(outer, run)
-        lead = part * run
+        lead = where.part * run
         mapped = outer > 1 and run < self.MAPPED_RUN_BYTES and self._mapped_copy(path, file_size, offset, runs,
                                                                                  stride, lead)
         if not mapped:  # one range, long runs, or a file system without shared writable mappings
@@ -469,11 +510,11 @@ class ShardReader:
                 raise CheckpointError(f"{self.path} ended early: the file is truncated")
             done += count
 
-    def scan(self, wanted: dict[str, tuple[int | None, int, int]], deliver: Callable[[str, np.ndarray], None],
+    def scan(self, wanted: dict[str, Piece], deliver: Callable[[str, np.ndarray], None],
              hasher: ThreadPoolExecutor | None = None, algorithm: str = CHECKSUM,
              into: dict[str, np.ndarray] | None = None, chunk: int = 16 << 20) -> str | None:
-        """Read the file once, front to back: each wanted tensor (name -> (axis, parts, part), as in
-        `read`) is written into its array in `into` when one of its dtype and size is there, or else
+        """Read the file once, front to back: each wanted tensor (name -> its `Piece`, as in `read`)
+        is written into its array in `into` when one of its dtype and size is there, or else
         passed to `deliver`; with a `hasher`, every byte is summed on it while the next is read, and
         the file's `algorithm` checksum is returned. Reading whole tensors in file order is what lets
         a verified load read each file once instead of once to check and again to slice; without a
@@ -488,16 +529,16 @@ class ShardReader:
             if name in wanted:
                 piece = wanted[name]
                 target = _fits((into or {}).get(name), entry, piece)
-                split = piece[0] is not None and piece[1] > 1
+                split = piece.split
                 if digest is None and split:
-                    array = self.read(name, *piece, out=target)
+                    array = self.read(name, piece, out=target)
                 else:
                     whole = target.reshape(entry["shape"]) if target is not None and not split else \
                         np.empty(entry["shape"], _stored_dtype(entry["dtype"]))
                     self._read_into(whole, begin)
                     if digest is not None:
                         digest.update(whole.reshape(-1).view(np.uint8))
-                    array = self._decode(entry, _piece(whole, *piece))
+                    array = piece.flat_slice(self._decode(entry, piece.cut(whole)))
                     if target is not None and split:
                         target.reshape(array.shape)[...] = array
                 if target is None:
@@ -513,17 +554,17 @@ class ShardReader:
     def _decode(entry: dict, array: np.ndarray) -> np.ndarray:
         return bf16_to_float32(array) if entry["dtype"] == "BF16" else array
 
-    def read(self, name: str, axis: int | None = None, parts: int = 1, part: int = 0,
-             out: np.ndarray | None = None) -> np.ndarray:
-        """The whole tensor, or its `part`-th of `parts` equal pieces along `axis`; read into `out`
-        when given (an array of the stored dtype and the piece's size)."""
+    def read(self, name: str, piece: Piece = WHOLE, out: np.ndarray | None = None) -> np.ndarray:
+        """The tensor's `piece` (the whole tensor by default); read into `out` when given (an array of
+        the stored dtype and the TP piece's size). A stage3 slice is cut from its TP piece once read."""
         entry = self._entry(name)
         shape, dtype = list(entry["shape"]), _stored_dtype(entry["dtype"])
         start = self._data_start + entry["data_offsets"][0]
-        if axis is None or parts == 1:
+        if not piece.split:
             out = np.empty(shape, dtype) if out is None else out.reshape(shape)
             self._read_into(out, start)
-            return self._decode(entry, out)
+            return piece.flat_slice(self._decode(entry, out))
+        axis, parts, part = piece.axis, piece.parts, piece.part
         outer, dim = int(np.prod(shape[:axis], dtype=np.int64)), shape[axis]
         inner = int(np.prod(shape[axis + 1:], dtype=np.int64))
         step = dim // parts
@@ -539,7 +580,7 @@ class ShardReader:
                 block = np.empty((min(per_block, outer - first), dim * inner), dtype)
                 self._read_into(block, start + first * row_bytes)
                 rows[first:first + len(block)] = block[:, part * step * inner:(part + 1) * step * inner]
-        return self._decode(entry, out)
+        return piece.flat_slice(self._decode(entry, out))
 
 
 def _stored_dtype(code: str) -> np.dtype:
@@ -547,21 +588,13 @@ def _stored_dtype(code: str) -> np.dtype:
     return np.dtype(np.uint16) if code == "BF16" else CODES[code]
 
 
-def _fits(target: np.ndarray | None, entry: dict, piece: tuple[int | None, int, int]) -> np.ndarray | None:
-    """`target` when the wanted piece's bytes can be read into it as they are stored."""
-    if target is None or entry["dtype"] == "BF16" or target.dtype != CODES[entry["dtype"]]:
+def _fits(target: np.ndarray | None, entry: dict, piece: Piece) -> np.ndarray | None:
+    """`target` when the wanted piece's bytes can be read into it as they are stored (a stage3
+    slice never: it is cut from its TP piece after the read)."""
+    if target is None or piece.flat is not None or entry["dtype"] == "BF16" or target.dtype != CODES[entry["dtype"]]:
         return None
-    axis, parts, _ = piece
     whole = int(np.prod(entry["shape"], dtype=np.int64))
-    return target if target.size == (whole if axis is None or parts == 1 else whole // parts) else None
-
-
-def _piece(whole: np.ndarray, axis: int | None, parts: int, part: int) -> np.ndarray:
-    if axis is None or parts == 1:
-        return whole
-    step = whole.shape[axis] // parts
-    index = tuple(slice(part * step, (part + 1) * step) if dim == axis else slice(None) for dim in range(whole.ndim))
-    return whole[index]
+    return target if target.size == (whole // piece.parts if piece.split else whole) else None
 
 
 def bf16_to_float32(bits: np.ndarray) -> np.ndarray:

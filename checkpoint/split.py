@@ -18,10 +18,11 @@ import numpy as np
 
 from checkpoint.durable import new_folder, write_json_durably
 from checkpoint.format import FORMAT_VERSION, MODEL, OPTIMIZER, CheckpointError, index_name, read_versioned_json
+from checkpoint.piece import Piece
 from checkpoint.save_plan import tensor_stages
 from checkpoint.shards import ShardReader, TensorSpec, write_shard
 from checkpoint.unified_io import UnifiedReader, reading, write_unified_kind
-from modeling.tp_plan import ModelPlan, local_shape
+from modeling.tp_plan import ModelPlan
 from paddle_pp.runtime.layout import Layout
 
 SPLIT_INDEX = "split.index.json"
@@ -113,19 +114,13 @@ def split_checkpoint(source: Path, target: Path, layout: Layout, plan: ModelPlan
             for stage in range(layout.pp):
                 names = [n for n in sorted(unified.tensors) if stage in tensor_stages(plan, n, layout)]
                 for tp_rank in range(layout.tp):
+                    pieces = {n: unified.piece(n, layout.tp, tp_rank) for n in names}
                     specs = [TensorSpec(n, np.dtype(unified.tensors[n]["dtype"]),
-                                        local_shape(unified.tensors[n]["shape"], _axis(unified.tensors[n], layout.tp),
-                                                    layout.tp)) for n in names]
+                                        tuple(pieces[n].local_shape(unified.tensors[n]["shape"]))) for n in names]
                     writer.write(kind, tp_rank, stage, specs,
-                                 reading(names, lambda n: unified.read(n, _axis(unified.tensors[n], layout.tp),
-                                                                          layout.tp, tp_rank), on_tensor),
-                                 unified.tensors)
+                                 reading(names, lambda n: unified.read(n, pieces[n]), on_tensor), unified.tensors)
         writer.finish(model_metadata)
     return Path(target)
-
-
-def _axis(meta: dict, tp: int) -> int | None:
-    return meta.get("tp_axis") if tp > 1 else None
 
 
 def join_split(source: Path, target: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
@@ -148,10 +143,10 @@ def join_split(source: Path, target: Path, max_shard_bytes: int = DEFAULT_SHARD_
                 first_stage |= {name: s for name in reader.names}
 
             def read(name: str, tensors=tensors, readers=readers, first_stage=first_stage) -> np.ndarray:
-                axis, stage = _axis(tensors[name], tp), first_stage[name]
-                if axis is None:
+                piece, stage = Piece(tensors[name].get("tp_axis"), tp, 0), first_stage[name]
+                if not piece.split:
                     return readers[(0, stage)].read(name)
-                return np.concatenate([readers[(t, stage)].read(name) for t in range(tp)], axis=axis)
+                return np.concatenate([readers[(t, stage)].read(name) for t in range(tp)], axis=piece.axis)
 
             missing = sorted(set(tensors) - set(first_stage))
             if missing:

@@ -10,39 +10,41 @@ tensor it reads. Smaller parameters stay whole on every rank and need nothing fr
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import paddle
 import paddle.distributed as dist
 
+from checkpoint.piece import FlatRange, Piece
 from paddle_pp.runtime.stage3 import is_sliced
 
 
 class FlatSlice:
-    """This rank's flat piece of a tensor shaped `shape` (the TP-local shape), standing in for the
-    tensor in saves (`.shape`, `.dtype`, `gather`) and loads (`assign`)."""
+    """This rank's flat piece (`storage`) of a tensor shaped `shape` (the TP-local shape), standing
+    in for the tensor in saves (`.shape`, `.dtype`, `gather`) and loads (`assign`); which elements
+    it holds is its `Piece`'s flat case (`flat`)."""
 
-    def __init__(self, piece: paddle.Tensor, shape: list[int], rank: int, group):
-        self.piece, self.shape, self.rank, self.group = piece, list(shape), rank, group
-        self.dtype = piece.dtype
+    def __init__(self, storage: paddle.Tensor, shape: list[int], rank: int, group):
+        self.storage, self.shape, self.group = storage, list(shape), group
+        self.flat = FlatRange(rank, group.nranks, int(np.prod(storage.shape)))
+        self.dtype = storage.dtype
 
     def gather(self, root: int) -> paddle.Tensor | None:
         """The whole tensor on sharding rank `root`, from every rank's piece (a collective over the
         sharding group; None on the other ranks, which only send: an all-gather would give every
         rank the whole tensor)."""
-        piece = self.piece.detach().reshape([-1])
-        parts = [paddle.empty_like(piece) for _ in range(self.group.nranks)] if self.rank == root else []
+        piece = self.storage.detach().reshape([-1])
+        mine = self.flat.rank == root
+        parts = [paddle.empty_like(piece) for _ in range(self.group.nranks)] if mine else []
         dist.gather(piece, parts, dst=self.group.ranks[root], group=self.group)
-        if self.rank != root:
+        if not mine:
             return None
         return paddle.concat(parts)[: int(np.prod(self.shape))].reshape(self.shape)
 
-    def assign(self, array: np.ndarray) -> None:
-        """Set this rank's piece from the whole tensor `array` (padding stays zero)."""
-        width = int(np.prod(self.piece.shape))
-        flat = array.reshape(-1)[self.rank * width:(self.rank + 1) * width]
-        piece = np.zeros(width, flat.dtype)
-        piece[: flat.size] = flat
-        self.piece.set_value(piece.reshape(self.piece.shape).astype(str(self.dtype).removeprefix("paddle.")))
+    def assign(self, flat: np.ndarray) -> None:
+        """Set this rank's piece from `flat`, its slice as `Piece.flat_slice` cuts it (padding zero)."""
+        self.storage.set_value(flat.reshape(self.storage.shape).astype(str(self.dtype).removeprefix("paddle.")))
 
 
 def as_saved(param, tensor, topo):
@@ -57,3 +59,10 @@ def model_tensors(state: dict, topo) -> dict:
     """A model's `state_dict()` with each stage3-sliced parameter as a `FlatSlice` of its current piece."""
     return {name: as_saved(param, param.fw_storage, topo) if is_sliced(param) else param
             for name, param in state.items()}
+
+
+def held_piece(tensor, axis: int | None, topo) -> Piece:
+    """The part of its single-card tensor that `tensor` (as `as_saved` gives it) is on this rank:
+    its TP piece along `axis`, and its stage3 slice of that when it is a `FlatSlice`."""
+    piece = Piece(axis, topo.layout.tp, topo.tp_rank)
+    return replace(piece, flat=tensor.flat) if isinstance(tensor, FlatSlice) else piece

@@ -26,6 +26,7 @@ from checkpoint.format import (
     shard_name,
     tensor_nbytes,
 )
+from checkpoint.piece import WHOLE, Piece
 from checkpoint.shards import ShardReader, TensorSpec, pack, write_shard
 
 
@@ -67,11 +68,15 @@ class UnifiedReader:
         self.tensors: dict[str, dict] = self.index["metadata"]["tensors"]
         self._readers: dict[str, ShardReader] = {}
 
-    def read(self, name: str, axis: int | None = None, parts: int = 1, part: int = 0) -> np.ndarray:
+    def read(self, name: str, piece: Piece = WHOLE) -> np.ndarray:
         fname = self.index["weight_map"][name]
         if fname not in self._readers:
             self._readers[fname] = ShardReader(self.folder / fname)
-        return self._readers[fname].read(name, axis, parts, part)
+        return self._readers[fname].read(name, piece)
+
+    def piece(self, name: str, parts: int, part: int) -> Piece:
+        """Tensor `name`'s part for tp rank `part` of `parts`, by the TP axis its index records."""
+        return Piece(self.tensors[name].get("tp_axis"), parts, part)
 
 
 def rechunk(source: Path, target: Path, max_shard_bytes: int,

@@ -11,6 +11,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from checkpoint.format import CheckpointError
+from checkpoint.piece import FlatRange, Piece
 from checkpoint.shards import ShardReader
 
 
@@ -39,7 +40,30 @@ def test_pieces_along_any_axis_equal_numpy_splits(shard, name, axis, parts):
     reader, full = ShardReader(shard), load_file(str(shard))[name]
     reader.BLOCK_BYTES = 16  # force several blocks of rows, the path large tensors take
     for part, expected in enumerate(np.split(full, parts, axis=axis)):
-        assert np.array_equal(reader.read(name, axis, parts, part), expected), (name, axis, part)
+        assert np.array_equal(reader.read(name, Piece(axis, parts, part)), expected), (name, axis, part)
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["scan-checked", "read"])
+def test_a_stage3_slice_of_a_tp_piece_is_cut_from_that_piece_flat_and_zero_padded(shard, checked):
+    """Stage3 holds a TP piece as one flat slice per sharding rank (the last one padded with zeros):
+    each rank's read gives its slice, and the slices put back together give the TP piece."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tp_piece = np.split(load_file(str(shard))["cube"], 2, axis=2)[1]  # 4 x 6 x 5 = 120 elements
+    ranks, width = 7, 18  # 7 x 18 = 126: the last slice holds 12 elements and 6 zeros
+    slices = []
+    for rank in range(ranks):
+        piece = Piece(2, 2, 1, FlatRange(rank, ranks, width))
+        if checked:
+            got = {}
+            with ThreadPoolExecutor(max_workers=1) as hasher:
+                ShardReader(shard).scan({"cube": piece}, got.__setitem__, hasher, "crc32", {"cube": np.zeros(width)})
+            slices.append(got["cube"])
+        else:
+            slices.append(ShardReader(shard).read("cube", piece))
+    assert all(s.shape == (width,) for s in slices)
+    whole = np.concatenate(slices)
+    assert np.array_equal(whole[:tp_piece.size], tp_piece.reshape(-1)) and not whole[tp_piece.size:].any()
 
 
 def test_bfloat16_is_widened_exactly(tmp_path):
@@ -67,7 +91,8 @@ def test_scan_reads_into_given_arrays_and_sums_every_byte(shard, checked):
     from concurrent.futures import ThreadPoolExecutor
 
     expected = load_file(str(shard))
-    wanted = {"matrix": (1, 4, 2), "cube": (2, 2, 1), "ids": (None, 1, 0), "vector": (0, 3, 1), "scalar": (None, 1, 0)}
+    wanted = {"matrix": Piece(1, 4, 2), "cube": Piece(2, 2, 1), "ids": Piece(None, 1, 0), "vector": Piece(0, 3, 1),
+              "scalar": Piece(None, 1, 0)}
     into = {"matrix": np.zeros((6, 2), np.float32), "cube": np.zeros(120, np.float64),
             "ids": np.zeros((4, 6), np.int64), "scalar": np.zeros((), np.float64)}  # scalar: not its stored dtype
     delivered = {}
@@ -173,8 +198,8 @@ def test_tp_pieces_written_in_place_give_the_whole_file_and_its_exact_crc(tmp_pa
             writer = PieceWriter()
             for name, axis in axes.items():
                 piece = np.split(tensors[name], parts, axis=axis)[part]
-                states.append((name, writer.write(path, size, starts[name], tensors[name].shape, axis, parts, part,
-                                                  piece)))
+                states.append((name, writer.write(path, size, starts[name], tensors[name].shape,
+                                                  Piece(axis, parts, part), piece)))
             writer.close()
 
     if pieces_first:
@@ -198,5 +223,5 @@ def test_a_full_disk_fails_a_mapped_piece_write_with_a_clear_error(tmp_path, mon
     monkeypatch.setattr("checkpoint.shards._fallocate", lambda fd, size: errno.ENOSPC)
     writer, piece = PieceWriter(), np.ones((4, 8), np.float32)
     with pytest.raises(OSError, match="no space left for .*shard.safetensors .*free space or save elsewhere"):
-        writer.write(tmp_path / "shard.safetensors", 256, 0, (4, 16), 1, 2, 0, piece)
+        writer.write(tmp_path / "shard.safetensors", 256, 0, (4, 16), Piece(1, 2, 0), piece)
     writer.close()

@@ -180,12 +180,14 @@ def test_check_alignment_fails_a_tampered_layout(checkpoint, tmp_path):
     assert tampered.worst_gradient_rel > 1e-3, "step 5's gradients follow step 4's larger update"
 
 
-# (flags, rtol of the weights after 2 steps). Under tp2 + SP one embedding element's gradient is a
-# near-total cancellation (4.6e-8, 2.3e-7 of the tensor's largest); the tp reduction order changes
-# it by 4e-3 relative, and Adam's normalisation (eps 1e-8) turns that into 1.05e-6 of the weight,
-# 1.16e-5 of its scale. Gradients and losses are still held to 1e-5; the weights get 2e-5.
+# (flags, rtol of the weights after 2 steps). One embedding element's gradient is a near-total
+# cancellation (4.6e-8, 2.3e-7 of the tensor's largest); another reduction order (tp2 + SP's over tp;
+# stage3's over the sharding group, on an AVX-512 EPYC) changes it by about 4e-3 relative, and Adam's
+# normalisation (eps 1e-8) turns that into about 1e-6 of the weight: 1.16e-5 of its scale under
+# tp2 + SP, 1.11e-5 under stage3 (2026-11-28). Gradients and losses are still held to 1e-5; the
+# weights get 2e-5.
 NEW_LAYOUTS = {
-    "stage3": (["--sharding", "stage3", "--sharding_parallel_degree", "2", "--stage3_segment_size", "1024"], 1e-5),
+    "stage3": (["--sharding", "stage3", "--sharding_parallel_degree", "2", "--stage3_segment_size", "1024"], 2e-5),
     "tp2_sequence_parallel": (["--tensor_parallel_degree", "2", "--sequence_parallel"], 2e-5),
 }
 

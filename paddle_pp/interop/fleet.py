@@ -33,11 +33,11 @@ from checkpoint.format import (
     copy_tokenizer_files,
 )
 from checkpoint.optimizer_state import MASTER_WEIGHT, state_tp_axis
+from checkpoint.piece import Piece
 from checkpoint.save import model_metadata, single_card_config
 from checkpoint.shards import TensorSpec, bf16_to_float32
 from checkpoint.split import DEFAULT_SHARD_BYTES, SplitWriter, join_split, split_layout
 from modeling.registry import load_config, plan_of
-from modeling.tp_plan import single_card_shape
 from paddle_pp.interop.pickled import NAME_TABLE, UnsafePickleError, load_pickled
 
 RANK_FILE = re.compile(r"^(model_state|optimizer)(?:\.([a-z0-9_]+))?\.(pdparams|pdopt)$")
@@ -98,8 +98,9 @@ def _state_key(var_name: str, structured: dict[str, str]) -> str:
     return f"{structured[owner]}{STATE_SEPARATOR}{base[len(owner) + 1:].removeprefix(MASTER_SUFFIX)}"
 
 
-def _unified_meta(array: np.ndarray, axis: int | None, tp: int) -> dict:
-    return {"dtype": str(array.dtype), "shape": single_card_shape(array.shape, axis, tp), "tp_axis": axis}
+def _unified_meta(array: np.ndarray, piece: Piece) -> dict:
+    """The unified index's entry of a tensor whose `piece` is `array`."""
+    return {"dtype": str(array.dtype), "shape": piece.full_shape(array.shape), "tp_axis": piece.axis}
 
 
 def _load(path: Path, allow_unsafe_pickle: bool) -> dict:
@@ -115,7 +116,7 @@ def write_rank_arrays(writer: SplitWriter, kind: str, tp_rank: int, stage: int, 
                       axes: Callable[[str, np.ndarray], int | None], tp: int) -> None:
     """One (tp rank, stage)'s `arrays` of `kind` into a split copy; `axes(name, array)` their tp axis."""
     names = sorted(arrays)
-    full = {n: _unified_meta(arrays[n], axes(n, arrays[n]), tp) for n in names}
+    full = {n: _unified_meta(arrays[n], Piece(axes(n, arrays[n]), tp, tp_rank)) for n in names}
     specs = [TensorSpec(n, arrays[n].dtype, tuple(arrays[n].shape)) for n in names]
     writer.write(kind, tp_rank, stage, specs, (arrays[n] for n in names), full)
 

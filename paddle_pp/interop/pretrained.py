@@ -30,6 +30,7 @@ from checkpoint.load import (
     load_checkpoint,
     set_parameter,
 )
+from checkpoint.piece import Piece
 from checkpoint.shards import ShardReader, file_checksum, recorded_checksum
 from checkpoint.unified_io import UnifiedReader
 from modeling.config import ModelConfigError
@@ -48,6 +49,11 @@ PDPARAMS, PDPARAMS_INDEX = "model_state.pdparams", "model_state.pdparams.index.j
 HF_INDEX = index_name(MODEL)  # transformers and PaddleNLP name their sharded safetensors index like ours
 
 Read = Callable[[str, int | None, int, int], np.ndarray]  # (name, TP axis, parts, part) -> this rank's piece
+
+
+def _by_axis(read_piece: Callable[[str, Piece], np.ndarray]) -> Read:
+    """A `Read` from a reader of `Piece`s (the nested cuts of fused tensors below count in axes and parts)."""
+    return lambda name, axis, parts, part: read_piece(name, Piece(axis, parts, part))
 
 
 @dataclass
@@ -79,7 +85,7 @@ def open_pretrained(folder: Path, weights: bool = True, allow_unsafe_pickle: boo
         unified = UnifiedReader(folder, MODEL)
         config = {"model_type": raw.get("model_type"), **_config_fields(raw)}
         shapes = {name: meta["shape"] for name, meta in unified.tensors.items()}
-        return _checked(folder, UNIFIED, config, shapes, unified.read, Stored)
+        return _checked(folder, UNIFIED, config, shapes, _by_axis(unified.read), Stored)
     model_family, config, fused = _our_config(folder, raw)
     paddlenlp_locate = _paddlenlp_locator(config, fused)
     pickled = (folder / PDPARAMS).is_file() or (folder / PDPARAMS_INDEX).is_file()
@@ -93,7 +99,7 @@ def open_pretrained(folder: Path, weights: bool = True, allow_unsafe_pickle: boo
                         lambda key, axis, parts, part: split_tensor(arrays[key], axis, parts, part), paddlenlp_locate)
     readers = _safetensors_readers(folder)
     shapes = _header_shapes(readers)
-    read = lambda key, axis, parts, part: readers[key].read(key, axis, parts, part)  # noqa: E731
+    read = _by_axis(lambda key, piece: readers[key].read(key, piece))
     if _kind(model_family, config, shapes) == TRANSFORMERS:
         ours = config_from_dict(config)
         plan = plan_of(ours)

@@ -3,7 +3,7 @@ checkpoint save.
 
 A rank writes its first shard of the second save, then dies before the save commits: exactly a node
 lost mid-save (under a launch, the launcher then ends the other ranks). Fault injection wraps the
-shard writer; nothing in the library knows.
+shard stream; nothing in the library knows.
 """
 
 from __future__ import annotations
@@ -16,17 +16,17 @@ import checkpoint.save as save
 from paddle_pp.training import cli
 
 saves_seen: list[str] = []
-write_shard = save.write_shard
 
 
-def write_then_die(path, *args, **kwargs):
-    result = write_shard(path, *args, **kwargs)
-    if path.parent.name not in saves_seen:
-        saves_seen.append(path.parent.name)
-    if len(saves_seen) == 2:  # the first shard this rank writes into its second save
-        os.kill(os.getpid(), signal.SIGKILL)
-    return result
+class WriteThenDie(save.ShardStream):
+    def finish(self) -> dict:
+        result = super().finish()
+        if self.path.parent.name not in saves_seen:
+            saves_seen.append(self.path.parent.name)
+        if len(saves_seen) == 2:  # the first shard this rank writes into its second save
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
 
 
-save.write_shard = write_then_die
+save.ShardStream = WriteThenDie
 sys.exit(cli.main(sys.argv[1:]))

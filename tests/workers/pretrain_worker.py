@@ -50,8 +50,7 @@ def resumed_exactly(trainer) -> bool | None:
     def piece(reader, key: str) -> np.ndarray:
         if isinstance(reader, ShardReader):  # a pre-split copy's rank file holds this rank's pieces whole
             return reader.read(key).reshape(-1)
-        axis = reader.tensors[key].get("tp_axis") if tp > 1 else None
-        return reader.read(key, axis, tp, tp_rank).reshape(-1)
+        return reader.read(key, reader.piece(key, tp, tp_rank)).reshape(-1)
 
     if is_split(folder):
         weights, states = (ShardReader(folder / rank_file(kind, tp_rank, trainer.topo.pp_rank))
