@@ -15,6 +15,10 @@ seen at). Under context parallelism a rank holds two chunks of each sequence: th
 over the ring before positions are found, starts are sequence positions, and each call of the ring
 gives its kernel the positions of the keys it sees (`Documents.for_keys`).
 
+With `Execution.within_documents` False only the positions restart and attention spans the packed
+sample: PaddleFormers' `use_global_causal_attn: true` (its collator restarts positions either way),
+Megatron's `reset_position_ids` without `reset_attention_mask`.
+
 PaddleFormers cuts documents where its index's documents end, we where their end-of-document token
 is; the two agree on data prepared with an end-of-document token after every document, which is
 what `paddle_pp.data.preprocess` and PaddleNLP's `create_pretraining_data.py` write.

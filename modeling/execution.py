@@ -98,7 +98,8 @@ class Execution:
     recompute: Recompute = field(default_factory=Recompute)
     kernels: Kernels = field(default_factory=Kernels)
     accumulate_steps: int = 1  # micro-batches per step: a loss injected inside the model is scaled by its inverse
-    documents: tuple[int, ...] | None = None  # per-document attention: the end-of-document token ids (None: off)
+    documents: tuple[int, ...] | None = None  # positions restart after these end-of-document token ids (None: off)
+    within_documents: bool = True  # with `documents`: attention stays inside each (False: spans the packed sample)
     router_stats: RouterStats = field(default_factory=RouterStats, compare=False)  # MoE layers' routing, for metrics
 
     def positions(self, local_len: int) -> np.ndarray | None:
@@ -111,11 +112,13 @@ class Execution:
     def documents_at(self, positions: paddle.Tensor | None) -> Documents | None:
         """Where the documents of this rank's queries start, from their positions inside their documents
         (None: one causal stream); sequence positions, which under context parallelism are not 0..n-1."""
-        return None if positions is None else Documents.of(positions, self.positions(positions.shape[1]))
+        if positions is None or not self.within_documents:
+            return None
+        return Documents.of(positions, self.positions(positions.shape[1]))
 
     def spec_for(self, spec: CoreSpec) -> CoreSpec:
         """A layer's attention spec as this run computes it (inside documents, when per-document)."""
-        return replace(spec, documents=True) if self.documents is not None else spec
+        return replace(spec, documents=True) if self.documents is not None and self.within_documents else spec
 
     @property
     def cp(self) -> tuple[int, int]:

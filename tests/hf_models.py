@@ -185,13 +185,18 @@ def loss(folder: Path, rows: np.ndarray) -> float:
                                                        torch.tensor(rows[:, 1:]).reshape(-1)))
 
 
-def logits(folder: Path, ids: np.ndarray) -> np.ndarray:
+def logits(folder: Path, ids: np.ndarray, position_ids: np.ndarray | None = None) -> np.ndarray:
+    """transformers' logits of `ids` (eager attention), at `position_ids` when given: then with a mask of
+    ones, which keeps attention causal over the whole row (without one, transformers reads restarting
+    position ids as packed documents and masks across them)."""
     import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager").eval()
+    extra = {} if position_ids is None else {"position_ids": torch.tensor(position_ids),
+                                             "attention_mask": torch.ones(ids.shape, dtype=torch.long)}
     with torch.no_grad():
-        return model(torch.tensor(ids)).logits.numpy()
+        return model(torch.tensor(ids), **extra).logits.numpy()
 
 
 def make_with_answers(root: Path, rows: np.ndarray, ids: np.ndarray, kinds: list[str]) -> dict[str, dict]:

@@ -75,6 +75,27 @@ def test_a_packed_sample_gives_transformers_logits_of_each_document_alone(root, 
                                        err_msg=f"{kind}, {core}: row {row}, document [{start}, {end})")
 
 
+@pytest.mark.parametrize("core", list(CORE_CASES))
+@pytest.mark.parametrize("kind", ["llama3", "gemma2", "gpt2", "deepseek_v3", "gpt_oss"])
+def test_positions_restart_under_attention_across_documents_as_transformers_computes_them(root, kind, core):
+    """`--reset_position_ids` (PaddleFormers' `use_global_causal_attn: true`): the packed sample's
+    logits equal transformers' on the whole row, causal over it, at position ids that restart after
+    every end-of-document token (rotary, yarn's and learned positions; windows and sinks still count
+    sequence positions)."""
+    path = folder(kind, root)
+    model = our_model(path, Execution(attention=CORE_CASES[core], documents=(END,), within_documents=False))
+    model.eval()
+    ids = packed_ids(model.config.vocab_size)
+    with paddle.no_grad():
+        packed = model(paddle.to_tensor(ids)).numpy()
+    positions = np.concatenate([np.concatenate([np.arange(end - start) for start, end in documents(row)])[None]
+                                for row in range(len(LENGTHS))])
+    np.testing.assert_allclose(packed, hf_models.logits(path, ids, positions), rtol=HF_TOLERANCE, atol=HF_TOLERANCE,
+                               err_msg=f"{kind}, {core}")
+    whole = hf_models.logits(path, ids)  # positions 0..n-1: what the restart changes
+    assert np.abs(packed - whole)[:, LENGTHS[0][0]:].max() > 1e-3
+
+
 def _summed_loss(model, ids: np.ndarray, labels: np.ndarray):
     logits = model(paddle.to_tensor(ids))
     return logits, paddle.nn.functional.cross_entropy(logits, paddle.to_tensor(labels).unsqueeze(-1), reduction="sum")
@@ -117,10 +138,23 @@ CP2, CP4 = ("--context_parallel_degree", "2"), ("--context_parallel_degree", "4"
 LAYOUTS = {"cp2_tp2_pp2_sp": (8, CP2 + TP2 + PP2 + ("--sequence_parallel",) + BLOCKWISE), "cp4": (4, CP4 + BLOCKWISE)}
 
 
+ACROSS = ("--across_documents",)
+ACROSS_LAYOUTS = {"cp2_tp2_pp2_sp": (8, LAYOUTS["cp2_tp2_pp2_sp"][1] + ACROSS)}
+
+
 @pytest.fixture(scope="module")
-def documents_runs(run_workers_module, tmp_path_factory):
-    files = write_model_files(tmp_path_factory.mktemp("llama_documents"), "llama", CONFIG, LlamaForCausalLM)
-    return layout_runs(run_workers_module, files, LAYOUTS, ("--documents", str(END)))
+def model_files(tmp_path_factory):
+    return write_model_files(tmp_path_factory.mktemp("llama_documents"), "llama", CONFIG, LlamaForCausalLM)
+
+
+@pytest.fixture(scope="module")
+def documents_runs(run_workers_module, model_files):
+    return layout_runs(run_workers_module, model_files, LAYOUTS, ("--documents", str(END)))
+
+
+@pytest.fixture(scope="module")
+def across_runs(run_workers_module, model_files):
+    return layout_runs(run_workers_module, model_files, ACROSS_LAYOUTS, ("--documents", str(END)) + ACROSS)
 
 
 @pytest.mark.multiproc
@@ -132,6 +166,17 @@ def test_per_document_training_under_cp_tp_pp_and_sp_matches_the_single_card(doc
     rank) and of cp4 (three ring steps of 2-token chunks, queries that see none of a step's keys),
     with the blockwise kernel's blocks of 6 crossing chunks and documents."""
     assert_matches(layout, documents_runs(layout), documents_runs("single"))
+
+
+@pytest.mark.multiproc
+def test_restarted_positions_under_cp_tp_pp_and_sp_match_the_single_card(across_runs, documents_runs):
+    """`--reset_position_ids`: the same checks with attention across documents under cp2 x tp2 x pp2 +
+    SP (positions found over the ring and carried through the pipeline, the ring's plain causal
+    attention); and the run is not the per-document one (its losses differ)."""
+    assert_matches("cp2_tp2_pp2_sp", across_runs("cp2_tp2_pp2_sp"), across_runs("single"))
+    (across,), _ = across_runs("single")
+    (within,), _ = documents_runs("single")
+    assert abs(across["eval_loss"] - within["eval_loss"]) > 1e-4 * abs(within["eval_loss"])
 
 
 @pytest.mark.parametrize("window", [None, 3])
@@ -157,5 +202,10 @@ def test_the_flag_sets_the_tokenizers_end_token_and_refuses_what_it_cannot_keep(
     assert run_execution(parse_args([]).model, CPU, None, 64, 2)[0].documents is None
     under_cp = run_execution(per_document, Layout(world_size=2, device="cpu", context_parallel_degree=2), None, 64, 2)
     assert under_cp[0].documents == (2,)
-    with pytest.raises(UserError, match="no end-of-sequence token"):
-        run_execution(per_document, CPU, None, 64, None)
+    restarted, notes = run_execution(parse_args(["--reset_position_ids"]).model, CPU, None, 64, 2)
+    assert restarted.documents == (2,) and not restarted.within_documents
+    assert any("attention across documents (--reset_position_ids)" in note for note in notes)
+    assert run_execution(per_document, CPU, None, 64, 2)[0].within_documents
+    for flags in (["--no-use_global_causal_attn"], ["--reset_position_ids"]):
+        with pytest.raises(UserError, match=f"{flags[0]}: the tokenizer has no end-of-sequence token"):
+            run_execution(parse_args(flags).model, CPU, None, 64, None)

@@ -124,6 +124,8 @@ def test_paddleformers_offline_recipe_reads_with_its_meaning(tmp_path, capsys):
     assert layout.hybrid_parallel_topo_order == "sharding_first"  # PaddleFormers' default order
     assert model.recompute and model.recompute_granularity == "full"
     assert not model.use_global_causal_attn and model.use_flash_attention  # per document; flashmask
+    across = _parse(tmp_path, FULL_OFFLINE_DATA, use_global_causal_attn=True).model  # positions still restart
+    assert across.use_global_causal_attn and across.reset_position_ids
     assert data.input_dir == "1.0 ./data/pre-training/demo_data/data-1-part0" and data.split == "998,2"
     assert data.max_seq_length == 8192 and data.seed == 23 and data.gradient_accumulation_steps == 4
     assert optim.bf16 and optim.learning_rate == 1e-5 and optim.warmup_steps == 20 and optim.max_steps == 100
@@ -149,13 +151,12 @@ def test_paddleformers_offline_recipe_reads_with_its_meaning(tmp_path, capsys):
     (FULL_OFFLINE_DATA, {"fp16_opt_level": "O1"}, "fp16_opt_level='O1'"),
     (FULL_OFFLINE_DATA.replace("fp16_opt_level: O2\n", ""), {}, "fp16_opt_level left to PaddleFormers' default O1"),
     (FULL_OFFLINE_DATA, {"tensor_parallel_degree": 2}, "tensor_model_parallel_size and tensor_parallel_degree"),
-    (FULL_OFFLINE_DATA, {"use_global_causal_attn": True}, "use_global_causal_attn=true"),
     (FULL_OFFLINE_DATA, {"recompute_granularity": "selective"}, "recompute_granularity='selective'"),
     (FULL_OFFLINE_DATA, {"sep_parallel_size": 2}, "sep_parallel_size=2"),
     (FULL_OFFLINE_DATA, {"_attn_implementation": "flex"}, "_attn_implementation='flex'"),
     (FULL_OFFLINE_DATA, {"eval_iters": -1}, "do_eval without eval_iters"),
     (FULL_OFFLINE_DATA, {"a_new_field": 1}, "a_new_field=1 (a field paddle-pp does not know"),
-], ids=["online_data", "iterable", "sft", "lora", "o1", "o1_by_default", "two_spellings", "global_causal", "selective", "sep",
+], ids=["online_data", "iterable", "sft", "lora", "o1", "o1_by_default", "two_spellings", "selective", "sep",
         "attention", "eval_iters", "unknown"])
 def test_what_a_paddleformers_recipe_asks_and_this_trainer_does_not_do_is_refused_by_name(tmp_path, capsys, text,
                                                                                        changes, words):

@@ -33,6 +33,8 @@ class Workload:
                                            "--no-use_flash_attention: the dense core")
     use_global_causal_attn: bool = flag(True, "--no-use_global_causal_attn: attention per document (each layer "
                                               "then keeps its rotary rows per token)")
+    reset_position_ids: bool = flag(False, "positions restart per document under global attention (each layer "
+                                           "then keeps its rotary rows per token)")
 
     def execution(self, layout: Layout, compute_bytes: int, head_dim: int) -> Execution:
         """The `Execution` a trainer with these flags would run on `layout` (any rank); which token ends
@@ -40,8 +42,9 @@ class Workload:
         dtype = "bfloat16" if compute_bytes == 2 else None
         choices, _ = choose_execution(self.use_flash_attention, self.recompute, self.recompute_granularity,
                                       device=layout.device, dtype=dtype, head_dim=head_dim)
-        documents = None if self.use_global_causal_attn else (0,)
-        return execution_for(layout, 0, replace(choices, documents=documents))
+        by_document = not self.use_global_causal_attn or self.reset_position_ids
+        return execution_for(layout, 0, replace(choices, documents=(0,) if by_document else None,
+                                                within_documents=not self.use_global_causal_attn))
 
 
 @dataclass(frozen=True)

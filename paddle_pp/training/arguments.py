@@ -58,6 +58,10 @@ class ModelArguments:
                                               "--no-use_global_causal_attn: each token attends only inside its "
                                               "document (ended by the tokenizer's end-of-sequence token) and "
                                               "positions restart per document (PaddleFormers' pretraining default)")
+    reset_position_ids: bool = flag(False, "positions restart after every end-of-sequence token while attention "
+                                           "spans the packed sample (Megatron's name; what PaddleFormers trains "
+                                           "with use_global_causal_attn: true); implied by "
+                                           "--no-use_global_causal_attn")
     use_fused_rope: bool = flag(False, "Paddle's fused rotary kernel (GPU only; elsewhere the reference op, noted)")
     use_fused_rms_norm: bool = flag(False, "Paddle's fused RMSNorm kernel (GPU only; elsewhere the reference op, "
                                            "noted)")

@@ -10,8 +10,8 @@ What differs from a PaddleNLP recipe, each read with PaddleFormers' meaning:
   and `split` (the indexed files and the sampling PaddleNLP's pretraining also reads); PaddleFormers'
   online jsonl datasets are refused with the command that prepares them;
 - `stage: PT` with `fine_tuning: full` (the defaults SFT and LoRA are other training, refused);
-- attention per document unless `use_global_causal_attn` (default false): PaddleFormers' collator
-  restarts positions at every document even when it is true, which is not modelled, so true is refused;
+- attention per document unless `use_global_causal_attn` (default false); positions restart at every
+  document either way, as PaddleFormers' collator restarts them (true: `--reset_position_ids`);
   `_attn_implementation` picks the core (flashmask and sdpa: flash where it applies, eager: dense);
 - recompute: `recompute_granularity: full` with `recompute_method: uniform` and
   `recompute_num_layers: 1` (what PaddleFormers' decoder layers test for) recomputes each layer;
@@ -127,9 +127,8 @@ def _attention(values: dict) -> tuple[dict[str, Any], list[str]]:
         flags["use_flash_attention"] = ATTENTION_IMPLEMENTATIONS[implementation]
     else:
         refused.append(f"_attn_implementation={implementation!r} (one of {', '.join(ATTENTION_IMPLEMENTATIONS)})")
-    if values.get("use_global_causal_attn"):
-        refused.append("use_global_causal_attn=true (PaddleFormers still restarts positions at every document, "
-                       "which is not modelled with global attention; drop it to train per document, its default)")
+    if values.get("use_global_causal_attn"):  # its collator restarts positions at every document either way
+        flags |= {"use_global_causal_attn": True, "reset_position_ids": True}
     return flags, refused
 
 

@@ -87,9 +87,11 @@ def run_execution(args: ModelArguments, layout: Layout, compute_dtype: str | Non
     """The run's attention core, recompute, fused kernels and document boundaries (the data's
     `end_of_document` token under --no-use_global_causal_attn) from the model flags
     (`choose_execution`), and notes on what was asked for and not taken on this device."""
-    if not args.use_global_causal_attn and end_of_document is None:
+    by_document = "--no-use_global_causal_attn" if not args.use_global_causal_attn else \
+        "--reset_position_ids" if args.reset_position_ids else None
+    if by_document is not None and end_of_document is None:
         raise TrainingConfigError(
-            "--no-use_global_causal_attn: the tokenizer has no end-of-sequence token to find where documents end; "
+            f"{by_document}: the tokenizer has no end-of-sequence token to find where documents end; "
             "use a tokenizer with one (the data must have been written with it after every document)")
     if layout.cp > 1 and not args.use_flash_attention:
         raise TrainingConfigError(
@@ -105,11 +107,12 @@ def run_execution(args: ModelArguments, layout: Layout, compute_dtype: str | Non
     execution, notes = choose_execution(args.use_flash_attention, args.recompute, args.recompute_granularity,
                                         args.recompute_use_reentrant, args.use_fused_rope, args.use_fused_rms_norm,
                                         layout.device, compute_dtype, head_dim, sm)
-    if args.use_global_causal_attn:
+    if by_document is None:
         return execution, notes
-    notes.append(f"attention inside documents (--no-use_global_causal_attn): each ends at token {end_of_document}, "
-                 "positions restart after it")
-    return replace(execution, documents=(end_of_document,)), notes
+    within = not args.use_global_causal_attn
+    notes.append(f"{'attention inside documents' if within else 'attention across documents'} ({by_document}): "
+                 f"each ends at token {end_of_document}, positions restart after it")
+    return replace(execution, documents=(end_of_document,), within_documents=within), notes
 
 
 def _build_optimizer(model, args: OptimizerArguments, schedule: WarmupCosine, clip: ReportingGlobalNormClip):

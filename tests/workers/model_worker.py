@@ -6,7 +6,8 @@ The test writes the single-card weights (`--init`, .npz) and an HF-style config 
 `--attention blockwise --block N` runs the blockwise attention core with N positions per block (under
 `--context_parallel_degree`, the ring's kernel; each cp rank reads its two chunks of every sequence).
 `--documents ID` trains with per-document attention, ID ending each document; the batches then hold it
-in about one position in six.
+in about one position in six; with `--across_documents` only the positions restart there (attention
+spans the sample: `--reset_position_ids`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--attention", choices=sorted(CORES), default="dense")
     parser.add_argument("--block", type=int, default=512)
     parser.add_argument("--documents", type=int, default=None)
+    parser.add_argument("--across_documents", action="store_true")
     args = parser.parse_args(argv)
 
     layout = Layout.from_args(args)
@@ -67,7 +69,8 @@ def main(argv: list[str]) -> None:
     config = config_from_dict(json.loads(open(args.config).read()))
     core = BlockwiseCore(args.block) if args.attention == "blockwise" else CORES[args.attention]
     documents = None if args.documents is None else (args.documents,)
-    raw = build_causal_lm(config, topo, Execution(attention=core, documents=documents))
+    raw = build_causal_lm(config, topo, Execution(attention=core, documents=documents,
+                                                  within_documents=not args.across_documents))
     axes = plan_of(config).axes()
     load_single_card_state(raw, dict(np.load(args.init)), axes, topo)
     criterion = getattr(raw, "criterion", None)
