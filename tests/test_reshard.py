@@ -110,6 +110,61 @@ def test_a_paddleformers_flex_checkpoint_imports_whole_and_resumes_with_the_next
     np.testing.assert_allclose(loss, next_loss, rtol=RESUME_TOL)
 
 
+# paddle.load of a trainer_state.bin with PaddleNLP's TrainerState (PaddleFormers' is its fork) standing
+# under PaddleFormers' name; prints [its attributes, the class's fields].
+LOAD_TRAINER_STATE = """
+import dataclasses, json, sys, types
+import paddle
+from paddlenlp.trainer import TrainerState
+for name in ("paddleformers", "paddleformers.trainer", "paddleformers.trainer.trainer_callback"):
+    sys.modules[name] = types.ModuleType(name)
+sys.modules["paddleformers.trainer.trainer_callback"].TrainerState = TrainerState
+state = paddle.load(sys.argv[1])
+assert isinstance(state, TrainerState), type(state)
+print(json.dumps([vars(state), list(dataclasses.asdict(TrainerState()))]))
+"""
+
+
+@pytest.mark.multiproc
+def test_a_checkpoint_written_back_as_flex_holds_what_the_runs_own_flex_save_held(fleet, merged, tmp_path):
+    """`to-flex` of the merged checkpoint, read by Paddle's own `load_state_dict` into tensors shaped as
+    the run's flex save (tp2 x pp2 pieces in PaddleFormers' names and layouts) records them: every
+    weight and Adam state equal to that save's bit for bit, the schedule's state equal; its
+    trainer_state.bin loads as an instance of PaddleNLP's TrainerState (the class PaddleFormers forked)
+    standing under PaddleFormers' name; imported again, it gives the merged checkpoint bit for bit."""
+    import paddle.distributed as dist
+
+    from paddle_pp.interop.flex import flex_parts
+
+    target = tmp_path / "flex"
+    tool = subprocess.run([sys.executable, str(TOOL), "to-flex", str(merged), str(target)], capture_output=True,
+                          text=True, timeout=300)
+    assert tool.returncode == 0, tool.stderr[-2000:]
+    reference, written = flex_parts(fleet[0] / "flex"), flex_parts(target)
+    assert sorted(written) == ["model_state", "optimizer_state"], "fp32: no master weights"
+    for kind in written:
+        theirs = reference[kind]
+        assert written[kind].names() == theirs.names(), kind
+        loaded = {name: paddle.zeros(theirs.shape(name), str(theirs.dtype(name))) for name in theirs.names()}
+        dist.load_state_dict(loaded, str(target / kind))
+        for name, tensor in loaded.items():
+            assert np.array_equal(tensor.numpy(), theirs.tensor(name)), name
+    assert paddle.load(str(target / "scheduler.pdparams")) == paddle.load(str(fleet[0] / "flex" / "scheduler.pdparams"))
+    loaded = subprocess.run([sys.executable, "-c", LOAD_TRAINER_STATE, str(target / "trainer_state.bin")],
+                            capture_output=True, text=True, timeout=300)  # PaddleNLP's trainer imports apart
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    state, fields = json.loads(loaded.stdout.splitlines()[-1])
+    assert (state["global_step"], state["consumed_samples"]) == (3, 24) and sorted(state) == sorted(fields)
+    again = tmp_path / "again"
+    tool = subprocess.run([sys.executable, str(TOOL), "flex", str(target), str(again), "--model", str(merged)],
+                          capture_output=True, text=True, timeout=300)
+    assert tool.returncode == 0, tool.stderr[-2000:]
+    for kind in ("model", "optimizer"):
+        ours, before = UnifiedReader(again, kind), UnifiedReader(merged, kind)
+        assert ours.tensors.keys() == before.tensors.keys(), kind
+        assert all(np.array_equal(ours.read(name), before.read(name)) for name in ours.tensors), kind
+
+
 @pytest.mark.multiproc
 def test_split_holds_exactly_each_fleet_rank_and_each_rank_loads_its_file_exactly(fleet, merged, tmp_path, run_workers, data_cache):
     fleet_folder, next_loss = fleet

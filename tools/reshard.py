@@ -10,6 +10,8 @@
   flex    SOURCE TARGET --model FOLDER: a PaddleFormers checkpoint in its flex format (model_state/,
           optimizer_state/, master_weight/, trainer_state.bin) to the unified format, FOLDER giving the
           model's config and tokenizer
+  to-flex SOURCE TARGET: a unified checkpoint (either weights layout) written back in PaddleFormers' flex
+          format, for its trainer to resume
   rechunk SOURCE TARGET --max_shard_mb N: rewrite a unified checkpoint with another shard size
   weights SOURCE TARGET [--dtype bfloat16]: a weights-only copy (no optimizer, no trainer state) to hand on;
           with --fuse_attention_qkv / --fuse_attention_ffn in PaddleNLP's fused-projection layout
@@ -31,7 +33,7 @@ from checkpoint.writers import assign_writers
 from modeling.paddlenlp_fused import FFN, QKV
 from modeling.registry import config_from_dict, plan_of, validate_layout
 from paddle_pp.interop.fleet import merge_fleet
-from paddle_pp.interop.paddleformers import import_flex
+from paddle_pp.interop.paddleformers import export_flex, import_flex
 from paddle_pp.interop.pickled import ALLOW_UNSAFE_PICKLE_HELP
 from paddle_pp.interop.transformers import export_paddlenlp_fused
 from paddle_pp.interop.transformers_layout import checkpoint_config
@@ -113,6 +115,8 @@ def _rewrite(args) -> int:
                               args.allow_unsafe_pickle)
         elif args.command == "flex":
             out = import_flex(args.source, args.target, args.model, int(args.max_shard_mb * 2**20), on_tensor)
+        elif args.command == "to-flex":
+            out = export_flex(args.source, args.target, on_tensor)
         else:
             rewrite = {"join": join_split, "rechunk": rechunk}[args.command]
             out = rewrite(args.source, args.target, int(args.max_shard_mb * 2**20), on_tensor)
@@ -138,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     helps = {"split": "write a per-rank pre-split copy for a layout", "join": "a pre-split copy back to unified",
              "merge": "fleet per-rank .pdparams/.pdopt files to unified",
              "flex": "a PaddleFormers flex checkpoint (model_state/, optimizer_state/, ...) to unified",
+             "to-flex": "a unified checkpoint to PaddleFormers' flex format",
              "rechunk": "change the shard size",
              "weights": "a weights-only copy to hand a model on (optionally bfloat16/float16)"}
     for name, text in helps.items():
@@ -146,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument("target", type=Path, help="a new folder (written as TARGET.partial, renamed when complete)")
         if name == "split":
             add_layout_args(sub)
-        else:
+        elif name != "to-flex":
             sub.add_argument("--max_shard_mb", type=float, required=name == "rechunk", default=5 * 1024,
                              help="largest output shard")
         if name == "weights":

@@ -1,5 +1,6 @@
 """A PaddleFormers 1.2 training checkpoint in its default flex format turned into a unified one,
-which this trainer resumes under any layout (`tools/reshard.py flex`).
+which this trainer resumes under any layout (`tools/reshard.py flex`), and a unified checkpoint
+written back in that format (`tools/reshard.py to-flex`, `export_flex`).
 
 What PaddleFormers writes (`trainer.py` `_save_flex_model_state` / `_save_flex_optimizer_state`):
 `model_state/` with a plain family's tensors under transformers' names (`model.layers.0.self_attn.
@@ -12,10 +13,18 @@ its shape: as ours, or transposed where only the transpose fits (the head). A fl
 config.json: the model's comes from the folder the run started from (`model_folder`), which also
 gives the tokenizer. Families PaddleFormers fuses internally (ERNIE 4.5's qkv_proj, Gemma 3's
 up_gate_proj) are refused by the names they lack.
+
+The way back writes the same names, layouts and files through Paddle's own `save_state_dict` (one
+process, each tensor whole: a checkpoint of any layout loads from it, as PaddleFormers resumes one
+through `load_state_dict`). It holds the weights, then the optimizer's states and masters, in memory
+whole, since `save_state_dict` takes whole tensors. Not run against PaddleFormers itself
+(docs/known-problems.md).
 """
 
 from __future__ import annotations
 
+import json
+import pickle
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
@@ -121,3 +130,83 @@ def import_flex(source: Path, target: Path, model_folder: Path, max_shard_bytes:
 
     return write_unified(Path(target), config, plan, (1, 1), write, _trainer_state(source), model_folder,
                          max_shard_bytes, on_tensor)
+
+
+# PaddleFormers' TrainerState fields (as PaddleNLP's, which it forked) with their defaults.
+TRAINER_STATE_FIELDS = {"epoch": None, "global_step": 0, "consumed_samples": 0, "max_steps": 0, "num_train_epochs": 0,
+                        "total_flos": 0, "log_history": [], "best_metric": None, "best_model_checkpoint": None,
+                        "is_local_process_zero": True, "is_world_process_zero": True, "trial_name": None,
+                        "trial_params": None}
+
+
+def pickled_instance(module: str, name: str, fields: dict) -> bytes:
+    """A pickle of an instance of `module`.`name` whose attributes are `fields`, as pickle writes a
+    dataclass instance (NEWOBJ, then BUILD with its __dict__), made without importing the class: the
+    fields are pickled alone and framed by those opcodes."""
+    body = pickle.dumps(fields, protocol=2)[2:-1]  # without its PROTO 2 header and STOP
+    return b"\x80\x02c" + f"{module}\n{name}\n".encode() + b")\x81" + body + b"b."
+
+
+def _their_layout(array: np.ndarray, ours: str, head: str) -> np.ndarray:
+    """PaddleFormers' layout of our tensor `ours`: Paddle's [in, out] as ours, but the head (LMHead)
+    [vocab, hidden], as transformers keeps it."""
+    return np.ascontiguousarray(array.T) if ours == head else array
+
+
+def _save_kind(arrays: dict[str, np.ndarray], folder: Path) -> None:
+    import paddle
+    import paddle.distributed as dist
+
+    dist.save_state_dict({key: paddle.to_tensor(array) for key, array in arrays.items()}, str(folder))
+
+
+def export_flex(source: Path, target: Path, on_tensor: Callable[[str, int], None] | None = None) -> Path:
+    """Write the unified checkpoint `source` (either weights layout) as PaddleFormers' flex checkpoint
+    `target`: model_state/, optimizer_state/ (AdamW's `<name>.moment1_0` ...), master_weight/ (`<name>.w_0`,
+    when the run kept fp32 masters), trainer_state.bin (its TrainerState, pickled under PaddleFormers'
+    class), scheduler.pdparams and the tokenizer files."""
+    import paddle
+
+    from checkpoint.durable import new_folder
+    from checkpoint.format import TRAINER_STATE_FILE, copy_tokenizer_files, index_name
+    from checkpoint.unified_io import UnifiedReader
+    from paddle_pp.interop.transformers_layout import checkpoint_config
+
+    source = Path(source)
+    config = config_from_dict(checkpoint_config(source))
+    plan = plan_of(config)
+    names, head = _their_names(config, plan), f"{family_of(config).skeleton.head}.weight"
+    state = json.loads((source / TRAINER_STATE_FILE).read_text())
+    weights = open_pretrained(source)
+
+    def read(name: str, array: np.ndarray) -> np.ndarray:
+        if on_tensor:
+            on_tensor(name, array.nbytes)
+        return array
+
+    with new_folder(target) as partial:
+        _save_kind({theirs: _their_layout(read(ours, weights.read(ours, None, 1, 0)), ours, head)
+                    for ours, theirs in names.items()}, partial / "model_state")
+        if (source / index_name(OPTIMIZER)).is_file():
+            states, by_kind = UnifiedReader(source, OPTIMIZER), {"optimizer_state": {}, "master_weight": {}}
+            for key in sorted(states.tensors):
+                ours, state_name = key.split(STATE_SEPARATOR)
+                array = _their_layout(read(key, states.read(key)), ours, head)
+                if state_name == MASTER_WEIGHT:
+                    by_kind["master_weight"][f"{names[ours]}.{MASTER_SUFFIX}"] = array
+                elif state_name in ADAM_STATES:
+                    by_kind["optimizer_state"][f"{names[ours]}.{state_name}_0"] = array
+                else:
+                    raise CheckpointError(f"{key}: PaddleFormers' AdamW keeps no state {state_name!r}")
+            for kind, arrays in by_kind.items():
+                if arrays:
+                    _save_kind(arrays, partial / kind)
+                    arrays.clear()
+        fields = TRAINER_STATE_FIELDS | {"global_step": int(state["step"]),
+                                         "consumed_samples": int(state.get("consumed_samples", 0)),
+                                         "max_steps": int(state.get("max_steps", 0))}
+        (partial / TRAINER_STATE_BIN).write_bytes(pickled_instance(*TRAINER_STATE_CLASS, fields))
+        if state.get("lr_scheduler"):
+            paddle.save(state["lr_scheduler"], str(partial / "scheduler.pdparams"))
+        copy_tokenizer_files(source, partial)
+    return Path(target)
