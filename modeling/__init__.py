@@ -8,8 +8,7 @@ differs (each decoder layer's declaration is read off it: `config.decoder_layer(
 attention core, recompute, fused kernels) is its `Execution` (`execution.py`), handed to the model's
 constructor, never a config field. Models use the runtime's topology and layout as type hints only
 (imported under TYPE_CHECKING); from the runtime they import its errors, its expert groups (expert
-parallelism's exchange and which experts a rank holds), the optimizer hook the tp sums run in
-(`tp_gradients`, through `fleet_wrappers.reduce_first`) and, first of all, its start-up
+parallelism's exchange and which experts a rank holds) and, first of all, its start-up
 (`runtime/startup.py`: PaddleNLP's base classes imported without PaddleNLP's package inits).
 """
 

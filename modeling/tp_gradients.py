@@ -1,5 +1,6 @@
 """Parameters every tp rank holds whole but whose gradient each rank computes only a part of, and
-the one all-reduce over tp that completes those gradients each step.
+the one all-reduce over tp that completes those gradients each step (run first in the hybrid
+optimizer's gradient sync: `training.gradient_path`, step 2a).
 
 Two cases: under sequence parallelism a norm weight (or a row-linear bias) sees only this rank's
 positions; a per-head norm (Qwen3's q/k norms) always sees only this rank's heads. Without the sum
@@ -15,7 +16,6 @@ from paddle.distributed.fleet.utils import sequence_parallel_utils as sp_utils
 from paddle.distributed.fleet.utils.hybrid_parallel_util import fused_allreduce_gradients_with_group
 
 from modeling.execution import Execution
-from paddle_pp.runtime.fleet_wrappers import reduce_first
 
 PARTIAL_OVER_HEADS = "tp_partial_over_heads"  # attribute marking a parameter that sees only this rank's heads
 
@@ -34,14 +34,6 @@ def mark(layer: nn.Layer, run: Execution, always: bool = False) -> nn.Layer:
 
 def is_partial(param) -> bool:
     return getattr(param, PARTIAL_OVER_HEADS, False) or sp_utils.is_sequence_parallel_parameter(param)
-
-
-def sum_before_update(optimizer: Any, model: nn.Layer, tp_group: Any) -> None:
-    """Have fleet's hybrid optimizer sum the marked parameters' gradients over tp at each update,
-    before it reduces them over the data ranks (`runtime.fleet_wrappers.reduce_first`). Marked
-    parameters exist only with tp > 1 and stage1 or no sharding (stage2/3 are refused with them)."""
-    if any(is_partial(p) for p in model.parameters()):
-        reduce_first(optimizer, lambda params: sum_partial_gradients(params, tp_group))
 
 
 def sum_partial_gradients(parameters: list, tp_group: Any) -> None:

@@ -10,14 +10,13 @@ For that one case the model goes through `paddle.DataParallel` on the dp group i
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import paddle
 from paddle.distributed import fleet
 from paddle.distributed.fleet.base.topology import ParallelMode
 from paddle.distributed.fleet.meta_parallel import PipelineLayer
 
-from paddle_pp.runtime.experts import is_expert
 from paddle_pp.runtime.topology import Topology, align_ranks
 
 
@@ -45,65 +44,21 @@ def wrap_for_layout(model: paddle.nn.Layer, optimizer: paddle.optimizer.Optimize
     """The layout's model and optimizer wrappers. Under stage2/stage3 the TP wrapper (when tp > 1)
     goes inside Paddle's group-sharded one, which partitions gradients (and, for stage3, each
     parameter of more than `stage3_segment_size` elements) over the sharding group and averages
-    over the dp group; fleet's optimizer is not used there, as it would shard the states again."""
+    over the dp group; fleet's optimizer is not used there, as it would shard the states again.
+    What the gradients need beyond these wrappers: `training.gradient_path`."""
     level = topo.layout.group_sharded_level
     if level is None:
-        wrapped = wrap_optimizer(optimizer)
-        if topo.experts is not None:
-            reduce_experts_apart(wrapped, topo)
-        return wrap_model(model, topo), wrapped
+        return wrap_model(model, topo), wrap_optimizer(optimizer)
     from paddle.distributed.sharding import group_sharded_parallel
 
     align_ranks(topo)  # the wrappers start by broadcasting every parameter
     inner = fleet.distributed_model(model) if topo.layout.tp > 1 else model
     dp_group = topo.dp_group if topo.layout.dp > 1 else None
-    if topo.layout.cp > 1:  # the cp ranks then reduce with the dp ranks
+    if topo.layout.cp > 1:  # the cp ranks then reduce with the dp ranks (gradient_path scales them first)
         dp_group = topo.hcg.get_dp_sep_parallel_group()
-        sum_over_context_parallel(model, topo.layout.cp)
     wrapped, optimizer, _ = group_sharded_parallel(inner, optimizer, level, group=topo.sharding_group,
                                                    dp_group=dp_group, segment_size=stage3_segment_size)
     return wrapped, optimizer
-
-
-def reduce_first(optimizer: Any, reduce: Callable[[list], None]) -> None:
-    """Replaces `HybridParallelOptimizer._hybrid_sync_grad` with `reduce(parameters)` then upstream: a
-    sum the gradients need before fleet reduces them over the sharding and dp groups (the tp sum of
-    `modeling.tp_gradients`). Once per step, whatever gradients backward produced."""
-    upstream = optimizer._hybrid_sync_grad
-
-    def sync(parameter_list: list) -> None:
-        reduce(parameter_list)
-        upstream(parameter_list)
-
-    optimizer._hybrid_sync_grad = sync
-
-
-def reduce_experts_apart(optimizer: Any, topo: Topology) -> None:
-    """Replaces `HybridParallelOptimizer._hybrid_sync_grad` for expert parallelism: upstream reduces
-    every gradient over the sharding then the dp group, which would mix different ranks' experts;
-    the dense gradients still go that way, the experts' over the sharding group (its ranks hold the
-    same experts) and then over their replicas only (`ExpertGroup.reduce_gradients`)."""
-    upstream, hcg = optimizer._hybrid_sync_grad, topo.hcg
-
-    def sync(parameter_list: list) -> None:
-        experts = [p for p in parameter_list if is_expert(p)]
-        upstream([p for p in parameter_list if not is_expert(p)])
-        if optimizer._sharding_enable:
-            optimizer._inner_opt.reduce_gradients(experts, hcg)
-            experts = optimizer._inner_opt.filter_parameters(experts, hcg)
-        topo.experts.reduce_gradients(experts)
-
-    optimizer._hybrid_sync_grad = sync
-
-
-def sum_over_context_parallel(model: paddle.nn.Layer, cp: int) -> None:
-    """Make a reduction that averages over dp x cp sum over cp: stage2/3 average their gradients over
-    their dp group (1 / its size), which under context parallelism is fleet's dp x cp group, while
-    each cp rank's gradient is only its part of its replica's (fleet's hybrid optimizer sums over
-    cp). Each gradient is multiplied by cp as backward produces it (exact when cp is a power of two)."""
-    for param in model.parameters():
-        if not param.stop_gradient:
-            param.register_hook(lambda grad: grad * cp)
 
 
 def optimizer_chain(optimizer: Any) -> Iterator[Any]:

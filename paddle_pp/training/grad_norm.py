@@ -2,9 +2,10 @@
 
 On one process or pure data parallelism the optimizer keeps this clip and measures the norm
 itself. Under TP, PP or sharding, fleet swaps in `HybridParallelClipGrad`, which all-reduces the
-squared partial norms across the hybrid groups; `observe_hybrid_norm` reads the result there, so
-the reported norm is exactly the one the clip used. Stage2 keeps fleet's hybrid clip too (Paddle's
-stage2 optimizer installs it); stage3 gets `ShardedParamsClip` (see there).
+squared partial norms across the hybrid groups; the reported norm is read there, so it is exactly
+the one the clip used. Stage2 keeps fleet's hybrid clip too (Paddle's stage2 optimizer installs
+it); stage3 gets `ShardedParamsClip` (see there). Where each is installed, and how expert
+parallelism's norm counts every expert once: `training.gradient_path`, step 3.
 """
 
 from __future__ import annotations
@@ -81,19 +82,6 @@ class ShardedParamsClip(ReportingGlobalNormClip):
         return clipped
 
 
-def report_clipped_norm(optimizer, clip: ReportingGlobalNormClip, model, topo) -> None:
-    """After wrapping: the norm the optimizer clips with lands in `clip.last_norm` whatever the layout."""
-    from paddle_pp.runtime.fleet_wrappers import inner_optimizer
-
-    if topo.experts is not None:
-        count_experts_once(optimizer, clip, topo.experts.group)
-    if topo.layout.group_sharded_level == "p_g_os":
-        distributed = {p.name for p in model.parameters() if getattr(p, "is_distributed", False)}
-        inner_optimizer(optimizer)._grad_clip = ShardedParamsClip(clip, topo, distributed)
-    else:
-        observe_hybrid_norm(optimizer, clip)
-
-
 def _squares_by_split(params_grads, experts: bool) -> paddle.Tensor:
     """[tp-split, whole] squared norms of the clipped gradients of expert (or of other) parameters,
     counting a weight tied across pipeline stages once (fleet's `is_firstly_shared` rule)."""
@@ -102,7 +90,7 @@ def _squares_by_split(params_grads, experts: bool) -> paddle.Tensor:
     return paddle.stack([_sum_of_squares([g for p, g in counted if p.is_distributed == split]) for split in (True, False)])
 
 
-def _squares_with_every_expert(params_grads, group) -> paddle.Tensor:
+def squares_with_every_expert(params_grads, group) -> paddle.Tensor:
     """[tp-split, whole] squared norms of this rank's dense gradients plus every expert of its expert
     group (summed over the group). Recomputed from the gradients rather than adding the other ranks'
     experts to a sum that holds this rank's: the result must be bit-identical on the data replicas,
@@ -110,50 +98,3 @@ def _squares_with_every_expert(params_grads, group) -> paddle.Tensor:
     experts = _squares_by_split(params_grads, experts=True)
     dist.all_reduce(experts, group=group)
     return _squares_by_split(params_grads, experts=False) + experts
-
-
-def count_experts_once(optimizer, clip: ReportingGlobalNormClip, group) -> None:
-    """Under expert parallelism the global norm must also count the experts held by the other ranks
-    of the expert group, which no upstream clip reduces over (fleet's sums over tp, pp and sharding
-    only; one process's over nothing): fleet's `_comm_and_clip` (replaced here) or this clip's own
-    sum get the squares of `_squares_with_every_expert` before their own reductions."""
-    from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.hybrid_parallel_optimizer import (
-        HybridParallelClipGrad,
-    )
-
-    from paddle_pp.runtime.fleet_wrappers import optimizer_chain
-
-    hybrid = next((o._grad_clip for o in optimizer_chain(optimizer)
-                   if isinstance(getattr(o, "_grad_clip", None), HybridParallelClipGrad)), None)
-    if hybrid is None:
-        clip._squared_norm = lambda clipped: _squares_with_every_expert(clipped, group).sum()
-        return
-    upstream = hybrid._comm_and_clip
-
-    def with_every_expert(params_grads, _dist_squares, _not_dist_squares):
-        squares = _squares_with_every_expert(params_grads, group)
-        return upstream(params_grads, squares[0], squares[1])
-
-    hybrid._comm_and_clip = with_every_expert
-
-
-def observe_hybrid_norm(optimizer, clip: ReportingGlobalNormClip) -> None:
-    """Record the all-reduced norm into `clip` when fleet replaced it by its hybrid clip."""
-    from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.hybrid_parallel_optimizer import (
-        HybridParallelClipGrad,
-    )
-
-    from paddle_pp.runtime.fleet_wrappers import optimizer_chain
-
-    inner = next((o for o in optimizer_chain(optimizer) if isinstance(getattr(o, "_grad_clip", None),
-                                                                      HybridParallelClipGrad)), None)
-    if inner is None:
-        return
-    hybrid = inner._grad_clip
-    reduce_norm = hybrid._global_norm
-
-    def recording_global_norm(dist_squares, not_dist_squares):
-        reduce_norm(dist_squares, not_dist_squares)
-        clip.last_norm = paddle.sqrt(dist_squares + not_dist_squares)
-
-    hybrid._global_norm = recording_global_norm

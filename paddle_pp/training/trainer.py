@@ -21,7 +21,6 @@ from checkpoint.commit import clear_interrupted_saves, latest_checkpoint, unclai
 from checkpoint.load import check_compatible, load_checkpoint
 from checkpoint.save import PendingSave, save_checkpoint
 from checkpoint.single_card_state import init_single_card_weights
-from modeling import tp_gradients
 from modeling.context_parallel import split_sequence
 from modeling.execution import Execution, choose_execution
 from modeling.registry import build_causal_lm, core_notes, plan_of, validate_layout
@@ -35,11 +34,10 @@ from paddle_pp.runtime.fleet_wrappers import wrap_for_layout
 from paddle_pp.runtime.layout import Layout, launched_rank
 from paddle_pp.runtime.stage3 import SLICE_PREFIX
 from paddle_pp.runtime.topology import Topology, align_ranks, gather_objects, init_distributed, rank0_first
-from paddle_pp.training import precision
+from paddle_pp.training import gradient_path, precision
 from paddle_pp.training.arguments import DataArguments, ModelArguments, OptimizerArguments, PretrainArguments
 from paddle_pp.training.expert_balance import update_correction_biases
-from paddle_pp.training.grad_norm import ReportingGlobalNormClip, report_clipped_norm
-from paddle_pp.training.gradient_record import record_gradients, recorded_gradients
+from paddle_pp.training.grad_norm import ReportingGlobalNormClip
 from paddle_pp.training.loss_plot import plot_loss
 from paddle_pp.training.model_config import check_dropout, model_config, tokenizer_dir
 from paddle_pp.training.output_lock import acquire, release
@@ -205,11 +203,9 @@ class Pretrainer:
         precision.decorate(raw, optimizer, self.compute_dtype)
         if optim.amp_master_grad:
             optimizer = precision.accumulate_in_fp32(raw, optimizer, self.compute_dtype)
+        gradient_path.before_wrapping(raw, self.topo)
         self.model, self.optimizer = wrap_for_layout(raw, optimizer, self.topo, args.layout.stage3_segment_size)
-        tp_gradients.sum_before_update(self.optimizer, raw, self.topo.tp_group)
-        report_clipped_norm(self.optimizer, self.clip, raw, self.topo)
-        if args.checkpoint.save_gradients:
-            record_gradients(self.optimizer)
+        gradient_path.after_wrapping(self.optimizer, raw, self.topo, self.clip, args.checkpoint.save_gradients)
         self.scaler = precision.loss_scaler(self.compute_dtype, self.layout, optim.scale_loss, optim.amp_master_grad)
         self.raw_model = raw
         self.consumed_samples, self.step = 0, 0
@@ -261,7 +257,7 @@ class Pretrainer:
             Path(self.args.output.output_dir), self.step, self.raw_model, self.optimizer, self.topo, self.plan,
             config=self.config, trainer_state=trainer_state,
             extra_files=tuple(self.tokenizer.files()), keep=ckpt.save_total_limit,
-            asynchronous=ckpt.async_save, gradients=recorded_gradients(self.optimizer) if ckpt.save_gradients else None,
+            asynchronous=ckpt.async_save, gradients=gradient_path.recorded_gradients(self.optimizer) if ckpt.save_gradients else None,
             replica_check=ckpt.replica_check, rewrite=self.weights_rewrite)
         if not ckpt.async_save:
             self.pending_save = None

@@ -22,7 +22,6 @@ import numpy as np
 import paddle
 
 from checkpoint.save import save_checkpoint
-from modeling import tp_gradients
 from modeling.attention_core import BlockwiseCore
 from modeling.execution import Execution, Recompute
 from modeling.registry import build_causal_lm, config_from_dict, plan_of, validate_layout
@@ -32,8 +31,9 @@ from paddle_pp.runtime.fleet_wrappers import wrap_for_layout
 from paddle_pp.runtime.launch import write_result
 from paddle_pp.runtime.layout import Layout, add_layout_args
 from paddle_pp.runtime.topology import end_job, init_distributed
+from paddle_pp.training import gradient_path
 from paddle_pp.training.expert_balance import balanced_layers, update_correction_biases
-from paddle_pp.training.grad_norm import ReportingGlobalNormClip, report_clipped_norm
+from paddle_pp.training.grad_norm import ReportingGlobalNormClip
 from paddle_pp.training.router_metrics import step_routing
 from paddle_pp.training.step import eval_loss, replica_slice, train_step
 
@@ -53,9 +53,9 @@ def start(folder: Path, rows: np.ndarray, out: Path, choices: Execution, topo, s
     # epsilon 1e-6: at 1e-8 Adam's first steps move an entry whose gradient is only summation noise (an
     # expert few tokens reached) by up to lr, and layouts sum in different orders
     optimizer = paddle.optimizer.AdamW(learning_rate=1e-3, parameters=raw.parameters(), grad_clip=clip, epsilon=1e-6)
+    gradient_path.before_wrapping(raw, topo)
     model, optimizer = wrap_for_layout(raw, optimizer, topo)
-    tp_gradients.sum_before_update(optimizer, raw, topo.tp_group)
-    report_clipped_norm(optimizer, clip, raw, topo)
+    gradient_path.after_wrapping(optimizer, raw, topo, clip)
     criterion, mine = getattr(raw, "criterion", None), replica_slice(len(rows), topo)
     inputs, labels = (paddle.to_tensor(rows[mine, :-1]), paddle.to_tensor(rows[mine, 1:]))
     stats = raw.run.router_stats

@@ -21,7 +21,6 @@ import numpy as np
 import paddle
 
 from checkpoint.single_card_state import gather_single_card_state, load_single_card_state
-from modeling import tp_gradients
 from modeling.attention_core import CORES, BlockwiseCore
 from modeling.context_parallel import split_sequence
 from modeling.execution import Execution
@@ -30,6 +29,7 @@ from paddle_pp.runtime.fleet_wrappers import wrap_model, wrap_optimizer
 from paddle_pp.runtime.launch import write_result
 from paddle_pp.runtime.layout import Layout, add_layout_args
 from paddle_pp.runtime.topology import end_job, init_distributed
+from paddle_pp.training import gradient_path
 from paddle_pp.training.step import eval_loss, replica_slice, train_step
 
 
@@ -84,7 +84,7 @@ def main(argv: list[str]) -> None:
         optimizer = paddle.optimizer.AdamW(learning_rate=1e-3, epsilon=1e-6, parameters=raw.parameters(),
                                            grad_clip=clip)
     model, optimizer = wrap_model(raw, topo), wrap_optimizer(optimizer)
-    tp_gradients.sum_before_update(optimizer, raw, topo.tp_group)  # as the trainer: SP's norm gradients
+    gradient_path.after_wrapping(optimizer, raw, topo, None)  # as the trainer: SP's norm gradients
     rows = replica_slice(args.global_batch, topo)
 
     def batch(step):
