@@ -216,6 +216,21 @@ def make_with_answers(root: Path, rows: np.ndarray, ids: np.ndarray, kinds: list
     return answers
 
 
+def dequantized(folder: Path, ids: np.ndarray, suffixes: tuple[str, ...]) -> None:
+    """transformers' logits of an MXFP4 folder loaded dequantized (`Mxfp4Config(dequantize=True)`, fp32),
+    and the tensors it dequantized (names ending in `suffixes`), saved beside the folder."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32,
+        attn_implementation="eager").eval()
+    with torch.no_grad():
+        np.save(f"{folder}.npy", model(torch.tensor(ids)).logits.float().numpy())
+    np.savez(f"{folder}.npz", **{name: param.detach().float().numpy() for name, param in model.named_parameters()
+                                 if name.endswith(suffixes)})
+
+
 def transformers5(*args) -> None:
     """Run this file under transformers 5 (see the module doc)."""
     if not (TRANSFORMERS5 / "transformers").is_dir():
@@ -232,6 +247,9 @@ if __name__ == "__main__":
     if command == "make":
         root, rows, ids, *kinds = rest
         make_with_answers(Path(root), np.load(rows), np.load(ids), kinds)
+    elif command == "dequantized":
+        ids, folder, *suffixes = rest
+        dequantized(Path(folder), np.load(ids), tuple(suffixes))
     else:
         ids, *folders = rest
         for folder in folders:

@@ -6,8 +6,9 @@ clamped SwiGLU (gate clamped above at `swiglu_limit`, up to +-limit, (up + 1) x 
 sigmoid(`swiglu_alpha` x gate)). On disk the experts are stacked: `mlp.experts.gate_up_proj` [E, H, 2I]
 (x @ W layout, gate and up interleaved column by column), `gate_up_proj_bias` [E, 2I], `down_proj`
 [E, I, H], `down_proj_bias` [E, H]; each rank reads its experts' entries and its tp piece (whole
-(gate, up) pairs) in place. The released MXFP4 folders (`quantization_config`) are refused by name:
-a bf16 folder (transformers' `Mxfp4Config(dequantize=True)` and save) reads as it is.
+(gate, up) pairs) in place. The released folders store the experts in MXFP4 (`quantization_config`
+quant_method mxfp4): they are dequantized as they are read (`paddle_pp/interop/mxfp4.py`), exactly,
+and trained and saved unquantized; any other quantization is refused by name.
 """
 
 from __future__ import annotations
@@ -84,5 +85,6 @@ def stacked_experts(stored: Stored, config: GptOssConfig) -> Stored:
 GPT_OSS = decoder_family(
     GptOssConfig, "GptOssForCausalLM", "gpt_oss", paddlenlp=False, fuse=stacked_experts,
     renamed={"num_local_experts": "num_experts"},
-    accepted={**MOE_ACCEPTED, "experts_per_token": any_value, "initial_context_length": any_value})
+    accepted={**MOE_ACCEPTED, "experts_per_token": any_value, "initial_context_length": any_value,
+              "quantization_config": lambda value, _: not value or value.get("quant_method") == "mxfp4"})
 GptOssForCausalLM, GptOssForCausalLMPipe = GPT_OSS.causal_lm, GPT_OSS.pipe

@@ -40,6 +40,7 @@ from modeling.paddlenlp_fused import FFN, QKV, fused_stored
 from modeling.registry import UnknownModelError, config_from_dict, family, plan_of
 from modeling.tp_plan import ModelPlan, split_tensor
 from modeling.transformers_adapter import RUN_FIELDS, ConfigFieldError, Stored
+from paddle_pp.interop.mxfp4 import Mxfp4Reader, with_mxfp4
 from paddle_pp.interop.pickled import load_pickled
 from paddle_pp.runtime.topology import Topology
 
@@ -126,11 +127,13 @@ def _looks_like_a_hub_id(name: str) -> bool:
     return len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
 
 
-def _safetensors_readers(folder: Path) -> dict[str, ShardReader]:
-    return {name: reader for reader in map(ShardReader, _safetensors_files(folder)) for name in reader.names}
+def _safetensors_readers(folder: Path) -> dict[str, ShardReader | Mxfp4Reader]:
+    """A reader for every tensor of the folder's files (MXFP4 pairs read as the tensor they hold)."""
+    return with_mxfp4({name: reader for reader in map(ShardReader, _safetensors_files(folder))
+                       for name in reader.names})
 
 
-def _header_shapes(readers: dict[str, ShardReader]) -> dict[str, list[int]]:
+def _header_shapes(readers: dict[str, ShardReader | Mxfp4Reader]) -> dict[str, list[int]]:
     return {name: reader.shape(name) for name, reader in readers.items()}
 
 

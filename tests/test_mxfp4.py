@@ -1,0 +1,97 @@
+"""GPT-OSS's released MXFP4 folders read as transformers reads them (one process, fp32): the
+dequantization equals transformers 4.55's own (`convert_moe_packed_tensors`, transposed as its loader
+does) bit for bit, and a folder whose experts are stored as MXFP4 blocks and scales gives every
+tensor transformers 5 dequantizes on load exactly and starts at the logits it computes on it with
+`Mxfp4Config(dequantize=True)` (1e-5), each expert read from its own bytes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from checkpoint.format import CheckpointError
+from checkpoint.piece import Piece
+from checkpoint.shards import ShardReader
+from paddle_pp.interop.mxfp4 import BLOCKS, SCALES, Mxfp4Reader, dequantize
+from paddle_pp.interop.pretrained import open_pretrained
+
+import hf_models
+from parity import our_logits
+
+QUANTIZED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+IDS = np.random.default_rng(3).integers(0, 4096, size=(2, 16))
+
+
+def _packed(rng: np.random.Generator, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Random MXFP4 blocks and scales for a tensor of transformers' shape [E, in, out]: every code,
+    scales from 2^-3 to 2^0."""
+    experts, width, rows = shape
+    blocks = rng.integers(0, 256, size=(experts, rows, width // 32, 16), dtype=np.uint8)
+    return blocks, rng.integers(124, 128, size=(experts, rows, width // 32), dtype=np.uint8)
+
+
+def test_dequantization_equals_transformers_own():
+    import torch
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    blocks, scales = _packed(np.random.default_rng(0), (3, 96, 40))
+    scales[0, 0, 0], scales[1, 2, 1] = 0, 254  # the extreme exponents too
+    theirs = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
+    np.testing.assert_array_equal(dequantize(blocks, scales), theirs.transpose(1, 2).numpy())  # as 4.55's loader
+
+
+@pytest.fixture(scope="module")
+def mxfp4_folder(tmp_path_factory):
+    """transformers' GPT-OSS test folder with its experts replaced by MXFP4 blocks and scales, as the
+    released folders store them, and its config's quantization_config."""
+    root = tmp_path_factory.mktemp("mxfp4")
+    source = hf_models.make("gpt_oss", root / "bf16", hf_models.SEEDS["gpt_oss"])
+    folder = root / "mxfp4"
+    shutil.copytree(source, folder)
+    tensors, rng = load_file(str(folder / "model.safetensors")), np.random.default_rng(1)
+    for name in [n for n in tensors if n.endswith(QUANTIZED)]:
+        tensors[name + BLOCKS], tensors[name + SCALES] = _packed(rng, tensors.pop(name).shape)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_an_mxfp4_folder_starts_at_the_logits_transformers_computes_on_it(mxfp4_folder, tmp_path):
+    np.save(tmp_path / "ids.npy", IDS)
+    hf_models.transformers5("dequantized", tmp_path / "ids.npy", mxfp4_folder, *QUANTIZED)
+    theirs = np.load(f"{mxfp4_folder}.npz")
+    shard = ShardReader(mxfp4_folder / "model.safetensors")
+    assert len(theirs.files) == 2 * json.loads((mxfp4_folder / "config.json").read_text())["num_hidden_layers"]
+    for name in theirs.files:  # what transformers dequantized on load, ours exactly
+        np.testing.assert_array_equal(Mxfp4Reader(name, shard, shard).read(name), theirs[name], err_msg=name)
+    assert open_pretrained(mxfp4_folder).config.get("quantization_config") is None, "trained unquantized"
+    np.testing.assert_allclose(our_logits(mxfp4_folder, IDS), np.load(f"{mxfp4_folder}.npy"), rtol=1e-5, atol=1e-5)
+
+
+def test_a_rank_reads_one_experts_bytes(mxfp4_folder):
+    """A piece along the experts' axis is dequantized from that expert's blocks and scales alone and
+    equals the same expert of the whole tensor."""
+    shard = ShardReader(mxfp4_folder / "model.safetensors")
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    reader = Mxfp4Reader(name, shard, shard)
+    whole = reader.read(name)
+    assert list(whole.shape) == reader.shape(name) == [4, 64, 256]
+    for expert in range(4):
+        np.testing.assert_array_equal(reader.read(name, Piece(0, 4, expert)), whole[expert:expert + 1])
+
+
+def test_another_quantization_of_gpt_oss_is_refused_by_name(mxfp4_folder, tmp_path):
+    folder = tmp_path / "fp8"
+    shutil.copytree(mxfp4_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="quantization_config=.*fp8"):
+        open_pretrained(folder)
