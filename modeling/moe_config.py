@@ -124,4 +124,4 @@ class DeepSeekMoEFields(MoEConfig):
             raise ModelConfigError(
                 f"num_nextn_predict_layers={self.num_nextn_predict_layers}: multi-token prediction is not modelled "
                 "(its layer and loss would be dropped from training); set it to 0 in config.json to train the main "
-                "model alone (transformers drops the MTP layer too)")
+                "model alone: the folder's MTP layers are then left unread, as transformers leaves them")

@@ -98,6 +98,7 @@ class TransformersAdapter:
     accepted: dict[str, Callable[[Any, dict], bool]] = field(default_factory=dict)  # read, checked, dropped
     buffers: tuple[str, ...] = ()  # name suffixes of non-parameter tensors some folders store (recomputed here)
     fuse: Callable[[Stored, Any], Stored] | None = None  # (where `locate` says, our config) -> where fused tensors put it
+    layers_past_last: str | None = None  # what the decoder layers some folders store past the config's last are
 
     def stored(self, name: str, row: TensorPlan, config) -> Stored:
         """Where transformers stores our tensor `name` of a model of `config` (a fused tensor's part

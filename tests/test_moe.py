@@ -25,7 +25,7 @@ import paddle
 import pytest
 from conftest import FOLDER_STEPS, IDS, first_batch
 
-from checkpoint.format import tokenizer_files
+from checkpoint.format import CheckpointError, tokenizer_files
 from checkpoint.verify import verify_checkpoint
 from modeling.deepseek import DeepseekV3Config
 from modeling.expert_parallel import expert_order
@@ -254,6 +254,46 @@ def test_deepseek_v2s_seq_aux_counts_the_routed_experts_per_sequence():
     v3 = {**fields, "model_type": "deepseek_v3", "topk_method": "noaux_tc", "seq_aux": False}
     with pytest.raises(ConfigFieldError, match=re.escape("seq_aux=False (changes the model")):
         family_of(config_from_dict({**v3, "seq_aux": True})).transformers.our_config(v3, DeepseekV3Config)
+
+
+def _with_a_layer_past_the_last(source, target) -> int:
+    """`source` (a transformers folder) copied with one more decoder layer's tensors on disk, shaped as
+    DeepSeek-V3's released layer 61 (its last layer's, plus the MTP block's enorm, hnorm, eh_proj and
+    shared_head.norm); the index of that layer."""
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(source, target)
+    last = json.loads((target / "config.json").read_text())["num_hidden_layers"]
+    tensors = load_file(str(target / "model.safetensors"))
+    for name in [n for n in tensors if n.startswith(f"model.layers.{last - 1}.")]:
+        tensors[name.replace(f"layers.{last - 1}.", f"layers.{last}.", 1)] = tensors[name]
+    hidden = tensors["model.norm.weight"].shape[0]
+    for part, shape in {"enorm.weight": (hidden,), "hnorm.weight": (hidden,), "eh_proj.weight": (hidden, 2 * hidden),
+                        "shared_head.norm.weight": (hidden,)}.items():
+        tensors[f"model.layers.{last}.{part}"] = np.ones(shape, np.float32)
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return last
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe"])
+def test_a_released_folders_mtp_layer_is_left_unread_when_the_config_does_not_count_it(kind, moe_folders, tmp_path):
+    """The refusal of num_nextn_predict_layers tells the user to set it to 0; the folder's MTP layer
+    (DeepSeek-V3's layer 61) is then left unread, as transformers leaves it, with a note: the model
+    gives the logits of the folder without it. Another family's extra layer is still refused."""
+    source = moe_folders["transformers4"] / kind
+    folder = tmp_path / kind
+    mtp = _with_a_layer_past_the_last(source, folder)
+    opened = open_pretrained(folder)
+    assert len(opened.notes) == 1 and f"layers {mtp} left unread: multi-token prediction" in opened.notes[0]
+    np.testing.assert_array_equal(our_logits(folder, IDS), our_logits(source, IDS))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    with pytest.raises(CheckpointError, match="num_nextn_predict_layers=1.*set it to 0.*left unread"):
+        open_pretrained(folder)
+    other = tmp_path / "qwen3_moe"
+    extra = _with_a_layer_past_the_last(moe_folders["transformers4"] / "qwen3_moe", other)
+    with pytest.raises(CheckpointError, match=f"model.layers.{extra}.enorm.weight: not a tensor of"):
+        open_pretrained(other)
 
 
 def test_received_rows_are_regrouped_by_expert_then_source():

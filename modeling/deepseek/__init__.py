@@ -131,6 +131,7 @@ def _only(expected):
     return lambda value, _values: value == expected
 
 
+MTP_LAYERS = "multi-token prediction (num_nextn_predict_layers)"
 _SHARED_FIELDS = {**MOE_ACCEPTED, "ep_size": any_value, "qk_head_dim": any_value, "head_dim": any_value,
                   "moe_layer_freq": _only(1)}
 DEEPSEEK_V3 = decoder_family(
@@ -138,7 +139,7 @@ DEEPSEEK_V3 = decoder_family(
     renamed={"n_routed_experts": "num_experts"},
     aliases={"num_local_experts": "num_experts", "num_mtp_layers": "num_nextn_predict_layers"},
     accepted={**_SHARED_FIELDS, "scoring_func": _only("sigmoid"), "topk_method": _only("noaux_tc"),
-              "seq_aux": _only(True)})
+              "seq_aux": _only(True)}, layers_past_last=MTP_LAYERS)
 DEEPSEEK_V2 = decoder_family(
     DeepseekV2Config, "DeepseekV2ForCausalLM", "deepseek_v2", paddlenlp=False,
     renamed={"n_routed_experts": "num_experts"}, aliases={"num_local_experts": "num_experts"},

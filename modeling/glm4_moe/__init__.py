@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from modeling.config_fields import MOE_ACCEPTED
 from modeling.decoder_family import decoder_family
+from modeling.deepseek import MTP_LAYERS
 from modeling.moe_config import DeepSeekMoEFields
 
 
@@ -48,5 +49,5 @@ class Glm4MoeConfig(DeepSeekMoEFields):
 GLM4_MOE = decoder_family(Glm4MoeConfig, "Glm4MoeForCausalLM", "glm4_moe", paddlenlp=False,
                           renamed={"n_routed_experts": "num_experts"},
                           aliases={"num_local_experts": "num_experts", "num_mtp_layers": "num_nextn_predict_layers"},
-                          accepted=MOE_ACCEPTED)
+                          accepted=MOE_ACCEPTED, layers_past_last=MTP_LAYERS)
 Glm4MoeForCausalLM, Glm4MoeForCausalLMPipe = GLM4_MOE.causal_lm, GLM4_MOE.pipe

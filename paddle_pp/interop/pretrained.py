@@ -65,6 +65,7 @@ class PretrainedFolder:
     kind: str
     config: dict
     read: Read = field(repr=False)
+    notes: tuple[str, ...] = ()  # what a run from it should be told (tensors left unread)
 
 
 def open_pretrained(folder: Path, weights: bool = True, allow_unsafe_pickle: bool = False) -> PretrainedFolder:
@@ -107,7 +108,8 @@ def open_pretrained(folder: Path, weights: bool = True, allow_unsafe_pickle: boo
         locate = lambda name: model_family.transformers.stored(name, plan[name], ours)  # noqa: E731
         if stores_fused_experts(shapes):
             locate = lambda name, per_expert=locate: fused_expert_stored(per_expert(name), ours)  # noqa: E731
-        return _checked(folder, TRANSFORMERS, config, shapes, read, locate, model_family.transformers.buffers)
+        return _checked(folder, TRANSFORMERS, config, shapes, read, locate, model_family.transformers.buffers,
+                        model_family.transformers.layers_past_last)
     return _checked(folder, PADDLENLP, config, shapes, read, paddlenlp_locate)
 
 
@@ -246,9 +248,11 @@ def stored_shape(shape, stored: Stored) -> list[int]:
 
 
 def _checked(folder: Path, kind: str, config: dict, shapes: dict[str, list[int]], read_stored: Read,
-             locate: Callable[[str], Stored], buffers: tuple[str, ...] = ()) -> PretrainedFolder:
+             locate: Callable[[str], Stored], buffers: tuple[str, ...] = (),
+             layers_past_last: str | None = None) -> PretrainedFolder:
     """The folder's reader under our names, after every planned tensor is found in its stored shape
-    and no stored tensor is left over (a tied head's second name and recomputed buffers aside)."""
+    and no stored tensor is left over (a tied head's second name and recomputed buffers aside, and the
+    layers a family's folders store past the config's last, `layers_past_last`: left unread, noted)."""
     plan = plan_of(config_from_dict(config))
     problems = []
     for name in plan:
@@ -261,8 +265,9 @@ def _checked(folder: Path, kind: str, config: dict, shapes: dict[str, list[int]]
             problems.append(f"{stored.name}: shape {list(shapes[stored.name])} in the folder, the model needs "
                             f"{stored_shape(plan[name].shape, stored)}")
     expected = {locate(name).name for name in plan} | {alias for names in plan.tied for alias in names[1:]}
-    problems += [f"{key}: not a tensor of {plan.architecture}" for key in sorted(shapes)
-                 if key not in expected and not key.endswith(buffers)]
+    left_over = [key for key in sorted(shapes) if key not in expected and not key.endswith(buffers)]
+    past = [key for key in left_over if layers_past_last and _layer_index(key, config["num_hidden_layers"]) is not None]
+    problems += [f"{key}: not a tensor of {plan.architecture}" for key in left_over if key not in past]
     if problems:
         raise CheckpointError(f"--model_name_or_path {folder} ({kind}) does not match the model its config.json "
                               "describes: " + "; ".join(problems[:6])
@@ -287,7 +292,19 @@ def _checked(folder: Path, kind: str, config: dict, shapes: dict[str, list[int]]
         piece = source(stored.name, None if axis is None else (1 - axis if flip else axis), parts, part)
         return piece.T if flip else piece
 
-    return PretrainedFolder(folder, kind, config, read)
+    layers = sorted({_layer_index(key, config["num_hidden_layers"]) for key in past})
+    notes = (f"{folder}: {len(past)} tensors of layers {', '.join(map(str, layers))} left unread: {layers_past_last} "
+             "layers past the model's last, which this config does not count (transformers leaves them unread too)",
+             ) if past else ()
+    return PretrainedFolder(folder, kind, config, read, notes)
+
+
+def _layer_index(key: str, num_layers: int) -> int | None:
+    """The decoder layer a transformers tensor name belongs to when it is past the last (`num_layers`)."""
+    parts = key.split(".")
+    if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= num_layers:
+        return int(parts[2])
+    return None
 
 
 def _span_piece(source: Read, stored: Stored, axis: int | None, parts: int, part: int) -> np.ndarray:

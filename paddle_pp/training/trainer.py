@@ -159,7 +159,7 @@ class Pretrainer:
         validate_layout(self.config, self.layout, data.max_seq_length)
         self.execution, notes = run_execution(args.model, self.layout, self.compute_dtype, self.config.head_dim,
                                               self.tokenizer.eos_id)
-        notes += core_notes(self.config, self.execution)
+        notes += core_notes(self.config, self.execution) + list(self.pretrained.notes if self.pretrained else ())
         self.execution = replace(self.execution, accumulate_steps=self.batches.accumulate_steps)
         if launched_rank() == 0:
             for note in (*self.layout.notes, *notes):
