@@ -23,6 +23,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterable
 
+import ml_dtypes
 import numpy as np
 
 from checkpoint import crc32_ranges
@@ -34,6 +35,7 @@ DTYPES = {np.dtype("float32"): "F32", np.dtype("float64"): "F64", np.dtype("floa
           np.dtype("uint16"): "U16", np.dtype("uint8"): "U8"}
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # what weights can be exported as (ml_dtypes rounds to nearest even)
 CODES = {code: dtype for dtype, code in DTYPES.items()}
+FLOAT8_E4M3, FLOAT8_CODE = np.dtype(ml_dtypes.float8_e4m3fn), "F8_E4M3"  # read only: released FP8 weights
 
 
 @dataclass(frozen=True)
@@ -552,7 +554,10 @@ class ShardReader:
 
     @staticmethod
     def _decode(entry: dict, array: np.ndarray) -> np.ndarray:
-        return bf16_to_float32(array) if entry["dtype"] == "BF16" else array
+        """Stored bits as numpy computes with them: bfloat16 and float8 (e4m3) widened exactly to float32."""
+        if entry["dtype"] == "BF16":
+            return bf16_to_float32(array)
+        return array.view(FLOAT8_E4M3).astype(np.float32) if entry["dtype"] == FLOAT8_CODE else array
 
     def read(self, name: str, piece: Piece = WHOLE, out: np.ndarray | None = None) -> np.ndarray:
         """The tensor's `piece` (the whole tensor by default); read into `out` when given (an array of
@@ -584,14 +589,16 @@ class ShardReader:
 
 
 def _stored_dtype(code: str) -> np.dtype:
-    """The numpy dtype a tensor's bytes are read as (bfloat16 as its raw uint16 bits)."""
-    return np.dtype(np.uint16) if code == "BF16" else CODES[code]
+    """The numpy dtype a tensor's bytes are read as (bfloat16 as its raw uint16 bits, float8 as uint8:
+    numpy's buffers take neither)."""
+    return {"BF16": np.dtype(np.uint16), FLOAT8_CODE: np.dtype(np.uint8)}.get(code) or CODES[code]
 
 
 def _fits(target: np.ndarray | None, entry: dict, piece: Piece) -> np.ndarray | None:
     """`target` when the wanted piece's bytes can be read into it as they are stored (a stage3
     slice never: it is cut from its TP piece after the read)."""
-    if target is None or piece.flat is not None or entry["dtype"] == "BF16" or target.dtype != CODES[entry["dtype"]]:
+    if target is None or piece.flat is not None or entry["dtype"] in ("BF16", FLOAT8_CODE) \
+            or target.dtype != CODES[entry["dtype"]]:
         return None
     whole = int(np.prod(entry["shape"], dtype=np.int64))
     return target if target.size == (whole // piece.parts if piece.split else whole) else None

@@ -52,11 +52,23 @@ _PADDLENLP_RUN = ("tensor_parallel_degree", "tensor_parallel_rank", "tensor_para
                   "fuse_rms_norm")  # the last: PaddleFormers' switch for its fused RMSNorm kernel (same arithmetic)
 _ONLY_WHEN_OFF = ("is_encoder_decoder", "add_cross_attention", "tie_encoder_decoder", "pruned_heads", "alibi",
                   "use_long_sequence_strategies", "long_sequence_strategy_type", "long_sequence_strategy_name",
-                  "long_sequence_init_args", "quantization_config")
+                  "long_sequence_init_args")
+
+def dequantized_on_read(value, _values) -> bool:
+    """A `quantization_config` whose weights are dequantized exactly as they are read (then trained
+    and saved unquantized): none, GPT-OSS's MXFP4 (`paddle_pp/interop/mxfp4.py`), or block-scaled
+    e4m3 FP8 (`paddle_pp/interop/fp8.py`)."""
+    if not value or value.get("quant_method") == "mxfp4":
+        return True
+    block = value.get("weight_block_size")
+    return value.get("quant_method") == "fp8" and value.get("fmt", "e4m3") == "e4m3" and \
+        isinstance(block, list) and len(block) == 2
+
 
 HARMLESS: dict[str, Check] = {
     **{name: any_value for name in _BOOKKEEPING + _INFERENCE + _OTHER_TASKS + _PADDLENLP_RUN},
     **{name: falsy for name in _ONLY_WHEN_OFF},
+    "quantization_config": dequantized_on_read,
 }
 
 

@@ -231,6 +231,19 @@ def dequantized(folder: Path, ids: np.ndarray, suffixes: tuple[str, ...]) -> Non
                                  if name.endswith(suffixes)})
 
 
+def fp8_dequantized(folder: Path, block: list[int]) -> None:
+    """Each FP8 weight of `folder` (with its `_scale_inv`) as transformers dequantizes it
+    (`finegrained_fp8._dequantize_fp8_weight`, float32), saved beside the folder."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    np.savez(f"{folder}.npz", **{name: _dequantize_fp8_weight(weight, tensors[name + "_scale_inv"], block,
+                                                               torch.float32).numpy()
+                                 for name, weight in tensors.items() if name + "_scale_inv" in tensors})
+
+
 def transformers5(*args) -> None:
     """Run this file under transformers 5 (see the module doc)."""
     if not (TRANSFORMERS5 / "transformers").is_dir():
@@ -247,6 +260,9 @@ if __name__ == "__main__":
     if command == "make":
         root, rows, ids, *kinds = rest
         make_with_answers(Path(root), np.load(rows), np.load(ids), kinds)
+    elif command == "fp8_dequantized":
+        folder, *block = rest
+        fp8_dequantized(Path(folder), [int(size) for size in block])
     elif command == "dequantized":
         ids, folder, *suffixes = rest
         dequantized(Path(folder), np.load(ids), tuple(suffixes))

@@ -8,7 +8,7 @@ sigmoid(`swiglu_alpha` x gate)). On disk the experts are stacked: `mlp.experts.g
 [E, I, H], `down_proj_bias` [E, H]; each rank reads its experts' entries and its tp piece (whole
 (gate, up) pairs) in place. The released folders store the experts in MXFP4 (`quantization_config`
 quant_method mxfp4): they are dequantized as they are read (`paddle_pp/interop/mxfp4.py`), exactly,
-and trained and saved unquantized; any other quantization is refused by name.
+and trained and saved unquantized (`config_fields.dequantized_on_read`).
 """
 
 from __future__ import annotations
@@ -85,6 +85,5 @@ def stacked_experts(stored: Stored, config: GptOssConfig) -> Stored:
 GPT_OSS = decoder_family(
     GptOssConfig, "GptOssForCausalLM", "gpt_oss", paddlenlp=False, fuse=stacked_experts,
     renamed={"num_local_experts": "num_experts"},
-    accepted={**MOE_ACCEPTED, "experts_per_token": any_value, "initial_context_length": any_value,
-              "quantization_config": lambda value, _: not value or value.get("quant_method") == "mxfp4"})
+    accepted={**MOE_ACCEPTED, "experts_per_token": any_value, "initial_context_length": any_value})
 GptOssForCausalLM, GptOssForCausalLMPipe = GPT_OSS.causal_lm, GPT_OSS.pipe

@@ -40,6 +40,7 @@ from modeling.paddlenlp_fused import FFN, QKV, fused_stored
 from modeling.registry import UnknownModelError, config_from_dict, family, plan_of
 from modeling.tp_plan import ModelPlan, split_tensor
 from modeling.transformers_adapter import RUN_FIELDS, ConfigFieldError, Stored
+from paddle_pp.interop.fp8 import Fp8Reader, with_fp8
 from paddle_pp.interop.mxfp4 import Mxfp4Reader, with_mxfp4
 from paddle_pp.interop.pickled import load_pickled
 from paddle_pp.runtime.topology import Topology
@@ -99,7 +100,7 @@ def open_pretrained(folder: Path, weights: bool = True, allow_unsafe_pickle: boo
         arrays = _pdparams(folder, allow_unsafe_pickle)
         return _checked(folder, PADDLENLP, config, {name: list(a.shape) for name, a in arrays.items()},
                         lambda key, axis, parts, part: split_tensor(arrays[key], axis, parts, part), paddlenlp_locate)
-    readers = _safetensors_readers(folder)
+    readers = _safetensors_readers(folder, raw.get("quantization_config"))
     shapes = _header_shapes(readers)
     read = _by_axis(lambda key, piece: readers[key].read(key, piece))
     if _kind(model_family, config, shapes) == TRANSFORMERS:
@@ -129,13 +130,17 @@ def _looks_like_a_hub_id(name: str) -> bool:
     return len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
 
 
-def _safetensors_readers(folder: Path) -> dict[str, ShardReader | Mxfp4Reader]:
-    """A reader for every tensor of the folder's files (MXFP4 pairs read as the tensor they hold)."""
-    return with_mxfp4({name: reader for reader in map(ShardReader, _safetensors_files(folder))
-                       for name in reader.names})
+def _safetensors_readers(folder: Path,
+                         quantization: dict | None = None) -> dict[str, ShardReader | Mxfp4Reader | Fp8Reader]:
+    """A reader for every tensor of the folder's files; quantized ones (MXFP4 pairs, FP8 weights with
+    their scales, as `quantization` says) read as the tensor they hold."""
+    readers = {name: reader for reader in map(ShardReader, _safetensors_files(folder)) for name in reader.names}
+    quantization = quantization or {}
+    block = quantization.get("weight_block_size") if quantization.get("quant_method") == "fp8" else None
+    return with_fp8(with_mxfp4(readers), tuple(block) if block else None)
 
 
-def _header_shapes(readers: dict[str, ShardReader | Mxfp4Reader]) -> dict[str, list[int]]:
+def _header_shapes(readers: dict[str, ShardReader | Mxfp4Reader | Fp8Reader]) -> dict[str, list[int]]:
     return {name: reader.shape(name) for name, reader in readers.items()}
 
 
