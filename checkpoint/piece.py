@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from modeling.tp_plan import local_shape, single_card_shape
+from modeling.tp_plan import local_shape, single_card_shape, split_tensor
 
 
 @dataclass(frozen=True)
@@ -67,12 +67,7 @@ class Piece:
 
     def cut(self, whole: np.ndarray) -> np.ndarray:
         """This TP piece of the single-card array `whole` (a view)."""
-        if not self.split:
-            return whole
-        step = whole.shape[self.axis] // self.parts
-        index = [slice(None)] * whole.ndim
-        index[self.axis] = slice(self.part * step, (self.part + 1) * step)
-        return whole[tuple(index)]
+        return split_tensor(whole, self.axis, self.parts, self.part)
 
     def flat_slice(self, tp_piece: np.ndarray) -> np.ndarray:
         """The stage3 slice (flat, `width` long, zero-padded) of the TP piece `tp_piece`."""

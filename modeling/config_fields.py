@@ -56,8 +56,8 @@ _ONLY_WHEN_OFF = ("is_encoder_decoder", "add_cross_attention", "tie_encoder_deco
 
 def dequantized_on_read(value, _values) -> bool:
     """A `quantization_config` whose weights are dequantized exactly as they are read (then trained
-    and saved unquantized): none, GPT-OSS's MXFP4 (`paddle_pp/interop/mxfp4.py`), or block-scaled
-    e4m3 FP8 (`paddle_pp/interop/fp8.py`)."""
+    and saved unquantized, `paddle_pp/interop/quantized.py`): none, GPT-OSS's MXFP4, or block-scaled
+    e4m3 FP8."""
     if not value or value.get("quant_method") == "mxfp4":
         return True
     block = value.get("weight_block_size")

@@ -18,8 +18,8 @@ from safetensors.numpy import load_file, save_file
 from checkpoint.format import CheckpointError
 from checkpoint.piece import Piece
 from checkpoint.shards import ShardReader
-from paddle_pp.interop.mxfp4 import BLOCKS, SCALES, Mxfp4Reader, dequantize
 from paddle_pp.interop.pretrained import open_pretrained
+from paddle_pp.interop.quantized import BLOCKS, SCALES, Fp8Reader, Mxfp4Reader, dequantize_mxfp4
 
 import hf_models
 from parity import our_logits
@@ -43,7 +43,7 @@ def test_dequantization_equals_transformers_own():
     blocks, scales = _packed(np.random.default_rng(0), (3, 96, 40))
     scales[0, 0, 0], scales[1, 2, 1] = 0, 254  # the extreme exponents too
     theirs = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
-    np.testing.assert_array_equal(dequantize(blocks, scales), theirs.transpose(1, 2).numpy())  # as 4.55's loader
+    np.testing.assert_array_equal(dequantize_mxfp4(blocks, scales), theirs.transpose(1, 2).numpy())  # as 4.55's loader
 
 
 @pytest.fixture(scope="module")
@@ -148,8 +148,6 @@ def fp8_folders(tmp_path_factory):
 def test_an_fp8_folder_reads_as_transformers_dequantizes_it_and_starts_at_its_logits(fp8_folders):
     """Every FP8 weight as transformers 5 dequantizes it, bit for bit (blocks cut short at the edges),
     and the logits of transformers' model on those weights (1e-5); trained and saved unquantized."""
-    from paddle_pp.interop.fp8 import Fp8Reader
-
     folder, reference, theirs = fp8_folders
     shard = ShardReader(folder / "model.safetensors")
     assert len(theirs) > 10

@@ -7,7 +7,7 @@ sigmoid(`swiglu_alpha` x gate)). On disk the experts are stacked: `mlp.experts.g
 (x @ W layout, gate and up interleaved column by column), `gate_up_proj_bias` [E, 2I], `down_proj`
 [E, I, H], `down_proj_bias` [E, H]; each rank reads its experts' entries and its tp piece (whole
 (gate, up) pairs) in place. The released folders store the experts in MXFP4 (`quantization_config`
-quant_method mxfp4): they are dequantized as they are read (`paddle_pp/interop/mxfp4.py`), exactly,
+quant_method mxfp4): they are dequantized as they are read (`paddle_pp/interop/quantized.py`), exactly,
 and trained and saved unquantized (`config_fields.dequantized_on_read`).
 """
 

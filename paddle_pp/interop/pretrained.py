@@ -40,9 +40,8 @@ from modeling.paddlenlp_fused import FFN, QKV, fused_stored
 from modeling.registry import UnknownModelError, config_from_dict, family, plan_of
 from modeling.tp_plan import ModelPlan, split_tensor
 from modeling.transformers_adapter import RUN_FIELDS, ConfigFieldError, Stored
-from paddle_pp.interop.fp8 import Fp8Reader, with_fp8
-from paddle_pp.interop.mxfp4 import Mxfp4Reader, with_mxfp4
 from paddle_pp.interop.pickled import load_pickled
+from paddle_pp.interop.quantized import dequantizing
 from paddle_pp.runtime.topology import Topology
 
 UNIFIED, PADDLENLP, TRANSFORMERS = "paddle-pp unified checkpoint", "PaddleNLP", "transformers"
@@ -130,17 +129,14 @@ def _looks_like_a_hub_id(name: str) -> bool:
     return len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
 
 
-def _safetensors_readers(folder: Path,
-                         quantization: dict | None = None) -> dict[str, ShardReader | Mxfp4Reader | Fp8Reader]:
-    """A reader for every tensor of the folder's files; quantized ones (MXFP4 pairs, FP8 weights with
-    their scales, as `quantization` says) read as the tensor they hold."""
-    readers = {name: reader for reader in map(ShardReader, _safetensors_files(folder)) for name in reader.names}
-    quantization = quantization or {}
-    block = quantization.get("weight_block_size") if quantization.get("quant_method") == "fp8" else None
-    return with_fp8(with_mxfp4(readers), tuple(block) if block else None)
+def _safetensors_readers(folder: Path, quantization: dict | None = None) -> dict[str, ShardReader]:
+    """A reader for every tensor of the folder's files; quantized ones (`quantization`: the config's)
+    read as the tensor they hold (`interop.quantized`)."""
+    return dequantizing({name: reader for reader in map(ShardReader, _safetensors_files(folder))
+                         for name in reader.names}, quantization)
 
 
-def _header_shapes(readers: dict[str, ShardReader | Mxfp4Reader | Fp8Reader]) -> dict[str, list[int]]:
+def _header_shapes(readers: dict[str, ShardReader]) -> dict[str, list[int]]:
     return {name: reader.shape(name) for name, reader in readers.items()}
 
 
@@ -271,7 +267,8 @@ def _checked(folder: Path, kind: str, config: dict, shapes: dict[str, list[int]]
                             f"{stored_shape(plan[name].shape, stored)}")
     expected = {locate(name).name for name in plan} | {alias for names in plan.tied for alias in names[1:]}
     left_over = [key for key in sorted(shapes) if key not in expected and not key.endswith(buffers)]
-    past = [key for key in left_over if layers_past_last and _layer_index(key, config["num_hidden_layers"]) is not None]
+    past = {key: index for key in left_over if layers_past_last
+            and (index := _layer_index(key, config["num_hidden_layers"])) is not None}
     problems += [f"{key}: not a tensor of {plan.architecture}" for key in left_over if key not in past]
     if problems:
         raise CheckpointError(f"--model_name_or_path {folder} ({kind}) does not match the model its config.json "
@@ -297,8 +294,7 @@ def _checked(folder: Path, kind: str, config: dict, shapes: dict[str, list[int]]
         piece = source(stored.name, None if axis is None else (1 - axis if flip else axis), parts, part)
         return piece.T if flip else piece
 
-    layers = sorted({_layer_index(key, config["num_hidden_layers"]) for key in past})
-    notes = (f"{folder}: {len(past)} tensors of layers {', '.join(map(str, layers))} left unread: {layers_past_last} "
+    notes = (f"{folder}: {len(past)} tensors of layers {', '.join(map(str, sorted(set(past.values()))))} left unread: {layers_past_last} "
              "layers past the model's last, which this config does not count (transformers leaves them unread too)",
              ) if past else ()
     return PretrainedFolder(folder, kind, config, read, notes)
