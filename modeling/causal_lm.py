@@ -16,9 +16,9 @@ import paddle
 from paddle import nn
 from paddlenlp.transformers.model_utils import PretrainedModel
 
-from modeling.blocks.embedding import LMHead, embed, logits
+from modeling.blocks.embedding import LMHead, embed, head_logits
 from modeling.blocks.parts import Embedding, Part, VocabEmbedding
-from modeling.documents import unpack
+from modeling.documents import state, unpack
 from modeling.execution import Execution
 from modeling.loss import CausalLMCriterion
 from modeling.tp_plan import FIRST, FIRST_AND_LAST, LAST, TensorPlan, split_axes, tensor_parallel_mappings
@@ -27,7 +27,8 @@ from modeling.tp_plan import FIRST, FIRST_AND_LAST, LAST, TensorPlan, split_axes
 @dataclass(frozen=True)
 class Skeleton:
     """Where a causal LM's pieces sit, as single-card names; its decoder layers are what the
-    config declares (`decoder_layer(index)`)."""
+    config declares (`decoder_layer(index)`), and its multi-token prediction layers after them
+    (`prediction_layer(depth)`, numbered on from the last decoder layer as released folders do)."""
 
     tokens: str  # the token embedding (also the head when the config ties them)
     layers: str  # decoder layer i is f"{layers}.{i}"
@@ -41,8 +42,11 @@ class Skeleton:
         parts = [(self.tokens, VocabEmbedding(config.vocab_size, config.hidden_size), FIRST_AND_LAST if tied else FIRST)]
         if self.positions:
             parts.append((self.positions, Embedding(config.max_position_embeddings, config.hidden_size), FIRST))
-        parts += [(f"{self.layers}.{i}", config.decoder_layer(i), i) for i in range(config.num_hidden_layers)]
+        layers = config.num_hidden_layers
+        parts += [(f"{self.layers}.{i}", config.decoder_layer(i), i) for i in range(layers)]
         parts.append((self.norm, config.hidden_norm(), LAST))
+        parts += [(f"{self.layers}.{layers + depth - 1}", config.prediction_layer(depth), LAST)
+                  for depth in range(1, config.mtp_depth + 1)]
         if not tied:
             parts.append((self.head, LMHead(config.hidden_size, config.vocab_size), LAST))
         return parts
@@ -105,22 +109,27 @@ class CausalLM(CausalLMPretrainedModel):
         self.family.check_tensor_parallel(config, run.tp)
         for path, part, _ in self.family.skeleton.parts(config):
             attach(self, path, part.build(config, run))
-        self.criterion = CausalLMCriterion(run)
+        self.criterion = CausalLMCriterion(run, config.mtp_loss_weight)
         self.apply(self._init_weights)
 
     def forward(self, input_ids, labels=None):
+        """The logits; in training with multi-token prediction a tuple (the next token's, then each
+        depth's), what the criterion takes, as the pipeline's head gives them. With `labels`: (the
+        loss, the next token's logits)."""
         skeleton, config, run = self.family.skeleton, self.config, self.run
         tokens = find(self, skeleton.tokens)
         layer_state = embed(config, run, tokens, find(self, skeleton.positions) if skeleton.positions else None,
                             input_ids)
-        for layer in find(self, skeleton.layers):
-            layer_state = layer(layer_state)
-        hidden = find(self, skeleton.norm)(unpack(layer_state)[0])
-        if config.tie_word_embeddings:
-            out = logits(config, run, hidden, tokens.weight, tied=True)
-        else:
-            out = find(self, skeleton.head)(hidden)
+        layers = find(self, skeleton.layers)
+        for index in range(config.num_hidden_layers):
+            layer_state = layers[index](layer_state)
+        hidden, _, carried = unpack(layer_state)
+        layer_state = state(find(self, skeleton.norm)(hidden), None, carried)
+        for depth in range(config.mtp_depth):
+            layer_state = layers[config.num_hidden_layers + depth](layer_state)
+        head = tokens.weight if config.tie_word_embeddings else find(self, skeleton.head).weight
+        out = head_logits(config, run, layer_state, head, config.tie_word_embeddings, self.training)
         if labels is None:
             return out
-        return self.criterion(out, labels), out
+        return self.criterion(out, labels), out[0] if isinstance(out, tuple) else out
 

@@ -39,6 +39,8 @@ class CausalLMConfig(PretrainedConfig):
     final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     logits_divisor: float | None = None  # logits divided by this (Granite's logits_scaling)
     derived_fields: tuple[str, ...] = ()  # computed from other fields here and in transformers: not exported
+    mtp_depth = 0  # multi-token prediction layers after the decoder (a family with them reads its field)
+    mtp_loss_weight = 0.0  # each prediction depth's loss in the objective
 
     def __init__(self, vocab_size: int, hidden_size: int, intermediate_size: int, num_hidden_layers: int,
                  num_attention_heads: int, max_position_embeddings: int, initializer_range: float = 0.02, **kwargs):
@@ -53,6 +55,10 @@ class CausalLMConfig(PretrainedConfig):
 
     def decoder_layer(self, index: int) -> Part:
         """Decoder layer `index`'s declaration."""
+        raise NotImplementedError
+
+    def prediction_layer(self, depth: int) -> Part:
+        """The multi-token prediction layer of depth `depth` (1..mtp_depth)'s declaration."""
         raise NotImplementedError
 
     def validate(self) -> None:

@@ -62,15 +62,29 @@ def _positions_after(ended: paddle.Tensor) -> paddle.Tensor:
     return positions
 
 
-def state(hidden: paddle.Tensor, positions: paddle.Tensor | None):
-    """What a decoder layer takes and gives: the hidden states alone (one causal stream), or with
-    the document positions beside them (a tuple, which fleet's pipeline passes between stages)."""
-    return hidden if positions is None else (hidden, positions)
+def state(hidden: paddle.Tensor, positions: paddle.Tensor | None = None, carried: tuple[paddle.Tensor, ...] = ()):
+    """What a decoder layer takes and gives: the hidden states alone (one causal stream), or a tuple
+    (which fleet's pipeline passes between stages) with the document positions beside them (the one
+    integer tensor) and what the layers after the decoder need from the first stage (`carried`: the
+    next tokens' embeddings of multi-token prediction, `blocks/prediction.py`)."""
+    extra = ((positions,) if positions is not None else ()) + tuple(carried)
+    return (hidden, *extra) if extra else hidden
 
 
-def unpack(value) -> tuple[paddle.Tensor, paddle.Tensor | None]:
-    """(hidden states, document positions or None) of a `state`."""
-    return value if isinstance(value, tuple) else (value, None)
+def unpack(value) -> tuple[paddle.Tensor, paddle.Tensor | None, tuple[paddle.Tensor, ...]]:
+    """(hidden states, document positions or None, carried tensors) of a `state`."""
+    if not isinstance(value, tuple):
+        return value, None, ()
+    hidden, *rest = value
+    if rest and not rest[0].is_floating_point():
+        return hidden, rest[0], tuple(rest[1:])
+    return hidden, None, tuple(rest)
+
+
+def with_hidden(value, hidden: paddle.Tensor):
+    """The `state` `value` with other hidden states (what a decoder layer gives back)."""
+    _, positions, carried = unpack(value)
+    return state(hidden, positions, carried)
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import paddle
 import paddle.nn.functional as F
 from paddle import nn
 from paddle.distributed.fleet.layers.mpu import mp_layers
@@ -13,7 +14,10 @@ IGNORE_INDEX = -100
 
 
 class CausalLMCriterion(nn.Layer):
-    """Mean cross-entropy over labels that are not IGNORE_INDEX.
+    """Mean cross-entropy over labels that are not IGNORE_INDEX; with multi-token prediction's
+    logits (a tuple: the next token's, then depth k's for the token k + 1 further, `blocks/
+    prediction.py`) plus `mtp_weight` (lambda / D) times each depth's mean over the positions whose
+    token that far on is in the sample (the labels shifted by k).
 
     Under TP the logits stay split by vocabulary and `ParallelCrossEntropy` reduces across ranks,
     so the full logits are never gathered. Under context parallelism each rank holds part of every
@@ -21,12 +25,23 @@ class CausalLMCriterion(nn.Layer):
     labels, so the cp ranks' losses (and, summed over cp by the gradient reduction, their
     gradients) add up to the single-card mean, whatever each part holds."""
 
-    def __init__(self, run: Execution):
+    def __init__(self, run: Execution, mtp_weight: float = 0.0):
         super().__init__()
         self.parallel = mp_layers.ParallelCrossEntropy(ignore_index=IGNORE_INDEX) if run.tp > 1 else None
-        self.ring = run.ring
+        self.ring, self.mtp_weight = run.ring, mtp_weight
 
     def forward(self, logits, labels):
+        if not isinstance(logits, tuple):
+            return self.mean(logits, labels)
+        main, *depths = logits
+        loss = self.mean(main, labels)
+        for depth, ahead in enumerate(depths, start=1):
+            shifted = paddle.concat([labels[:, depth:], paddle.full_like(labels[:, :depth], IGNORE_INDEX)], axis=1)
+            loss = loss + self.mtp_weight * self.mean(ahead, shifted)
+        return loss
+
+    def mean(self, logits, labels):
+        """The mean next-token loss of `logits` against `labels`."""
         with full_precision():  # in fp32 whatever the compute dtype, as PaddleNLP's criterion
             logits = logits.astype("float32")
             if self.parallel is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from modeling.blocks.mlp import GATED_NAMES, GatedMLP
 from modeling.blocks.moe import Experts, MoE, is_sparse
 from modeling.blocks.parts import Part
+from modeling.blocks.prediction import Prediction
 from modeling.blocks.router import SEQUENCE, SIGMOID, Routing
 from modeling.config import DecoderConfig, ModelConfigError
 
@@ -79,20 +80,23 @@ class DeepSeekMoEFields(MoEConfig):
     shared ones (one ungated MLP that much wider), routed by sigmoid scores with a correction bias,
     `n_group` groups of which `topk_group` are kept, renormalised, times `routed_scaling_factor`
     (`blocks/router.py`); balanced by the bias update and the sequence-wise loss (`aux_loss_alpha`,
-    1e-4 when the config is silent). `num_nextn_predict_layers` (multi-token prediction) above 0 is
-    refused by name: the MTP module is not modelled, and training without it would silently drop
-    its weights and its loss."""
+    1e-4 when the config is silent). `num_nextn_predict_layers` multi-token prediction layers follow
+    the decoder (`blocks/prediction.py`; each a decoder layer with experts, as transformers builds
+    them), their mean loss weighted by `num_nextn_predict_lambda` in training (PaddleNLP's field and
+    its default, 1.0; DeepSeek-V3 trained with 0.3, then 0.1; Megatron's default is 0.1)."""
 
     moe_block = "mlp"
 
     def __init__(self, moe_intermediate_size: int = 2048, n_shared_experts: int = 1, num_experts: int = 256,
                  routed_scaling_factor: float = 2.5, n_group: int | None = 8, topk_group: int | None = 4,
                  num_experts_per_tok: int = 8, first_k_dense_replace: int = 3, norm_topk_prob: bool = True,
-                 aux_loss_alpha: float | None = None, num_nextn_predict_layers: int = 0, **kwargs):
+                 aux_loss_alpha: float | None = None, num_nextn_predict_layers: int = 0,
+                 num_nextn_predict_lambda: float = 1.0, **kwargs):
         self.moe_intermediate_size, self.n_shared_experts = moe_intermediate_size, n_shared_experts
         self.routed_scaling_factor, self.n_group, self.topk_group = routed_scaling_factor, n_group or 1, topk_group or 1
         self.first_k_dense_replace, self.norm_topk_prob = first_k_dense_replace, norm_topk_prob
         self.aux_loss_alpha, self.num_nextn_predict_layers = aux_loss_alpha, num_nextn_predict_layers
+        self.num_nextn_predict_lambda = num_nextn_predict_lambda
         if kwargs.setdefault("router_aux_loss_coef", 0.0):  # our own saves write the field, as 0.0
             raise ModelConfigError(f"router_aux_loss_coef={kwargs['router_aux_loss_coef']}: a DeepSeek-style model's "
                                    "balance loss weight is aux_loss_alpha; set router_aux_loss_coef to 0 or remove it")
@@ -103,6 +107,22 @@ class DeepSeekMoEFields(MoEConfig):
         return Routing(self.num_experts_per_tok, SIGMOID, renormalize=self.norm_topk_prob, renormalize_eps=1e-20,
                        scale=self.routed_scaling_factor, groups=self.n_group, kept_groups=self.topk_group,
                        correction_bias=True, aux=SEQUENCE, aux_coef=alpha)
+
+    @property
+    def mtp_depth(self) -> int:
+        return self.num_nextn_predict_layers
+
+    @property
+    def mtp_loss_weight(self) -> float:
+        """lambda / D: the objective adds the mean of the D depths' losses times lambda."""
+        return self.num_nextn_predict_lambda / self.num_nextn_predict_layers if self.num_nextn_predict_layers else 0.0
+
+    def prediction_layer(self, depth: int) -> Prediction:
+        """Depth `depth`'s prediction layer around a decoder layer past the last (experts, full attention)."""
+        return Prediction.around(self.decoder_layer(self.num_hidden_layers + depth - 1), depth)
+
+    def window(self, index: int) -> int | None:
+        return None if index >= self.num_hidden_layers else super().window(index)
 
     def feed_forward(self, index: int) -> tuple[str, Part]:
         if index < self.first_k_dense_replace:
@@ -120,8 +140,6 @@ class DeepSeekMoEFields(MoEConfig):
                                    "groups of at least 2 experts (a group is ranked by its top two)")
         if self.topk_group > self.n_group:
             raise ModelConfigError(f"topk_group={self.topk_group} exceeds n_group={self.n_group}")
-        if self.num_nextn_predict_layers:
-            raise ModelConfigError(
-                f"num_nextn_predict_layers={self.num_nextn_predict_layers}: multi-token prediction is not modelled "
-                "(its layer and loss would be dropped from training); set it to 0 in config.json to train the main "
-                "model alone: the folder's MTP layers are then left unread, as transformers leaves them")
+        if self.num_nextn_predict_layers < 0 or self.num_nextn_predict_lambda < 0:
+            raise ModelConfigError(f"num_nextn_predict_layers={self.num_nextn_predict_layers} and "
+                                   f"num_nextn_predict_lambda={self.num_nextn_predict_lambda} must not be negative")

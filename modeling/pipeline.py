@@ -4,7 +4,8 @@ names through PaddleNLP's `PipelinePretrainedModel` prefix mapping.
 
 Only hidden states flow between stages (rotary tables and the causal mask are rebuilt per layer),
 and beside them, under per-document attention, each token's position in its document
-(`modeling/documents.py`), which every layer reads its mask and rotary from.
+(`modeling/documents.py`), which every layer reads its mask and rotary from, and with multi-token
+prediction the next tokens' embeddings its layers (on the last stage) take (`blocks/prediction.py`).
 A tied embedding is two `SharedLayerDesc`s under one key, the embedding on the first stage and the
 head on the last, as PaddleNLP ties them: fleet broadcasts the first stage's weight at start and
 all-reduces the two gradients after every batch, and both map to the embedding's single-card name.
@@ -22,7 +23,7 @@ from paddlenlp.transformers.model_utils import PipelinePretrainedModel
 from modeling.blocks.embedding import HeadLayer, TiedHeadLayer, embed
 from modeling.blocks.parts import Leaf
 from modeling.causal_lm import CausalLMPretrainedModel
-from modeling.documents import unpack
+from modeling.documents import state, unpack
 from modeling.execution import Execution
 from modeling.loss import CausalLMCriterion
 from modeling.tp_plan import FIRST, FIRST_AND_LAST
@@ -97,8 +98,10 @@ class NormSection(nn.Layer):
         self.name = name
 
     def forward(self, layer_state):
-        """The last decoder layer's output; under per-document attention the positions end here."""
-        return getattr(self, self.name)(unpack(layer_state)[0])
+        """The last decoder layer's output, normed; under per-document attention the positions end
+        here, what is carried for multi-token prediction goes on."""
+        hidden, _, carried = unpack(layer_state)
+        return state(getattr(self, self.name)(hidden), None, carried)
 
 
 def _split(path: str) -> tuple[str, str]:
@@ -135,6 +138,10 @@ class CausalLMPipe(PipelinePretrainedModel, PipelineLayer):
         norm_prefix, norm_name = _split(skeleton.norm)
         self.add_sequential_layer(LayerDesc(NormSection, config=config, run=run, name=norm_name,
                                             part=config.hidden_norm()), norm_prefix)
+        for depth in range(1, config.mtp_depth + 1):  # after the last decoder layer: on the last stage
+            declared = config.prediction_layer(depth)
+            self.add_sequential_layer(LayerDesc(declared.layer, config=config, run=run, declared=declared),
+                                      f"{skeleton.layers}.{config.num_hidden_layers + depth - 1}")
         if tied:
             self.add_sequential_layer(SharedLayerDesc(tied_key, TiedHeadLayer, shared_weight_attr="embedding_weight",
                                                       config=config, run=run), skeleton.tokens)
@@ -142,7 +149,7 @@ class CausalLMPipe(PipelinePretrainedModel, PipelineLayer):
             head = next(part for path, part, _ in parts if path == skeleton.head)
             self.add_sequential_layer(LayerDesc(HeadLayer, config=config, run=run, hidden_size=head.hidden_size,
                                                 vocab_size=head.vocab_size), skeleton.head)
-        self._build_stages(CausalLMCriterion(run))
+        self._build_stages(CausalLMCriterion(run, config.mtp_loss_weight))
 
     def _build_stages(self, loss_fn: nn.Layer) -> None:
         """Cut the registered layers into this rank's stage(s), initialise them and tie shared weights.

@@ -184,11 +184,29 @@ def core_notes(config, run: Execution) -> list[str]:
             f"core does not compute {reason})" for reason, layers in by_reason.items()]
 
 
+def check_prediction(config, run: Execution) -> None:
+    """Multi-token prediction's next tokens are the sample's next tokens: not under what would make
+    them another document's or another rank's."""
+    if not config.mtp_depth:
+        return
+    name = family_of(config).architecture
+    if run.documents is not None:
+        raise LayoutModelError(f"{name} with num_nextn_predict_layers={config.mtp_depth} and positions restarting per "
+                               "document (--no-use_global_causal_attn or --reset_position_ids): multi-token prediction "
+                               "across document boundaries is not implemented; train with global causal attention, or "
+                               "set num_nextn_predict_layers to 0 in config.json")
+    if run.ring is not None:
+        raise LayoutModelError(f"{name} with num_nextn_predict_layers={config.mtp_depth} and --context_parallel_degree "
+                               f"{run.cp[0]}: the next tokens of a rank's chunk are on another rank (not implemented); "
+                               "use --context_parallel_degree 1")
+
+
 def build_causal_lm(config, topo: Topology, choices: Execution = Execution()):
     """The model form the layout needs (`*ForCausalLMPipe` when pp > 1, else `*ForCausalLM` with
     TP inside) for the run's `choices`, checked against its family's declaration."""
     model_family = family_of(config)
     run = execution_for(topo.layout, topo.tp_rank, choices, topo.ring, topo.experts)
+    check_prediction(config, run)
     model = model_family.pipe(config, run) if topo.layout.pp > 1 else model_family.causal_lm(config, run)
     model_family.check_built(model, config, run, topo.layout.pp, topo.pp_rank)
     return model

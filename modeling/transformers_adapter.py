@@ -99,6 +99,12 @@ class TransformersAdapter:
     buffers: tuple[str, ...] = ()  # name suffixes of non-parameter tensors some folders store (recomputed here)
     fuse: Callable[[Stored, Any], Stored] | None = None  # (where `locate` says, our config) -> where fused tensors put it
     layers_past_last: str | None = None  # what the decoder layers some folders store past the config's last are
+    copies: Callable[[Any], dict[str, str]] | None = None  # (our config) -> {stored name: our tensor it copies}
+
+    def stored_copies(self, config) -> dict[str, str]:
+        """Tensors a folder of `config` stores as copies of ours (multi-token prediction layers' copies
+        of the embedding and head): written on export, never read."""
+        return self.copies(config) if self.copies else {}
 
     def stored(self, name: str, row: TensorPlan, config) -> Stored:
         """Where transformers stores our tensor `name` of a model of `config` (a fused tensor's part

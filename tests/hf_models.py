@@ -11,6 +11,12 @@ so both generations save the folders and compute the references. Nothing here re
                                                              KIND also as ROOT/KIND_fused, re-saved with
                                                              save_original_format=False
     python hf_models.py logits IDS.npy FOLDER...             each saved folder's logits on IDS (FOLDER.npy)
+    python hf_models.py with_prediction_layer FOLDER ROWS.npy IDS.npy
+                                                             (transformers 5) FOLDER given a multi-token
+                                                             prediction layer, then as below
+    python hf_models.py prediction_answers ROWS.npy IDS.npy FOLDER...
+                                                             (transformers 5) MtpModel's answers on each
+                                                             folder with one (FOLDER.mtp.npz)
 """
 
 from __future__ import annotations
@@ -244,6 +250,98 @@ def fp8_dequantized(folder: Path, block: list[int]) -> None:
                                  for name, weight in tensors.items() if name + "_scale_inv" in tensors})
 
 
+def with_prediction_layer(folder: Path, seed: int = 0) -> None:
+    """`folder` (a transformers 5 DeepSeek-V3 or GLM-4.5 folder whose config counts no prediction layer)
+    given one multi-token prediction layer as released folders store it (DeepSeek-V3's layer 61: its
+    decoder layer's tensors with experts one by one, `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`,
+    and copies of the embedding and head), made by transformers 5.23's `MtpModel` (random, vectors
+    and router moved off their initial values as `make` moves them); the layer `MtpModel.from_pretrained`
+    reads back must be the one written."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+    from transformers.modeling_layers import MtpModel
+
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    torch.manual_seed(seed)
+    made = MtpModel(transformers.AutoModelForCausalLM.from_pretrained(str(folder)), 1)
+    with torch.no_grad():  # every value set here: MtpModel leaves its stacked experts uninitialized
+        for name, param in made.named_parameters():
+            if not name.startswith("layers."):
+                continue  # the main model's embedding and head
+            if param.dim() == 1:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, config.get("initializer_range", 0.02))
+                if name.endswith("gate.weight"):
+                    param.mul_(SIGMOID_ROUTER_SCALE)
+        for name, buffer in made.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(BIAS_SCALE * torch.rand_like(buffer))
+    released = {}
+    for name, tensor in made.state_dict().items():
+        if not name.startswith("layers.0."):
+            continue
+        key = name.removeprefix("layers.0.").removeprefix("mtp_block.").replace("post_norm.", "shared_head.norm.")
+        if key == "mlp.experts.gate_up_proj":  # [E, 2I, H], gate rows first
+            for expert, fused in enumerate(tensor):
+                gate, up = fused.chunk(2)
+                released[f"mlp.experts.{expert}.gate_proj.weight"], released[f"mlp.experts.{expert}.up_proj.weight"] = gate, up
+        elif key == "mlp.experts.down_proj":
+            for expert, down in enumerate(tensor):
+                released[f"mlp.experts.{expert}.down_proj.weight"] = down
+        else:
+            released[key] = tensor
+    main = load_file(str(folder / "model.safetensors"))
+    released |= {"embed_tokens.weight": main["model.embed_tokens.weight"], "shared_head.head.weight": main["lm_head.weight"]}
+    layer = config["num_hidden_layers"]
+    save_file({**main, **{f"model.layers.{layer}.{key}": value.clone().contiguous() for key, value in released.items()}},
+              str(folder / "model.safetensors"), metadata={"format": "pt"})
+    read, wrote = _prediction_model(folder)[1].state_dict(), made.state_dict()
+    assert read.keys() == wrote.keys() and all(torch.equal(read[k], wrote[k]) for k in read), "MtpModel read back"
+
+
+def _prediction_model(folder: Path):
+    """(transformers' model of `folder`, its `MtpModel` read from the folder), eager attention."""
+    import transformers
+    from transformers.modeling_layers import MtpModel
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager").eval()
+    # transformers finds the prediction layers by the main model's ignored keys, written for 61 layers
+    model._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{model.config.num_hidden_layers}\..*"]
+    return model, MtpModel.from_pretrained(model).eval()
+
+
+def prediction_answers(folder: Path, rows: np.ndarray, ids: np.ndarray) -> None:
+    """transformers 5.23's answers on a folder with a multi-token prediction layer, saved beside it
+    (`<folder>.mtp.npz`): the next-token logits on `ids` and the prediction layer's (`MtpModel.
+    forward_layer` on the main model's final hidden states and the tokens one further, at positions
+    one further, as MtpModel takes them; the last position embeds token 0: the sample has none
+    beyond), and on `rows` the next-token loss and the prediction layer's (the tokens two further)."""
+    import torch
+
+    model, mtp = _prediction_model(folder)
+
+    def answers(tokens: np.ndarray):
+        inputs = torch.tensor(tokens)
+        out = model(inputs, output_hidden_states=True)
+        ahead = torch.cat([inputs[:, 1:], torch.zeros_like(inputs[:, :1])], dim=1)
+        positions = torch.arange(1, inputs.shape[1] + 1).expand(inputs.shape)
+        hidden = mtp.forward_layer(0, out.hidden_states[-1], positions, None, input_ids=ahead)
+        return out.logits, mtp._project_to_logits(hidden)
+
+    with torch.no_grad():
+        logits, predicted = answers(ids)
+        row_logits, row_predicted = answers(rows[:, :-1])
+        labels, vocab = torch.tensor(rows), row_logits.shape[-1]
+        loss = torch.nn.functional.cross_entropy(row_logits.reshape(-1, vocab), labels[:, 1:].reshape(-1))
+        mtp_loss = torch.nn.functional.cross_entropy(row_predicted[:, :-1].reshape(-1, vocab), labels[:, 2:].reshape(-1))
+    np.savez(f"{folder}.mtp.npz", logits=logits.numpy(), predicted=predicted.numpy(), loss=float(loss),
+             mtp_loss=float(mtp_loss))
+
+
 def transformers5(*args) -> None:
     """Run this file under transformers 5 (see the module doc)."""
     if not (TRANSFORMERS5 / "transformers").is_dir():
@@ -260,6 +358,14 @@ if __name__ == "__main__":
     if command == "make":
         root, rows, ids, *kinds = rest
         make_with_answers(Path(root), np.load(rows), np.load(ids), kinds)
+    elif command == "with_prediction_layer":
+        folder, rows, ids = rest
+        with_prediction_layer(Path(folder))
+        prediction_answers(Path(folder), np.load(rows), np.load(ids))
+    elif command == "prediction_answers":
+        rows, ids, *folders = rest
+        for folder in folders:
+            prediction_answers(Path(folder), np.load(rows), np.load(ids))
     elif command == "fp8_dequantized":
         folder, *block = rest
         fp8_dequantized(Path(folder), [int(size) for size in block])

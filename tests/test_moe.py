@@ -19,6 +19,7 @@ import json
 import re
 import shutil
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import paddle
@@ -29,7 +30,7 @@ from checkpoint.format import CheckpointError, tokenizer_files
 from checkpoint.verify import verify_checkpoint
 from modeling.deepseek import DeepseekV3Config
 from modeling.expert_parallel import expert_order
-from modeling.registry import config_from_dict, family_of, plan_of, plan_of_folder
+from modeling.registry import LayoutModelError, check_prediction, config_from_dict, family_of, plan_of, plan_of_folder
 from modeling.transformers_adapter import ConfigFieldError
 from paddle_pp.interop.pretrained import TRANSFORMERS, load_pretrained, open_pretrained
 from paddle_pp.interop.transformers import export_hf
@@ -61,6 +62,7 @@ AUX_RTOL = 1e-5
 MARGIN = 1e-4  # least gap between the k-th and (k+1)-th router logit of a routed token (layouts differ by ~1e-6)
 ROUTING_NOISE = 1e-6  # how far apart two layouts' router scores come over 20 steps (their summation orders)
 KINDS = list(hf_models.MOE_KINDS)
+MTP_KIND = "deepseek_v3_mtp"  # transformers 5's DeepSeek-V3 folder given a multi-token prediction layer
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +80,10 @@ def moe_folders(tmp_path_factory, data_cache) -> dict:
         for kind in KINDS:
             for path in tokenizer_files(TOKENIZER):
                 shutil.copy(path, root / kind)
+    predicting = roots["transformers5"] / MTP_KIND
+    shutil.copytree(roots["transformers5"] / "deepseek_v3", predicting)
+    hf_models.transformers5("with_prediction_layer", predicting, roots["transformers5"] / "rows.npy",
+                            roots["transformers5"] / "ids.npy")
     return roots
 
 
@@ -277,9 +283,10 @@ def _with_a_layer_past_the_last(source, target) -> int:
 
 @pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe"])
 def test_a_released_folders_mtp_layer_is_left_unread_when_the_config_does_not_count_it(kind, moe_folders, tmp_path):
-    """The refusal of num_nextn_predict_layers tells the user to set it to 0; the folder's MTP layer
-    (DeepSeek-V3's layer 61) is then left unread, as transformers leaves it, with a note: the model
-    gives the logits of the folder without it. Another family's extra layer is still refused."""
+    """A folder's MTP layer (DeepSeek-V3's layer 61) that its config does not count (num_nextn_predict_layers
+    0, to train the main model alone) is left unread, as transformers leaves it, with a note: the model
+    gives the logits of the folder without it; counted, it is read as the prediction layer. Another
+    family's extra layer is refused."""
     source = moe_folders["transformers4"] / kind
     folder = tmp_path / kind
     mtp = _with_a_layer_past_the_last(source, folder)
@@ -288,8 +295,8 @@ def test_a_released_folders_mtp_layer_is_left_unread_when_the_config_does_not_co
     np.testing.assert_array_equal(our_logits(folder, IDS), our_logits(source, IDS))
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
-    with pytest.raises(CheckpointError, match="num_nextn_predict_layers=1.*set it to 0.*left unread"):
-        open_pretrained(folder)
+    counted = open_pretrained(folder)
+    assert counted.notes == () and f"{kind}.layers.{mtp}.eh_proj.weight" in plan_of(config_from_dict(counted.config))
     other = tmp_path / "qwen3_moe"
     extra = _with_a_layer_past_the_last(moe_folders["transformers4"] / "qwen3_moe", other)
     with pytest.raises(CheckpointError, match=f"model.layers.{extra}.enorm.weight: not a tensor of"):
@@ -422,10 +429,9 @@ def moe_starts(moe_folders, run_workers_module, tmp_path_factory):
     Per layout: (the results by folder name `<kind>-<version>`, the folder of their checkpoints)."""
     links = tmp_path_factory.mktemp("moe_starts")
     folders = {version: [] for version in VERSIONS}
-    for kind in KINDS:
-        for version in VERSIONS:
-            (links / f"{kind}-{version}").symlink_to(moe_folders[version] / kind)
-            folders[version].append(links / f"{kind}-{version}")
+    for kind, version in [(kind, version) for kind in KINDS for version in VERSIONS] + [(MTP_KIND, SPLIT_VERSION)]:
+        (links / f"{kind}-{version}").symlink_to(moe_folders[version] / kind)
+        folders[version].append(links / f"{kind}-{version}")
     rows = moe_folders["transformers5"] / "rows.npy"
     started = {}
     for name, nproc, started_folders, layout in (
@@ -470,7 +476,7 @@ def test_an_moe_folder_starts_under_ep2_tp2_pp2_sp_at_its_loss_and_trains_like_s
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe", "ernie4_5_moe"])
+@pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe", "ernie4_5_moe", MTP_KIND])
 def test_the_correction_bias_moves_by_the_rule_from_the_steps_global_counts_on_every_rank(kind, moe_starts,
                                                                                           moe_folders):
     """After step 1 every rank's correction bias of every MoE layer it holds is b0 + 1e-3 x sign(mean(c)
@@ -544,3 +550,89 @@ def test_an_moe_checkpoint_loads_in_both_transformers_as_saved_and_exported(kind
             assert _stored_names(checkpoint) == _stored_names(export)
             np.testing.assert_allclose(transformers5_checkpoint_logits[name], our_logits(checkpoint, IDS),
                                        atol=EXPORT_TOL, rtol=EXPORT_TOL)
+
+
+def _predictions(folder, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Our (next-token logits, prediction layer's logits) of `ids` from `folder` (training mode: the
+    prediction layers run in training only)."""
+    model, _ = _our_model(folder, train=True)
+    with paddle.no_grad():
+        main, ahead = model(paddle.to_tensor(ids))
+    return main.numpy(), ahead.numpy()
+
+
+def test_a_multi_token_prediction_layer_gives_transformers_5s_mtp_model_logits_and_loss(moe_folders):
+    """A DeepSeek-V3 folder with its prediction layer stored as released (transformers 5.23's MtpModel
+    made it and reads it back): our next-token logits are transformers' model's and the prediction
+    layer's are MtpModel's (the embeddings of the tokens one further and the main model's final hidden
+    states, through enorm/hnorm, eh_proj, an MoE decoder layer with a correction bias and shared_head's
+    norm, then the model's head), at every position; the training loss is transformers' next-token loss
+    plus num_nextn_predict_lambda times MtpModel's loss on the tokens two further, the evaluation loss
+    the next-token loss alone. Per-document positions and context parallelism are refused by name."""
+    folder = moe_folders["transformers5"] / MTP_KIND
+    answers = np.load(f"{folder}.mtp.npz")
+    main, ahead = _predictions(folder, IDS)
+    np.testing.assert_allclose(main, answers["logits"], rtol=LOGITS_TOL, atol=LOGITS_TOL)
+    np.testing.assert_allclose(ahead, answers["predicted"], rtol=LOGITS_TOL, atol=LOGITS_TOL)
+    assert np.abs(ahead - main).max() > 0.1, "the prediction layer's logits are not the next token's"
+    rows = np.load(moe_folders["transformers5"] / "rows.npy")
+    inputs, labels = paddle.to_tensor(rows[:, :-1]), paddle.to_tensor(rows[:, 1:])
+    model, config = _our_model(folder, train=True)
+    with paddle.no_grad():
+        for weight in (1.0, 0.3):
+            model.criterion.mtp_weight = weight  # lambda / D with one layer
+            np.testing.assert_allclose(float(model.criterion(model(inputs), labels)),
+                                       answers["loss"] + weight * answers["mtp_loss"], rtol=LOSS_RTOL)
+        model.eval()
+        np.testing.assert_allclose(float(model.criterion(model(inputs), labels)), answers["loss"], rtol=LOSS_RTOL)
+    assert config.mtp_loss_weight == 1.0  # PaddleNLP's default lambda: the config is silent
+    for run, flag in ((replace(model.run, documents=(2,)), "--reset_position_ids"),
+                      (replace(model.run, ring=SimpleNamespace(degree=2, rank=0)), "--context_parallel_degree 2")):
+        with pytest.raises(LayoutModelError, match=f"num_nextn_predict_layers=1.*{flag}"):
+            check_prediction(config, run)
+
+
+@pytest.mark.multiproc
+def test_multi_token_prediction_trains_under_ep2_tp2_pp2_sp_like_single_card(moe_starts, moe_folders):
+    """The prediction layer on the last pipeline stage, fed the next tokens' embeddings from the first
+    (carried between the stages beside the hidden states), its experts over ep2 and its projection and
+    norms sequence-parallel, recomputed: one card's first training loss is transformers 5's next-token
+    loss plus MtpModel's, the split layout's evaluation and two training losses are one card's, and so
+    are all its weights after them (the prediction layer's and its correction bias among them)."""
+    answers = np.load(f"{moe_folders['transformers5'] / MTP_KIND}.mtp.npz")
+    (split, split_out), (single, single_out) = moe_starts["split"], moe_starts["single"]
+    name = f"{MTP_KIND}-{SPLIT_VERSION}"
+    np.testing.assert_allclose(single[0]["folders"][name]["loss"], answers["loss"], rtol=LOSS_RTOL)
+    np.testing.assert_allclose(single[0]["folders"][name]["losses"][0], answers["loss"] + answers["mtp_loss"],
+                               rtol=LOSS_RTOL)
+    np.testing.assert_allclose(split[0]["folders"][name]["loss"], single[0]["folders"][name]["loss"], rtol=RESUME_RTOL)
+    np.testing.assert_allclose(split[0]["folders"][name]["losses"], single[0]["folders"][name]["losses"],
+                               rtol=RESUME_RTOL)
+    weights = [open_pretrained(out / name / "checkpoint-2") for out in (split_out, single_out)]
+    plan = plan_of(config_from_dict(weights[1].config))
+    predicting = [tensor for tensor in plan if ".layers.4." in tensor]
+    assert "deepseek_v3.layers.4.eh_proj.weight" in predicting and len(predicting) > 30
+    for tensor in plan:
+        got, reference = weights[0].read(tensor, None, 1, 0), weights[1].read(tensor, None, 1, 0)
+        drift = np.linalg.norm(got - reference) / max(np.linalg.norm(reference), 1e-12)
+        exact = tensor.endswith("e_score_correction_bias")
+        assert drift < (RESUME_RTOL if exact else PARITY_RTOL), f"{tensor}: {drift:.2g}"
+
+
+@pytest.mark.multiproc
+def test_a_checkpoint_with_a_prediction_layer_keeps_it_as_released_folders_do(moe_starts, moe_folders, tmp_path):
+    """One card's checkpoint exported, and the split layout's saved in transformers' layout, store the
+    tensors the released-style folder stores (the prediction layer's copies of the embedding and head
+    included); transformers 5.23 reads each with its model and MtpModel, giving our logits of both."""
+    (_, split_out), (_, single_out) = moe_starts["split"], moe_starts["single"]
+    name = f"{MTP_KIND}-{SPLIT_VERSION}"
+    folders = [export_hf(single_out / name / "checkpoint-2", tmp_path / name), split_out / name / "checkpoint-2"]
+    for folder in folders:
+        assert _stored_names(folder) == _stored_names(moe_folders["transformers5"] / MTP_KIND)
+    hf_models.transformers5("prediction_answers", moe_folders["transformers5"] / "rows.npy",
+                            moe_folders["transformers5"] / "ids.npy", *folders)
+    for folder in folders:
+        answers = np.load(f"{folder}.mtp.npz")
+        main, ahead = _predictions(folder, IDS)
+        np.testing.assert_allclose(main, answers["logits"], rtol=LOGITS_TOL, atol=LOGITS_TOL)
+        np.testing.assert_allclose(ahead, answers["predicted"], rtol=LOGITS_TOL, atol=LOGITS_TOL)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from modeling.blocks.attention import Attention
 from modeling.blocks.norms import layer_norm_saved_bytes, rms_norm_saved_bytes
 from modeling.blocks.parts import Block, Declared, Norm, Part
-from modeling.documents import state, unpack
+from modeling.documents import unpack, with_hidden
 from modeling.execution import Execution
 from modeling.sequence_parallel import sequence_shards
 
@@ -136,9 +136,9 @@ class DecoderLayer(Block):
     def forward(self, layer_state):
         """`layer_state`: the hidden states, or (hidden states, document positions) under per-document
         attention (`modeling/documents.py`); given back in the same form."""
-        hidden, positions = unpack(layer_state)
+        hidden, positions, _ = unpack(layer_state)
         hidden = self.run.recompute("full", lambda x: self._block(x, positions), hidden, training=self.training)
-        return state(hidden, positions)
+        return with_hidden(layer_state, hidden)
 
 
 Decoder.layer = DecoderLayer

@@ -11,7 +11,7 @@ import paddle
 from paddle import nn
 
 from modeling.blocks.parts import Leaf
-from modeling.documents import document_positions, state
+from modeling.documents import document_positions, state, unpack
 from modeling.execution import Execution
 from modeling.sequence_parallel import gather_sequence, scatter_sequence
 from modeling.tp_layers import vocab_logits
@@ -26,18 +26,32 @@ def embed(config, run: Execution, tokens: nn.Layer, positions: nn.Layer | None, 
     dtype as transformers does) and plus learned positions when the model has them (of this rank's
     tokens under context parallelism; restarting per document under per-document attention);
     scattered along the sequence under sequence parallelism. Under per-document attention the
-    document positions go beside the hidden states."""
-    hidden = tokens(input_ids)
-    multiplier = config.embedding_scale
-    if multiplier:  # a scale op keeps nothing for backward; a product with a tensor would keep the embeddings
-        dtype = str(hidden.dtype).removeprefix("paddle.")
-        hidden = paddle.scale(hidden, float(np.asarray(multiplier, _NUMPY_DTYPES[dtype]).astype(np.float32)))
+    document positions go beside the hidden states; with multi-token prediction, in training, the
+    embeddings of the tokens 1..D further (`blocks/prediction.py`) are carried beside them."""
+    hidden = _scaled(config, tokens(input_ids))
+    # sent between pipeline stages as they are (the scatter gives a view), where p2p takes contiguous tensors
+    ahead = tuple(scatter_sequence(_scaled(config, tokens(_ahead(input_ids, depth))), run).contiguous()
+                  for depth in range(1, config.mtp_depth + 1)) if tokens.training else ()
     in_documents = document_positions(input_ids, run.documents, run.ring) if run.documents is not None else None
     if positions is not None:
         held = run.positions(input_ids.shape[-1])  # the positions of this rank's tokens under context parallelism
         ids = paddle.arange(input_ids.shape[-1], dtype="int64") if held is None else paddle.to_tensor(held)
         hidden = hidden + positions(ids.unsqueeze(0) if in_documents is None else in_documents)
-    return state(scatter_sequence(hidden, run), in_documents)
+    return state(scatter_sequence(hidden, run), in_documents, ahead)
+
+
+def _scaled(config, embeddings: paddle.Tensor) -> paddle.Tensor:
+    multiplier = config.embedding_scale
+    if not multiplier:
+        return embeddings
+    # a scale op keeps nothing for backward; a product with a tensor would keep the embeddings
+    dtype = str(embeddings.dtype).removeprefix("paddle.")
+    return paddle.scale(embeddings, float(np.asarray(multiplier, _NUMPY_DTYPES[dtype]).astype(np.float32)))
+
+
+def _ahead(input_ids: paddle.Tensor, depth: int) -> paddle.Tensor:
+    """Each position's token `depth` further on; token 0 where the sample has none (not predicted)."""
+    return paddle.concat([input_ids[:, depth:], paddle.zeros_like(input_ids[:, :depth])], axis=1)
 
 
 def logits(config, run: Execution, hidden: paddle.Tensor, weight: paddle.Tensor, tied: bool) -> paddle.Tensor:
@@ -53,6 +67,15 @@ def logits(config, run: Execution, hidden: paddle.Tensor, weight: paddle.Tensor,
     return out
 
 
+def head_logits(config, run: Execution, layer_state, weight: paddle.Tensor, tied: bool, training: bool):
+    """The next token's logits from the final hidden states of `layer_state`; in training with
+    multi-token prediction a tuple: then each depth's, from the outputs carried beside them."""
+    hidden, _, carried = unpack(layer_state)
+    if not (training and carried):
+        return logits(config, run, hidden, weight, tied)
+    return tuple(logits(config, run, each, weight, tied) for each in (hidden, *carried))
+
+
 class HeadLayer(nn.Layer):
     """The untied head [hidden, vocab]; under TP each rank holds a vocabulary slice."""
 
@@ -64,8 +87,8 @@ class HeadLayer(nn.Layer):
             self.weight.is_distributed = True
             self.weight.split_axis = 1
 
-    def forward(self, hidden):
-        return logits(self.config, self.run, hidden, self.weight, tied=False)
+    def forward(self, layer_state):
+        return head_logits(self.config, self.run, layer_state, self.weight, False, self.training)
 
 
 @dataclass(frozen=True)
@@ -98,5 +121,5 @@ class TiedHeadLayer(nn.Layer):
     def embedding_weight(self):
         return self.weight
 
-    def forward(self, hidden):
-        return logits(self.config, self.run, hidden, self.weight, tied=True)
+    def forward(self, layer_state):
+        return head_logits(self.config, self.run, layer_state, self.weight, True, self.training)

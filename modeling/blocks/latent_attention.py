@@ -30,38 +30,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import paddle
-from paddle import nn
 from paddle.distributed import collective
 
-from modeling import tp_gradients, tp_layers
+from modeling import tp_layers
 from modeling.attention_core import AttentionCore, Heads
 from modeling.attention_core.spec import PLAIN, CoreSpec
 from modeling.blocks.norms import rms_norm_saved_bytes
-from modeling.blocks.parts import Block, ColumnLinear, Declared, Leaf, Norm, Part, RowLinear
+from modeling.blocks.parts import Block, ColumnLinear, Declared, Norm, Part, RowLinear, WholeLinear
 from modeling.blocks.rotary import Rotary
 from modeling.execution import Execution
 from modeling.sequence_parallel import gather_tokens
-from modeling.tp_plan import REPLICATED, UNDER_SEQUENCE_PARALLEL, ZEROS, Placement, TensorPlan
-
-
-@dataclass(frozen=True)
-class WholeLinear(Leaf):
-    """A linear every tp rank holds whole and runs on the whole (gathered) input; under sequence
-    parallelism each rank's gradient of it is its own heads' part, summed over tp at the update."""
-
-    in_features: int
-    out_features: int
-    bias: bool = False
-
-    def tensors(self) -> dict[str, TensorPlan]:
-        weight = TensorPlan((self.in_features, self.out_features), Placement(REPLICATED), linear=True,
-                            tp_partial_grad=UNDER_SEQUENCE_PARALLEL)
-        return {"weight": weight} | ({"bias": TensorPlan((self.out_features,), Placement(REPLICATED), init=ZEROS,
-                                                         tp_partial_grad=UNDER_SEQUENCE_PARALLEL)} if self.bias else {})
-
-    def build(self, config, run: Execution) -> nn.Layer:
-        return tp_gradients.mark(nn.Linear(self.in_features, self.out_features, bias_attr=None if self.bias else False),
-                                 run)
 
 
 @dataclass(frozen=True)

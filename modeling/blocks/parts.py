@@ -199,3 +199,25 @@ class Norm(Leaf):
         else:
             norm = RMSNorm(self.dim, self.eps, self.offset, fused=run.kernels.fused_rms_norm)
         return tp_gradients.mark(norm, run, always=self.per_head)
+
+
+@dataclass(frozen=True)
+class WholeLinear(Leaf):
+    """A linear every tp rank holds whole (latent attention's down-projections, multi-token
+    prediction's `eh_proj`). Under sequence parallelism each rank's gradient of it is a part (its
+    positions', or its heads' where the block gathered the sequence first), summed over tp at the
+    update; without, every rank computes the whole one."""
+
+    in_features: int
+    out_features: int
+    bias: bool = False
+
+    def tensors(self) -> dict[str, TensorPlan]:
+        weight = TensorPlan((self.in_features, self.out_features), Placement(REPLICATED), linear=True,
+                            tp_partial_grad=UNDER_SEQUENCE_PARALLEL)
+        return {"weight": weight} | ({"bias": TensorPlan((self.out_features,), Placement(REPLICATED), init=ZEROS,
+                                                         tp_partial_grad=UNDER_SEQUENCE_PARALLEL)} if self.bias else {})
+
+    def build(self, config, run: Execution) -> nn.Layer:
+        return tp_gradients.mark(nn.Linear(self.in_features, self.out_features, bias_attr=None if self.bias else False),
+                                 run)

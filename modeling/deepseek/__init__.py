@@ -17,9 +17,10 @@ experts the routing chose when `seq_aux` (its default, as its released configs s
 code), over the micro-batch (the Switch form) when not. V3's `seq_aux` must be true: its loss is the
 sequence-wise one.
 
-`num_nextn_predict_layers` (multi-token prediction, DeepSeek-V3's layer 61) above 0 is refused by
-name: the MTP module is not modelled, and training without it would silently drop its weights and
-its loss; set it to 0 in config.json to train the main model alone.
+`num_nextn_predict_layers` multi-token prediction layers (DeepSeek-V3's layer 61) follow the decoder
+(`blocks/prediction.py`), read, trained with weight `num_nextn_predict_lambda`, saved and exported
+with the copies of the embedding and head the released folders keep; with 0 a folder's layer 61 is
+left unread, as transformers leaves it.
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ DEEPSEEK_V3 = decoder_family(
     renamed={"n_routed_experts": "num_experts"},
     aliases={"num_local_experts": "num_experts", "num_mtp_layers": "num_nextn_predict_layers"},
     accepted={**_SHARED_FIELDS, "scoring_func": _only("sigmoid"), "topk_method": _only("noaux_tc"),
-              "seq_aux": _only(True)}, layers_past_last=MTP_LAYERS)
+              "seq_aux": _only(True)}, layers_past_last=MTP_LAYERS, prediction_layers=True)
 DEEPSEEK_V2 = decoder_family(
     DeepseekV2Config, "DeepseekV2ForCausalLM", "deepseek_v2", paddlenlp=False,
     renamed={"n_routed_experts": "num_experts"}, aliases={"num_local_experts": "num_experts"},

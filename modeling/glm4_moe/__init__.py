@@ -2,8 +2,8 @@
 rotary on the first half of each head (`partial_rotary_factor` 0.5, halves), optional per-head q/k
 RMSNorms before rotary (`use_qk_norm`), and DeepSeek-V3's mixture of experts (`moe_config.
 DeepSeekMoEFields`: sigmoid routing with a correction bias, groups, shared experts, dense first
-layers). transformers 5 writes `num_nextn_predict_layers` (its MTP layer) as 1 by default: above 0 it
-is refused by name (set it to 0 to train the main model; transformers drops that layer too)."""
+layers), and its multi-token prediction layers (`num_nextn_predict_layers`, `blocks/prediction.py`;
+transformers 5 writes 1 by default, and drops the layer from its model)."""
 
 from __future__ import annotations
 
@@ -49,5 +49,5 @@ class Glm4MoeConfig(DeepSeekMoEFields):
 GLM4_MOE = decoder_family(Glm4MoeConfig, "Glm4MoeForCausalLM", "glm4_moe", paddlenlp=False,
                           renamed={"n_routed_experts": "num_experts"},
                           aliases={"num_local_experts": "num_experts", "num_mtp_layers": "num_nextn_predict_layers"},
-                          accepted=MOE_ACCEPTED, layers_past_last=MTP_LAYERS)
+                          accepted=MOE_ACCEPTED, layers_past_last=MTP_LAYERS, prediction_layers=True)
 Glm4MoeForCausalLM, Glm4MoeForCausalLMPipe = GLM4_MOE.causal_lm, GLM4_MOE.pipe

@@ -15,7 +15,7 @@ from modeling.blocks.parts import Block, ColumnLinear, Declared, Norm, Part, Row
 from modeling.causal_lm import Skeleton
 from modeling.config import CausalLMConfig, ModelConfigError
 from modeling.config_fields import any_value, zero
-from modeling.documents import state, unpack
+from modeling.documents import unpack, with_hidden
 from modeling.execution import Execution
 from modeling.family import ModelFamily
 from modeling.paddlenlp_fused import QKV
@@ -111,9 +111,9 @@ class GPTDecoderLayer(Block):
 
     def forward(self, layer_state):
         """As `DecoderLayer.forward`: the hidden states, with the document positions when per document."""
-        hidden, positions = unpack(layer_state)
+        hidden, positions, _ = unpack(layer_state)
         hidden = self.run.recompute("full", lambda x: self._block(x, positions), hidden, training=self.training)
-        return state(hidden, positions)
+        return with_hidden(layer_state, hidden)
 
 
 GPTDecoder.layer = GPTDecoderLayer

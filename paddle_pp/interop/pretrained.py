@@ -109,7 +109,7 @@ def open_pretrained(folder: Path, weights: bool = True, allow_unsafe_pickle: boo
         if stores_fused_experts(shapes):
             locate = lambda name, per_expert=locate: fused_expert_stored(per_expert(name), ours)  # noqa: E731
         return _checked(folder, TRANSFORMERS, config, shapes, read, locate, model_family.transformers.buffers,
-                        model_family.transformers.layers_past_last)
+                        model_family.transformers.layers_past_last, model_family.transformers.stored_copies(ours))
     return _checked(folder, PADDLENLP, config, shapes, read, paddlenlp_locate)
 
 
@@ -250,10 +250,11 @@ def stored_shape(shape, stored: Stored) -> list[int]:
 
 def _checked(folder: Path, kind: str, config: dict, shapes: dict[str, list[int]], read_stored: Read,
              locate: Callable[[str], Stored], buffers: tuple[str, ...] = (),
-             layers_past_last: str | None = None) -> PretrainedFolder:
+             layers_past_last: str | None = None, copies: dict[str, str] | None = None) -> PretrainedFolder:
     """The folder's reader under our names, after every planned tensor is found in its stored shape
-    and no stored tensor is left over (a tied head's second name and recomputed buffers aside, and the
-    layers a family's folders store past the config's last, `layers_past_last`: left unread, noted)."""
+    and no stored tensor is left over (a tied head's second name, recomputed buffers and `copies` of
+    ours aside, and the layers a family's folders store past the config's last, `layers_past_last`:
+    left unread, noted)."""
     plan = plan_of(config_from_dict(config))
     problems = []
     for name in plan:
@@ -265,7 +266,8 @@ def _checked(folder: Path, kind: str, config: dict, shapes: dict[str, list[int]]
         elif list(shapes[stored.name]) != stored_shape(plan[name].shape, stored):
             problems.append(f"{stored.name}: shape {list(shapes[stored.name])} in the folder, the model needs "
                             f"{stored_shape(plan[name].shape, stored)}")
-    expected = {locate(name).name for name in plan} | {alias for names in plan.tied for alias in names[1:]}
+    expected = {locate(name).name for name in plan} | {alias for names in plan.tied for alias in names[1:]} \
+        | set(copies or ())
     left_over = [key for key in sorted(shapes) if key not in expected and not key.endswith(buffers)]
     past = {key: index for key in left_over if layers_past_last
             and (index := _layer_index(key, config["num_hidden_layers"])) is not None}

@@ -63,15 +63,19 @@ def write_model_shards(groups: dict[str, Group], shape_of: Callable[[str], list[
 
 
 class StoredTensors:
-    """The tensors a folder stores for a model (`locate`: names, transposes, fused tensors), each
-    made on demand from our single-card tensors (`read`): shared by the exports and by checkpoints
-    saved in transformers' layout (`transformers_layout`)."""
+    """The tensors a folder stores for a model (`locate`: names, transposes, fused tensors; `copies`:
+    stored names that repeat one of ours, as stored), each made on demand from our single-card tensors
+    (`read`): shared by the exports and by checkpoints saved in transformers' layout
+    (`transformers_layout`)."""
 
-    def __init__(self, plan: ModelPlan, locate: Callable[[str, TensorPlan], Stored]):
+    def __init__(self, plan: ModelPlan, locate: Callable[[str, TensorPlan], Stored],
+                 copies: dict[str, str] | None = None):
         self.plan, self.locate = plan, locate
         self.groups: dict[str, Group] = {}
         for name, row in plan.items():
             self.groups.setdefault(locate(name, row).name, []).append((name, locate(name, row).part))
+        for copy, name in (copies or {}).items():
+            self.groups[copy] = self.groups[locate(name, plan[name]).name]
 
     def shape(self, stored_name: str) -> list[int]:
         name = self.groups[stored_name][0][0]
@@ -90,11 +94,13 @@ class StoredTensors:
 
 
 def export_stored(folder: Path, target: Path, locate: Callable[[str, TensorPlan], Stored], folder_config: dict,
-                  fmt: str, max_shard_bytes: int, on_tensor: Callable[[str, int], None] | None, dtype: str) -> Path:
-    """A folder of the tensors `locate` says where to store (names, transposes, fused tensors), built
-    from a unified checkpoint one stored tensor at a time, with `folder_config` as its config.json."""
+                  fmt: str, max_shard_bytes: int, on_tensor: Callable[[str, int], None] | None, dtype: str,
+                  copies: dict[str, str] | None = None) -> Path:
+    """A folder of the tensors `locate` says where to store (names, transposes, fused tensors) and their
+    `copies`, built from a unified checkpoint one stored tensor at a time, with `folder_config` as its
+    config.json."""
     folder = Path(folder)
-    stored = StoredTensors(plan_of(config_from_dict(json.loads((folder / CONFIG_FILE).read_text()))), locate)
+    stored = StoredTensors(plan_of(config_from_dict(json.loads((folder / CONFIG_FILE).read_text()))), locate, copies)
     unified = UnifiedReader(folder, MODEL)
     with new_folder(target) as partial:
         weight_map = write_model_shards(stored.groups, stored.shape,
@@ -112,7 +118,8 @@ def export_hf(folder: Path, target: Path, max_shard_bytes: int = 5 << 30,
     saved = json.loads((Path(folder) / CONFIG_FILE).read_text())
     adapter, config = _transformers_family(saved, Path(folder)).transformers, config_from_dict(saved)
     return export_stored(folder, target, lambda name, row: adapter.stored(name, row, config),
-                         adapter.their_config(config, dtype), "pt", max_shard_bytes, on_tensor, dtype)
+                         adapter.their_config(config, dtype), "pt", max_shard_bytes, on_tensor, dtype,
+                         adapter.stored_copies(config))
 
 
 def export_paddlenlp_fused(folder: Path, target: Path, fused: frozenset[str], max_shard_bytes: int = 5 << 30,

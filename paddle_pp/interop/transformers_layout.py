@@ -51,7 +51,8 @@ class TransformersWeights:
 
     def __init__(self, config):
         adapter = family_of(config).transformers  # every registered family has one
-        self.stored = StoredTensors(plan_of(config), lambda name, row: adapter.stored(name, row, config))
+        self.stored = StoredTensors(plan_of(config), lambda name, row: adapter.stored(name, row, config),
+                                    adapter.stored_copies(config))
         self.config = adapter.their_config(config, DTYPE.name)
 
     def shares(self, count: int) -> list[list[str]]:

@@ -44,7 +44,7 @@ def step_routing(stats: RouterStats, config, topo: Topology) -> StepRouting | No
     if not getattr(config, "num_experts", 0):
         return None
     aux, load, margin = stats.take()
-    table = np.zeros([config.num_hidden_layers, 1 + config.num_experts])
+    table = np.zeros([_layers(config), 1 + config.num_experts])
     for layer, values in aux.items():
         table[layer, 0] = float(np.mean([float(value) for value in values]))
     for layer, counts in load.items():
@@ -66,7 +66,7 @@ def router_metrics(routing: StepRouting | None, config, topo: Topology, model: p
     (empty for a dense model). With correction biases under pp, a collective over pp."""
     if routing is None:
         return {}
-    biases = np.zeros([config.num_hidden_layers, 2])
+    biases = np.zeros([_layers(config), 2])
     for layer in balanced_layers(model) if model is not None else []:
         correction = layer.router_layer.correction
         biases[layer.layer_index] = [float(correction.min()), float(correction.max())]
@@ -87,7 +87,12 @@ def router_metrics(routing: StepRouting | None, config, topo: Topology, model: p
     return metrics
 
 
+def _layers(config) -> int:
+    """Rows of the routing tables: the decoder layers, then the multi-token prediction layers (numbered on)."""
+    return config.num_hidden_layers + config.mtp_depth
+
+
 def _corrected(config) -> bool:
     """Whether the model's routers carry correction biases (the same answer on every rank)."""
-    routings = [getattr(config.decoder_layer(i).feed_forward, "routing", None) for i in range(config.num_hidden_layers)]
+    routings = [getattr(config.decoder_layer(i).feed_forward, "routing", None) for i in range(_layers(config))]
     return any(routing is not None and routing.correction_bias for routing in routings)
