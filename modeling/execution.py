@@ -101,6 +101,8 @@ class Execution:
     documents: tuple[int, ...] | None = None  # positions restart after these end-of-document token ids (None: off)
     within_documents: bool = True  # with `documents`: attention stays inside each (False: spans the packed sample)
     router_stats: RouterStats = field(default_factory=RouterStats, compare=False)  # MoE layers' routing, for metrics
+    # each training micro-batch's loss of each multi-token prediction depth (the criterion's), for metrics
+    prediction_losses: list = field(default_factory=list, compare=False)
 
     def positions(self, local_len: int) -> np.ndarray | None:
         """The sequence positions of this rank's `local_len` tokens under context parallelism (None

@@ -29,6 +29,7 @@ class CausalLMCriterion(nn.Layer):
         super().__init__()
         self.parallel = mp_layers.ParallelCrossEntropy(ignore_index=IGNORE_INDEX) if run.tp > 1 else None
         self.ring, self.mtp_weight = run.ring, mtp_weight
+        self.prediction_losses = run.prediction_losses  # where each depth's loss goes for the metrics
 
     def forward(self, logits, labels):
         if not isinstance(logits, tuple):
@@ -37,7 +38,9 @@ class CausalLMCriterion(nn.Layer):
         loss = self.mean(main, labels)
         for depth, ahead in enumerate(depths, start=1):
             shifted = paddle.concat([labels[:, depth:], paddle.full_like(labels[:, :depth], IGNORE_INDEX)], axis=1)
-            loss = loss + self.mtp_weight * self.mean(ahead, shifted)
+            predicted = self.mean(ahead, shifted)
+            self.prediction_losses.append(predicted.detach())
+            loss = loss + self.mtp_weight * predicted
         return loss
 
     def mean(self, logits, labels):

@@ -29,7 +29,7 @@ from modeling.mpt import MPT
 from modeling.olmo2 import OLMO2
 from modeling.olmoe import OLMOE
 from modeling.phi3 import PHI3
-from modeling.pipeline import stage_segments
+from modeling.pipeline import check_stage_split
 from modeling.qwen2 import QWEN2
 from modeling.qwen2_moe import QWEN2_MOE
 from modeling.qwen3 import QWEN3
@@ -115,7 +115,7 @@ def validate_layout(config, layout: Layout, seq_len: int | None = None) -> None:
         _check_context_parallel(config, layout, seq_len)
     family_of(config).check_tensor_parallel(config, layout.tp)
     if layout.pp > 1:
-        stage_segments(config.num_hidden_layers, layout.pp, layout.vpp, "decoder")
+        check_stage_split(config.num_hidden_layers, layout.pp, layout.vpp)
     if getattr(config, "num_experts", 0):
         _check_moe_layout(config, layout)
     elif layout.ep > 1:

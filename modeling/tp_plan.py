@@ -18,6 +18,7 @@ save needs no placement of its own: it plans its writers from the holdings every
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
@@ -176,10 +177,22 @@ def single_card_shape(local, axis: int | None, tp: int) -> list[int]:
     return shape
 
 
+def chunk_starts(num_layers: int, chunks: int) -> list[int]:
+    """The first decoder layer of each of `chunks` pipeline chunks, then `num_layers`: an equal share
+    each, and when they do not divide, one more each for the chunks after the first, in order, so
+    the first and the last (which also hold the embedding, and the head and loss) keep the fewer
+    (DeepSeek-V3's 61 layers over 16 stages: 3, thirteen of 4, then 3 and 3)."""
+    share, extra = divmod(num_layers, chunks)
+    starts = [0]
+    for chunk in range(chunks):
+        starts.append(starts[-1] + share + (1 if 1 <= chunk <= extra else 0))
+    return starts
+
+
 def layer_stage(index: int, num_layers: int, pp: int, vpp: int) -> int:
-    """The pipeline stage of decoder layer `index`: it lives in virtual chunk index // (layers per
-    chunk), and chunk c on stage c % pp (interleaved order)."""
-    return index // (num_layers // (pp * vpp)) % pp
+    """The pipeline stage of decoder layer `index`: it lives in the virtual chunk `chunk_starts`
+    places it in, and chunk c on stage c % pp (interleaved order)."""
+    return (bisect.bisect_right(chunk_starts(num_layers, pp * vpp), index) - 1) % pp
 
 
 def check_divisible(architecture: str, units: dict[str, int], tp: int) -> None:

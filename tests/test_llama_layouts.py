@@ -27,6 +27,7 @@ LAYOUTS = {
     "dp2": (2, ()),
     "sharding2": (2, SHARDING2),
     "pp2_vpp2": (2, PP2 + ("--virtual_pp_degree", "2", "--accumulate_steps", "4")),
+    "pp3_uneven": (3, ("--pipeline_parallel_degree", "3")),  # 8 layers: 2, 3, 3 (tp_plan.chunk_starts)
 }
 
 

@@ -158,3 +158,25 @@ def test_unknown_family_and_indivisible_tp_are_user_errors():
     config = config_from_dict({"model_type": "llama", **CONFIGS["llama"]})
     with pytest.raises(TPPlanError, match="num_key_value_heads=2 is not divisible by --tensor_parallel_degree 4"):
         FAMILIES["llama"].check_tensor_parallel(config, 4)
+
+
+def test_uneven_pipeline_stages_keep_every_layer_and_give_the_first_stage_the_fewer():
+    """Layers that do not divide over the stages are all kept, the shares differ by at most one, the
+    first stage (which also holds the embedding) has the fewer, and so has the last (the head) unless
+    every other stage needs the extra; every placement asks `layer_stage`, which agrees. Splits
+    fleet cannot run are refused by name: a stage without a layer, uneven virtual chunks."""
+    from modeling.pipeline import PipelineSplitError, check_stage_split
+    from modeling.tp_plan import chunk_starts, layer_stage
+
+    assert chunk_starts(61, 16) == [0, 3] + list(range(7, 56, 4)) + [58, 61]  # DeepSeek-V3 / Kimi-K2 over pp16
+    for layers, chunks in ((61, 16), (8, 3), (5, 4), (8, 2), (27, 4)):
+        sizes = np.diff(chunk_starts(layers, chunks))
+        assert sizes.sum() == layers and sizes.max() - sizes.min() <= 1 and sizes[0] == sizes.min()
+        assert sizes[-1] == sizes.min() or layers % chunks == chunks - 1
+        assert [layer_stage(index, layers, chunks, 1) for index in range(layers)] == \
+            [chunk for chunk, size in enumerate(sizes) for _ in range(size)]
+    check_stage_split(61, 16, 1)
+    with pytest.raises(PipelineSplitError, match="num_hidden_layers=3 is fewer than.*4 chunks"):
+        check_stage_split(3, 4, 1)
+    with pytest.raises(PipelineSplitError, match="does not divide into.*= 4 equal chunks.*drop --virtual_pp_degree"):
+        check_stage_split(6, 2, 2)

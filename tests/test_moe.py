@@ -34,7 +34,9 @@ from modeling.registry import LayoutModelError, check_prediction, config_from_di
 from modeling.transformers_adapter import ConfigFieldError
 from paddle_pp.interop.pretrained import TRANSFORMERS, load_pretrained, open_pretrained
 from paddle_pp.interop.transformers import export_hf
+from paddle_pp.planning.memory import plan_layout
 from paddle_pp.runtime.launch import LaunchError, launch
+from paddle_pp.runtime.layout import Layout
 
 import hf_models
 from parity import our_logits
@@ -324,12 +326,12 @@ DEEPSEEK = ("--num_key_value_heads", "4")  # MLA's kv heads are its heads (the r
 @pytest.fixture(scope="module")
 def moe_runs(moe_folders):
     """A DeepSeek-V3-shaped model (latent attention with yarn, a dense first layer, then 8 experts in 2
-    groups with sigmoid routing, correction biases and a shared expert) from its transformers 5
-    folder: 20 steps on one card; under dp2 x tp2 x pp2 + SP with its experts over ep2, recomputing
+    groups with sigmoid routing, correction biases and a shared expert; a multi-token prediction
+    layer) from its transformers 5 folder: 20 steps on one card; under dp2 x tp2 x pp2 + SP with its experts over ep2, recomputing
     whole layers (saving at step 10); under dp2 x sharding2 stage1 over ep2 with full recompute; under
     dp2 x sharding2 stage2 without ep; and the ep2 step-10 checkpoint resumed under ep4 (dp4, two
     experts per rank) and on one card."""
-    start = _start("deepseek_v3", moe_folders["transformers5"]) + DEEPSEEK
+    start = _start(MTP_KIND, moe_folders["transformers5"]) + DEEPSEEK
     single = Run("deepseek_single", 1, start + ("--save_steps", "20"))
     hybrid = Run("deepseek_ep2_tp2_pp2_sp", 8, start + DP2_TP2_PP2_SP + EP2 + (
         "--recompute", "--save_steps", str(RESUME_STEP)))
@@ -345,18 +347,21 @@ def moe_runs(moe_folders):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("layout", ["ep2_tp2_pp2_sp", "ep2_stage1", "stage2"])
 def test_a_deepseek_v3_shaped_model_trains_like_single_card(layout, moe_runs, pretrain_run, moe_folders):
-    """Losses, evaluation, grad norms, aux losses and final weights (the correction biases, moved every
-    step by the balancing rule, among them) on the single-card run's; step 1 is transformers 5's loss
-    on the same batch; the model learns. First, every token of the 20 steps routed clear of a tie by
-    more than the layouts' summation noise (sigmoid scores do come near one: 2.5e-6 measured here)."""
+    """Losses, evaluation, grad norms, aux losses, multi-token prediction losses and final weights (the
+    correction biases, moved every step by the balancing rule, and the prediction layer on the last
+    pipeline stage among them) on the single-card run's; step 1 is transformers 5's next-token loss
+    plus MtpModel's on the same batch, and its logged mtp_loss MtpModel's; the model learns. First,
+    every token of the 20 steps routed clear of a tie by more than the layouts' summation noise
+    (sigmoid scores do come near one: 2.5e-6 measured here)."""
     single = history(pretrain_run, moe_runs["single"])
     assert min(single["router_margins"]) > ROUTING_NOISE, "a token came within summation noise of a routing tie: " \
         "another layout may route it elsewhere; reseed the test folders (hf_models.SEEDS)"
-    expected = json.loads((moe_folders["transformers5"] / "deepseek_v3.json").read_text())["loss"]
-    np.testing.assert_allclose(single["losses"][0], expected, rtol=LOSS_RTOL)
+    answers = np.load(f"{moe_folders['transformers5'] / MTP_KIND}.mtp.npz")
+    np.testing.assert_allclose(single["losses"][0], answers["loss"] + answers["mtp_loss"], rtol=LOSS_RTOL)
+    np.testing.assert_allclose(single["mtp_losses"][0], answers["mtp_loss"], rtol=LOSS_RTOL)
     assert_trains_like(pretrain_run, moe_runs[layout], moe_runs["single"], PARITY_RTOL)
-    np.testing.assert_allclose(history(pretrain_run, moe_runs[layout])["aux_losses"], single["aux_losses"],
-                               rtol=PARITY_RTOL)
+    for metric in ("aux_losses", "mtp_losses"):
+        np.testing.assert_allclose(history(pretrain_run, moe_runs[layout])[metric], single[metric], rtol=PARITY_RTOL)
     assert single["losses"][-1] < single["losses"][0] - 0.5, "the model learns"
 
 
@@ -395,7 +400,7 @@ def test_a_kill_during_an_expert_parallel_save_leaves_the_last_checkpoint_resuma
     train 2 steps on the single-card curve, then die while writing the step-4 save; checkpoint-2
     resumes on one card with exactly its weights and Adam states and continues on the curve."""
     out = tmp_path / "out"
-    common = [*MODEL, *_start("deepseek_v3", moe_folders["transformers5"]), *DEEPSEEK, "--save_steps", "2",
+    common = [*MODEL, *_start(MTP_KIND, moe_folders["transformers5"]), *DEEPSEEK, "--save_steps", "2",
               "--data_cache", str(data_cache), "--output_dir", str(out)]
     with pytest.raises(LaunchError):
         launch(TRAINER.parent / "killed_save_worker.py", 4, [*common, *EP2], work_dir=tmp_path / "killed", timeout=300)
@@ -568,7 +573,8 @@ def test_a_multi_token_prediction_layer_gives_transformers_5s_mtp_model_logits_a
     states, through enorm/hnorm, eh_proj, an MoE decoder layer with a correction bias and shared_head's
     norm, then the model's head), at every position; the training loss is transformers' next-token loss
     plus num_nextn_predict_lambda times MtpModel's loss on the tokens two further, the evaluation loss
-    the next-token loss alone. Per-document positions and context parallelism are refused by name."""
+    the next-token loss alone; the planner counts the layer's parameters. Per-document positions and
+    context parallelism are refused by name."""
     folder = moe_folders["transformers5"] / MTP_KIND
     answers = np.load(f"{folder}.mtp.npz")
     main, ahead = _predictions(folder, IDS)
@@ -586,6 +592,8 @@ def test_a_multi_token_prediction_layer_gives_transformers_5s_mtp_model_logits_a
         model.eval()
         np.testing.assert_allclose(float(model.criterion(model(inputs), labels)), answers["loss"], rtol=LOSS_RTOL)
     assert config.mtp_loss_weight == 1.0  # PaddleNLP's default lambda: the config is silent
+    assert plan_layout(config, Layout(world_size=1))[0].parameters == sum(
+        int(np.prod(param.shape)) for param in model.parameters())  # the planner counts the prediction layer
     for run, flag in ((replace(model.run, documents=(2,)), "--reset_position_ids"),
                       (replace(model.run, ring=SimpleNamespace(degree=2, rank=0)), "--context_parallel_degree 2")):
         with pytest.raises(LayoutModelError, match=f"num_nextn_predict_layers=1.*{flag}"):

@@ -27,8 +27,11 @@ from dataclasses import dataclass, fields
 import paddle
 
 from modeling.blocks.decoder import Decoder, DecoderLayer
+from modeling.blocks.norms import rms_norm_saved_bytes
 from modeling.blocks.parts import Block, Declared, Norm, Part, WholeLinear
 from modeling.documents import state, unpack
+from modeling.execution import Execution
+from modeling.sequence_parallel import sequence_shards
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,15 @@ class Prediction(Decoder):
         width = self.norm.dim
         return {"enorm": self.norm, "hnorm": self.norm, "eh_proj": WholeLinear(2 * width, width),
                 **super().parts(), "shared_head": SharedHead(self.norm)}
+
+    def saved_bytes(self, run: Execution, batch: int, seq_len: int, dtype_bytes: int) -> dict[str, int]:
+        """The decoder layer's, plus what its three norms and the projection's input (both normed
+        halves) keep, on a rank's positions (the planner's model of this layer; not measured)."""
+        tokens = batch * seq_len // sequence_shards(run.tp, run.sequence_parallel)
+        norm = rms_norm_saved_bytes(tokens, self.norm.dim, dtype_bytes, self.norm.offset,
+                                    fused=run.kernels.fused_rms_norm)
+        return {**super().saved_bytes(run, batch, seq_len, dtype_bytes), "enorm": norm, "hnorm": norm,
+                "eh_proj": tokens * 2 * self.norm.dim * dtype_bytes, "shared_head.norm": norm}
 
 
 class PredictionLayer(DecoderLayer):

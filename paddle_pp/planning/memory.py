@@ -5,6 +5,7 @@ blocks' and attention cores' `saved_bytes`) for the run's attention core and rec
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -80,12 +81,16 @@ def decoder_activation_bytes(config, layout: Layout, workload: Workload, stage: 
     recompute one layer at a time rebuilds its `rebuilt` bytes. Under context parallelism a rank
     holds 1/cp of every sequence, and its ring core keeps what the blockwise core keeps for those
     tokens. Layers may differ (a sliding or a full layer under the dense core, dense and MoE layers):
-    each of the stage's layers counts its own. Embedding, head and loss are not included."""
+    each of the stage's layers counts its own, and the last stage its multi-token prediction layers.
+    Embedding, head and loss are not included."""
     run = workload.execution(layout, compute_bytes, config.head_dim)
-    layers = [family_of(config).layer_activations(config, run, workload.per_device_train_batch_size,
-                                                  workload.max_seq_length // layout.cp, compute_bytes, index)
+    batch, seq_len = workload.per_device_train_batch_size, workload.max_seq_length // layout.cp
+    layers = [family_of(config).layer_activations(config, run, batch, seq_len, compute_bytes, index)
               for index in range(config.num_hidden_layers)
               if layer_stage(index, config.num_hidden_layers, layout.pp, layout.vpp) == stage]
+    if stage == layout.pp - 1:
+        layers += [config.prediction_layer(depth).activations(run, batch, seq_len, compute_bytes)
+                   for depth in range(1, config.mtp_depth + 1)]
     in_flight = 1.0 if layout.pp == 1 else min(layout.pp - stage, workload.gradient_accumulation_steps)
     if layout.vpp > 1:
         in_flight *= 1 + (layout.pp - 1) / (layout.pp * layout.vpp)
@@ -101,7 +106,8 @@ def ring_bytes_per_step(config, layout: Layout, workload: Workload, compute_byte
     per_call = ring_traffic_bytes(workload.per_device_train_batch_size, workload.max_seq_length // layout.cp,
                                   config.num_key_value_heads // layout.tp, config.head_dim, layout.cp, compute_bytes,
                                   forward_passes=2 if workload.recompute else 1)
-    layers = config.num_hidden_layers // layout.pp
+    layers = max(Counter(layer_stage(index, config.num_hidden_layers, layout.pp, layout.vpp)
+                         for index in range(config.num_hidden_layers)).values())  # the busiest stage's
     return layers * workload.gradient_accumulation_steps * per_call
 
 
@@ -136,6 +142,7 @@ def dispatch_bytes_per_step(config, layout: Layout, workload: Workload, compute_
     stage's MoE layers, every micro-batch): (with balanced routing, in the worst case). Each MoE layer
     sends its tokens' k rows out and back in forward, their gradients in backward, and again in a
     recomputed forward; balanced routing keeps 1/ep of the rows on their own rank, the worst case none.
+    The multi-token prediction layers count on the last stage.
     Under sequence parallelism every tp rank exchanges the whole sequence's rows (`SparseMoE`). Which
     layers are MoE is each layer's declaration (DeepSeek's and GLM's dense first layers, ERNIE's range)."""
     from modeling.blocks.moe import MoE
@@ -146,6 +153,8 @@ def dispatch_bytes_per_step(config, layout: Layout, workload: Workload, compute_
     for index in range(config.num_hidden_layers):
         if isinstance(config.decoder_layer(index).feed_forward, MoE):
             per_stage[layer_stage(index, config.num_hidden_layers, layout.pp, layout.vpp)] += 1
+    per_stage[-1] += sum(isinstance(config.prediction_layer(depth).feed_forward, MoE)
+                         for depth in range(1, config.mtp_depth + 1))  # on the last stage
     exchanges = 4 + (2 if workload.recompute else 0)
     rows = workload.per_device_train_batch_size * workload.max_seq_length * config.num_experts_per_tok
     worst = max(per_stage) * workload.gradient_accumulation_steps * exchanges * rows * config.hidden_size * compute_bytes

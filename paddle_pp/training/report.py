@@ -57,7 +57,8 @@ class MetricsLog:
 
 
 SCALAR_TAGS = {"loss": "train/loss", "lr": "train/learning_rate", "grad_norm": "train/grad_norm",
-               "tokens_per_sec": "train/tokens_per_second", "eval_loss": "eval/loss"}
+               "tokens_per_sec": "train/tokens_per_second", "eval_loss": "eval/loss", "aux_loss": "train/aux_loss",
+               "mtp_loss": "train/mtp_loss"}
 
 
 class VisualDLLog:

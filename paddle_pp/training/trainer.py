@@ -41,6 +41,7 @@ from paddle_pp.training.grad_norm import ReportingGlobalNormClip
 from paddle_pp.training.loss_plot import plot_loss
 from paddle_pp.training.model_config import check_dropout, model_config, tokenizer_dir
 from paddle_pp.training.output_lock import acquire, release
+from paddle_pp.training.prediction_metrics import prediction_metrics
 from paddle_pp.training.replicated_sync import needs_replicated_sync, sync_replicated
 from paddle_pp.training.report import MetricsLog, VisualDLLog, read_metrics, training_bar
 from paddle_pp.training.router_metrics import router_metrics, step_routing
@@ -324,7 +325,8 @@ class Pretrainer:
         seconds = time.perf_counter() - started
         record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": self.clip.pop_norm(),
                   "tokens_per_sec": self.batches.global_batch * self.args.data.max_seq_length / seconds,
-                  "consumed_samples": consumed, **router_metrics(self.routing, self.config, self.topo, self.raw_model)}
+                  "consumed_samples": consumed, **router_metrics(self.routing, self.config, self.topo, self.raw_model),
+                  **prediction_metrics(self.execution.prediction_losses, self.config, self.topo)}
         return record if updated else {**record, "update_skipped": True}
 
     def evaluate(self) -> float:
@@ -367,7 +369,8 @@ class Pretrainer:
                     board.write(record)
             if bar:
                 if "loss" in record:
-                    bar.set_postfix(loss=f"{record['loss']:.4g}", lr=f"{record['lr']:.3g}",
+                    mtp = {"mtp_loss": f"{record['mtp_loss']:.4g}"} if "mtp_loss" in record else {}
+                    bar.set_postfix(loss=f"{record['loss']:.4g}", **mtp, lr=f"{record['lr']:.3g}",
                                     tok_s=f"{record['tokens_per_sec']:.0f}", refresh=False)
                 bar.update(1)
             self.finish_pending_save(only_if_written=True)

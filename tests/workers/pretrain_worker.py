@@ -94,6 +94,7 @@ def main(argv: list[str]) -> int:
                       "trained_steps": [r["step"] for r in trained], "grad_norms": [r["grad_norm"] for r in trained],
                       "tokens_per_sec": [r["tokens_per_sec"] for r in trained],
                       "aux_losses": [r.get("aux_loss") for r in trained],
+                      "mtp_losses": [r.get("mtp_loss") for r in trained],
                       "router_margins": [r.get("router_margin") for r in trained],
                       "expert_load": trained[-1].get("expert_load") if trained else None,
                       "eval_loss": history[-1].get("eval_loss") if history else None,
