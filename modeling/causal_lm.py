@@ -127,8 +127,10 @@ class CausalLM(CausalLMPretrainedModel):
         layer_state = state(find(self, skeleton.norm)(hidden), None, carried)
         for depth in range(config.mtp_depth):
             layer_state = layers[config.num_hidden_layers + depth](layer_state)
-        head = tokens.weight if config.tie_word_embeddings else find(self, skeleton.head).weight
-        out = head_logits(config, run, layer_state, head, config.tie_word_embeddings, self.training)
+        if config.tie_word_embeddings:
+            out = head_logits(config, run, layer_state, tokens.weight, True, self.training)
+        else:  # called, not read: stage3 gathers a layer's weights in its forward hook
+            out = find(self, skeleton.head)(layer_state)
         if labels is None:
             return out
         return self.criterion(out, labels), out[0] if isinstance(out, tuple) else out

@@ -35,6 +35,7 @@ from modeling.registry import config_from_dict, plan_of, validate_layout
 from paddle_pp.interop.fleet import merge_fleet
 from paddle_pp.interop.paddleformers import export_flex, import_flex
 from paddle_pp.interop.pickled import ALLOW_UNSAFE_PICKLE_HELP
+from paddle_pp.interop.pretrained import our_config_of
 from paddle_pp.interop.transformers import export_paddlenlp_fused
 from paddle_pp.interop.transformers_layout import checkpoint_config
 from paddle_pp.planning.memory import Workload, dispatch_bytes_per_step, plan_layout, ring_bytes_per_step
@@ -48,7 +49,7 @@ DATA_SUFFIXES = {".safetensors", ".pdparams", ".pdopt", ".distcp"}
 
 def _plan(args) -> int:
     config = config_from_dict(checkpoint_config(args.checkpoint) if args.checkpoint else
-                              json.loads(args.config.read_text()))
+                              our_config_of(json.loads(args.config.read_text()), args.config))
     layout = Layout.from_args(args, world_size=args.world_size, device=args.device)
     compute_bytes = 2 if args.bf16 else 4
     workload = read_flags(Workload, args)

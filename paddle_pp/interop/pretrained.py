@@ -179,6 +179,13 @@ def _config_fields(raw: dict) -> dict:
     return {k: v for k, v in raw.items() if k in accepted and k not in RUN_FIELDS}
 
 
+def our_config_of(raw: dict, source: Path) -> dict:
+    """Our config of a transformers or PaddleNLP config.json's values (`source`: where they were read),
+    checked field by field as a folder's (a field spelled otherwise, `n_routed_experts`, is read under
+    our name, never dropped)."""
+    return _our_config(source, raw)[1]
+
+
 def _our_config(folder: Path, raw: dict) -> tuple[ModelFamily, dict, frozenset[str]]:
     """config.json of a PaddleNLP or transformers folder as our config, after every field is found
     modelled or harmless (`TransformersAdapter.our_config`); anything else is refused by name. PaddleNLP's
