@@ -11,9 +11,9 @@ so both generations save the folders and compute the references. Nothing here re
                                                              KIND also as ROOT/KIND_fused, re-saved with
                                                              save_original_format=False
     python hf_models.py logits IDS.npy FOLDER...             each saved folder's logits on IDS (FOLDER.npy)
-    python hf_models.py with_prediction_layer FOLDER ROWS.npy IDS.npy
-                                                             (transformers 5) FOLDER given a multi-token
-                                                             prediction layer, then as below
+    python hf_models.py with_prediction_layers FOLDER DEPTH ROWS.npy IDS.npy
+                                                             (transformers 5) FOLDER given DEPTH multi-token
+                                                             prediction layers, then as below
     python hf_models.py prediction_answers ROWS.npy IDS.npy FOLDER...
                                                              (transformers 5) MtpModel's answers on each
                                                              folder with one (FOLDER.mtp.npz)
@@ -250,13 +250,13 @@ def fp8_dequantized(folder: Path, block: list[int]) -> None:
                                  for name, weight in tensors.items() if name + "_scale_inv" in tensors})
 
 
-def with_prediction_layer(folder: Path, seed: int = 0) -> None:
+def with_prediction_layers(folder: Path, depth: int, seed: int = 0) -> None:
     """`folder` (a transformers 5 DeepSeek-V3 or GLM-4.5 folder whose config counts no prediction layer)
-    given one multi-token prediction layer as released folders store it (DeepSeek-V3's layer 61: its
-    decoder layer's tensors with experts one by one, `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`,
-    and copies of the embedding and head), made by transformers 5.23's `MtpModel` (random, vectors
-    and router moved off their initial values as `make` moves them); the layer `MtpModel.from_pretrained`
-    reads back must be the one written."""
+    given `depth` multi-token prediction layers as released folders store them (DeepSeek-V3's layer 61:
+    its decoder layer's tensors with experts one by one, `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`,
+    and copies of the embedding and head), made by transformers 5.23's `MtpModel` (random, vectors and
+    router moved off their initial values as `make` moves them); the layers `MtpModel.from_pretrained`
+    reads back must be the ones written."""
     import torch
     import transformers
     from safetensors.torch import load_file, save_file
@@ -264,9 +264,9 @@ def with_prediction_layer(folder: Path, seed: int = 0) -> None:
 
     config_file = folder / "config.json"
     config = json.loads(config_file.read_text())
-    config_file.write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    config_file.write_text(json.dumps({**config, "num_nextn_predict_layers": depth}))
     torch.manual_seed(seed)
-    made = MtpModel(transformers.AutoModelForCausalLM.from_pretrained(str(folder)), 1)
+    made = MtpModel(transformers.AutoModelForCausalLM.from_pretrained(str(folder)), depth)
     with torch.no_grad():  # every value set here: MtpModel leaves its stacked experts uninitialized
         for name, param in made.named_parameters():
             if not name.startswith("layers."):
@@ -280,24 +280,27 @@ def with_prediction_layer(folder: Path, seed: int = 0) -> None:
         for name, buffer in made.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(BIAS_SCALE * torch.rand_like(buffer))
+    main = load_file(str(folder / "model.safetensors"))
+    copies = {"embed_tokens.weight": main["model.embed_tokens.weight"], "shared_head.head.weight": main["lm_head.weight"]}
     released = {}
     for name, tensor in made.state_dict().items():
-        if not name.startswith("layers.0."):
+        if not name.startswith("layers."):
             continue
-        key = name.removeprefix("layers.0.").removeprefix("mtp_block.").replace("post_norm.", "shared_head.norm.")
+        _, k, key = name.split(".", 2)
+        layer = f"model.layers.{config['num_hidden_layers'] + int(k)}"
+        key = key.removeprefix("mtp_block.").replace("post_norm.", "shared_head.norm.")
         if key == "mlp.experts.gate_up_proj":  # [E, 2I, H], gate rows first
             for expert, fused in enumerate(tensor):
                 gate, up = fused.chunk(2)
-                released[f"mlp.experts.{expert}.gate_proj.weight"], released[f"mlp.experts.{expert}.up_proj.weight"] = gate, up
+                released[f"{layer}.mlp.experts.{expert}.gate_proj.weight"] = gate
+                released[f"{layer}.mlp.experts.{expert}.up_proj.weight"] = up
         elif key == "mlp.experts.down_proj":
             for expert, down in enumerate(tensor):
-                released[f"mlp.experts.{expert}.down_proj.weight"] = down
+                released[f"{layer}.mlp.experts.{expert}.down_proj.weight"] = down
         else:
-            released[key] = tensor
-    main = load_file(str(folder / "model.safetensors"))
-    released |= {"embed_tokens.weight": main["model.embed_tokens.weight"], "shared_head.head.weight": main["lm_head.weight"]}
-    layer = config["num_hidden_layers"]
-    save_file({**main, **{f"model.layers.{layer}.{key}": value.clone().contiguous() for key, value in released.items()}},
+            released[f"{layer}.{key}"] = tensor
+        released |= {f"{layer}.{key}": value for key, value in copies.items()}
+    save_file({**main, **{name: value.clone().contiguous() for name, value in released.items()}},
               str(folder / "model.safetensors"), metadata={"format": "pt"})
     read, wrote = _prediction_model(folder)[1].state_dict(), made.state_dict()
     assert read.keys() == wrote.keys() and all(torch.equal(read[k], wrote[k]) for k in read), "MtpModel read back"
@@ -310,16 +313,18 @@ def _prediction_model(folder: Path):
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager").eval()
     # transformers finds the prediction layers by the main model's ignored keys, written for 61 layers
-    model._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{model.config.num_hidden_layers}\..*"]
+    first, depth = model.config.num_hidden_layers, model.config.num_nextn_predict_layers
+    model._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{layer}\..*" for layer in range(first, first + depth)]
     return model, MtpModel.from_pretrained(model).eval()
 
 
 def prediction_answers(folder: Path, rows: np.ndarray, ids: np.ndarray) -> None:
-    """transformers 5.23's answers on a folder with a multi-token prediction layer, saved beside it
-    (`<folder>.mtp.npz`): the next-token logits on `ids` and the prediction layer's (`MtpModel.
-    forward_layer` on the main model's final hidden states and the tokens one further, at positions
-    one further, as MtpModel takes them; the last position embeds token 0: the sample has none
-    beyond), and on `rows` the next-token loss and the prediction layer's (the tokens two further)."""
+    """transformers 5.23's answers on a folder with multi-token prediction layers, saved beside it
+    (`<folder>.mtp.npz`): the next-token logits on `ids` and each prediction layer's, [depth, ...]
+    (`MtpModel.forward_layer` as its drafting loop chains them: depth k on the previous depth's output,
+    or the main model's final hidden states, and the tokens k further, at positions k further; the
+    last k positions embed token 0: the sample has none beyond), and on `rows` the next-token loss
+    and each depth's (the tokens k + 1 further)."""
     import torch
 
     model, mtp = _prediction_model(folder)
@@ -327,19 +332,24 @@ def prediction_answers(folder: Path, rows: np.ndarray, ids: np.ndarray) -> None:
     def answers(tokens: np.ndarray):
         inputs = torch.tensor(tokens)
         out = model(inputs, output_hidden_states=True)
-        ahead = torch.cat([inputs[:, 1:], torch.zeros_like(inputs[:, :1])], dim=1)
-        positions = torch.arange(1, inputs.shape[1] + 1).expand(inputs.shape)
-        hidden = mtp.forward_layer(0, out.hidden_states[-1], positions, None, input_ids=ahead)
-        return out.logits, mtp._project_to_logits(hidden)
+        hidden, predicted = out.hidden_states[-1], []
+        for k in range(1, len(mtp.layers) + 1):
+            ahead = torch.cat([inputs[:, k:], torch.zeros_like(inputs[:, :k])], dim=1)
+            positions = torch.arange(k, inputs.shape[1] + k).expand(inputs.shape)
+            hidden = mtp.forward_layer(k - 1, hidden, positions, None, input_ids=ahead)
+            predicted.append(mtp._project_to_logits(hidden))
+        return out.logits, predicted
+
+    def mean_loss(logits, targets):
+        return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)))
 
     with torch.no_grad():
         logits, predicted = answers(ids)
         row_logits, row_predicted = answers(rows[:, :-1])
-        labels, vocab = torch.tensor(rows), row_logits.shape[-1]
-        loss = torch.nn.functional.cross_entropy(row_logits.reshape(-1, vocab), labels[:, 1:].reshape(-1))
-        mtp_loss = torch.nn.functional.cross_entropy(row_predicted[:, :-1].reshape(-1, vocab), labels[:, 2:].reshape(-1))
-    np.savez(f"{folder}.mtp.npz", logits=logits.numpy(), predicted=predicted.numpy(), loss=float(loss),
-             mtp_loss=float(mtp_loss))
+        labels = torch.tensor(rows)
+        mtp_losses = [mean_loss(each[:, :-k], labels[:, k + 1:]) for k, each in enumerate(row_predicted, start=1)]
+    np.savez(f"{folder}.mtp.npz", logits=logits.numpy(), predicted=torch.stack(predicted).numpy(),
+             loss=mean_loss(row_logits, labels[:, 1:]), mtp_losses=np.array(mtp_losses))
 
 
 def transformers5(*args) -> None:
@@ -358,9 +368,9 @@ if __name__ == "__main__":
     if command == "make":
         root, rows, ids, *kinds = rest
         make_with_answers(Path(root), np.load(rows), np.load(ids), kinds)
-    elif command == "with_prediction_layer":
-        folder, rows, ids = rest
-        with_prediction_layer(Path(folder))
+    elif command == "with_prediction_layers":
+        folder, depth, rows, ids = rest
+        with_prediction_layers(Path(folder), int(depth))
         prediction_answers(Path(folder), np.load(rows), np.load(ids))
     elif command == "prediction_answers":
         rows, ids, *folders = rest

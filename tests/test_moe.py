@@ -65,6 +65,8 @@ MARGIN = 1e-4  # least gap between the k-th and (k+1)-th router logit of a route
 ROUTING_NOISE = 1e-6  # how far apart two layouts' router scores come over 20 steps (their summation orders)
 KINDS = list(hf_models.MOE_KINDS)
 MTP_KIND = "deepseek_v3_mtp"  # transformers 5's DeepSeek-V3 folder given a multi-token prediction layer
+# such folders: from which kind's, with how many prediction layers (GLM's two chained, as transformers chains them)
+PREDICTING = {MTP_KIND: ("deepseek_v3", 1), "glm4_moe_mtp": ("glm4_moe", 2)}
 
 
 @pytest.fixture(scope="module")
@@ -82,10 +84,10 @@ def moe_folders(tmp_path_factory, data_cache) -> dict:
         for kind in KINDS:
             for path in tokenizer_files(TOKENIZER):
                 shutil.copy(path, root / kind)
-    predicting = roots["transformers5"] / MTP_KIND
-    shutil.copytree(roots["transformers5"] / "deepseek_v3", predicting)
-    hf_models.transformers5("with_prediction_layer", predicting, roots["transformers5"] / "rows.npy",
-                            roots["transformers5"] / "ids.npy")
+    for predicting, (kind, depth) in PREDICTING.items():
+        shutil.copytree(roots["transformers5"] / kind, roots["transformers5"] / predicting)
+        hf_models.transformers5("with_prediction_layers", roots["transformers5"] / predicting, depth,
+                                roots["transformers5"] / "rows.npy", roots["transformers5"] / "ids.npy")
     return roots
 
 
@@ -357,8 +359,8 @@ def test_a_deepseek_v3_shaped_model_trains_like_single_card(layout, moe_runs, pr
     assert min(single["router_margins"]) > ROUTING_NOISE, "a token came within summation noise of a routing tie: " \
         "another layout may route it elsewhere; reseed the test folders (hf_models.SEEDS)"
     answers = np.load(f"{moe_folders['transformers5'] / MTP_KIND}.mtp.npz")
-    np.testing.assert_allclose(single["losses"][0], answers["loss"] + answers["mtp_loss"], rtol=LOSS_RTOL)
-    np.testing.assert_allclose(single["mtp_losses"][0], answers["mtp_loss"], rtol=LOSS_RTOL)
+    np.testing.assert_allclose(single["losses"][0], answers["loss"] + answers["mtp_losses"].mean(), rtol=LOSS_RTOL)
+    np.testing.assert_allclose(single["mtp_losses"][0], answers["mtp_losses"].mean(), rtol=LOSS_RTOL)
     assert_trains_like(pretrain_run, moe_runs[layout], moe_runs["single"], PARITY_RTOL)
     for metric in ("aux_losses", "mtp_losses"):
         np.testing.assert_allclose(history(pretrain_run, moe_runs[layout])[metric], single[metric], rtol=PARITY_RTOL)
@@ -558,24 +560,27 @@ def test_an_moe_checkpoint_loads_in_both_transformers_as_saved_and_exported(kind
 
 
 def _predictions(folder, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Our (next-token logits, prediction layer's logits) of `ids` from `folder` (training mode: the
-    prediction layers run in training only)."""
+    """Our (next-token logits, each prediction layer's logits [depth, ...]) of `ids` from `folder`
+    (training mode: the prediction layers run in training only)."""
     model, _ = _our_model(folder, train=True)
     with paddle.no_grad():
-        main, ahead = model(paddle.to_tensor(ids))
-    return main.numpy(), ahead.numpy()
+        main, *depths = model(paddle.to_tensor(ids))
+    return main.numpy(), np.stack([depth.numpy() for depth in depths])
 
 
-def test_a_multi_token_prediction_layer_gives_transformers_5s_mtp_model_logits_and_loss(moe_folders):
-    """A DeepSeek-V3 folder with its prediction layer stored as released (transformers 5.23's MtpModel
-    made it and reads it back): our next-token logits are transformers' model's and the prediction
-    layer's are MtpModel's (the embeddings of the tokens one further and the main model's final hidden
-    states, through enorm/hnorm, eh_proj, an MoE decoder layer with a correction bias and shared_head's
-    norm, then the model's head), at every position; the training loss is transformers' next-token loss
-    plus num_nextn_predict_lambda times MtpModel's loss on the tokens two further, the evaluation loss
+@pytest.mark.parametrize("kind", list(PREDICTING))
+def test_a_multi_token_prediction_layer_gives_transformers_5s_mtp_model_logits_and_loss(kind, moe_folders):
+    """A DeepSeek-V3 folder with one prediction layer and a GLM-4.5 folder with two, stored as released
+    (transformers 5.23's MtpModel made them and reads them back): our next-token logits are transformers'
+    model's and each prediction layer's are MtpModel's (the embeddings of the tokens k further and the
+    previous depth's output, the main model's final hidden states at depth 1, through enorm/hnorm,
+    eh_proj, an MoE decoder layer with a correction bias (latent attention, or GLM's grouped-query
+    attention with biases and partial rotary) and shared_head's norm, then the model's head), at every
+    position; the training loss is transformers' next-token loss plus num_nextn_predict_lambda times
+    the mean of MtpModel's depth losses (each on the tokens k + 1 further), the evaluation loss
     the next-token loss alone; the planner counts the layer's parameters. Per-document positions and
     context parallelism are refused by name."""
-    folder = moe_folders["transformers5"] / MTP_KIND
+    folder = moe_folders["transformers5"] / kind
     answers = np.load(f"{folder}.mtp.npz")
     main, ahead = _predictions(folder, IDS)
     np.testing.assert_allclose(main, answers["logits"], rtol=LOGITS_TOL, atol=LOGITS_TOL)
@@ -586,17 +591,17 @@ def test_a_multi_token_prediction_layer_gives_transformers_5s_mtp_model_logits_a
     model, config = _our_model(folder, train=True)
     with paddle.no_grad():
         for weight in (1.0, 0.3):
-            model.criterion.mtp_weight = weight  # lambda / D with one layer
+            model.criterion.mtp_weight = weight  # lambda / D: each depth's weight
             np.testing.assert_allclose(float(model.criterion(model(inputs), labels)),
-                                       answers["loss"] + weight * answers["mtp_loss"], rtol=LOSS_RTOL)
+                                       answers["loss"] + weight * answers["mtp_losses"].sum(), rtol=LOSS_RTOL)
         model.eval()
         np.testing.assert_allclose(float(model.criterion(model(inputs), labels)), answers["loss"], rtol=LOSS_RTOL)
-    assert config.mtp_loss_weight == 1.0  # PaddleNLP's default lambda: the config is silent
+    assert config.mtp_loss_weight == 1.0 / PREDICTING[kind][1]  # PaddleNLP's default lambda: the config is silent
     assert plan_layout(config, Layout(world_size=1))[0].parameters == sum(
         int(np.prod(param.shape)) for param in model.parameters())  # the planner counts the prediction layer
     for run, flag in ((replace(model.run, documents=(2,)), "--reset_position_ids"),
                       (replace(model.run, ring=SimpleNamespace(degree=2, rank=0)), "--context_parallel_degree 2")):
-        with pytest.raises(LayoutModelError, match=f"num_nextn_predict_layers=1.*{flag}"):
+        with pytest.raises(LayoutModelError, match=f"num_nextn_predict_layers={PREDICTING[kind][1]}.*{flag}"):
             check_prediction(config, run)
 
 
@@ -611,7 +616,7 @@ def test_multi_token_prediction_trains_under_ep2_tp2_pp2_sp_like_single_card(moe
     (split, split_out), (single, single_out) = moe_starts["split"], moe_starts["single"]
     name = f"{MTP_KIND}-{SPLIT_VERSION}"
     np.testing.assert_allclose(single[0]["folders"][name]["loss"], answers["loss"], rtol=LOSS_RTOL)
-    np.testing.assert_allclose(single[0]["folders"][name]["losses"][0], answers["loss"] + answers["mtp_loss"],
+    np.testing.assert_allclose(single[0]["folders"][name]["losses"][0], answers["loss"] + answers["mtp_losses"].mean(),
                                rtol=LOSS_RTOL)
     np.testing.assert_allclose(split[0]["folders"][name]["loss"], single[0]["folders"][name]["loss"], rtol=RESUME_RTOL)
     np.testing.assert_allclose(split[0]["folders"][name]["losses"], single[0]["folders"][name]["losses"],
