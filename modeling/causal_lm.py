@@ -123,8 +123,8 @@ class CausalLM(CausalLMPretrainedModel):
         layers = find(self, skeleton.layers)
         for index in range(config.num_hidden_layers):
             layer_state = layers[index](layer_state)
-        hidden, _, carried = unpack(layer_state)
-        layer_state = state(find(self, skeleton.norm)(hidden), None, carried)
+        hidden, positions, carried = unpack(layer_state)
+        layer_state = state(find(self, skeleton.norm)(hidden), positions, carried)
         for depth in range(config.mtp_depth):
             layer_state = layers[config.num_hidden_layers + depth](layer_state)
         if config.tie_word_embeddings:

@@ -17,7 +17,8 @@ class CausalLMCriterion(nn.Layer):
     """Mean cross-entropy over labels that are not IGNORE_INDEX; with multi-token prediction's
     logits (a tuple: the next token's, then depth k's for the token k + 1 further, `blocks/
     prediction.py`) plus `mtp_weight` (lambda / D) times each depth's mean over the positions whose
-    token that far on is in the sample (the labels shifted by k).
+    token that far on is in the sample (the labels shifted by k), and, when the positions restart
+    per document (given after the logits), whose token k further is in their own document.
 
     Under TP the logits stay split by vocabulary and `ParallelCrossEntropy` reduces across ranks,
     so the full logits are never gathered. Under context parallelism each rank holds part of every
@@ -35,9 +36,14 @@ class CausalLMCriterion(nn.Layer):
         if not isinstance(logits, tuple):
             return self.mean(logits, labels)
         main, *depths = logits
+        positions = depths.pop() if not depths[-1].is_floating_point() else None  # restarting per document
         loss = self.mean(main, labels)
         for depth, ahead in enumerate(depths, start=1):
             shifted = paddle.concat([labels[:, depth:], paddle.full_like(labels[:, :depth], IGNORE_INDEX)], axis=1)
+            if positions is not None:  # token i + depth must be in token i's document
+                inside = paddle.concat([positions[:, depth:] == positions[:, :-depth] + depth,
+                                        paddle.zeros_like(positions[:, :depth], "bool")], axis=1)
+                shifted = paddle.where(inside, shifted, paddle.full_like(shifted, IGNORE_INDEX))
             predicted = self.mean(ahead, shifted)
             self.prediction_losses.append(predicted.detach())
             loss = loss + self.mtp_weight * predicted

@@ -113,10 +113,10 @@ class NormSection(nn.Layer):
         self.name = name
 
     def forward(self, layer_state):
-        """The last decoder layer's output, normed; under per-document attention the positions end
-        here, what is carried for multi-token prediction goes on."""
-        hidden, _, carried = unpack(layer_state)
-        return state(getattr(self, self.name)(hidden), None, carried)
+        """The last decoder layer's output, normed; the document positions and what is carried for
+        multi-token prediction go on (its layers and loss read them)."""
+        hidden, positions, carried = unpack(layer_state)
+        return state(getattr(self, self.name)(hidden), positions, carried)
 
 
 def _split(path: str) -> tuple[str, str]:

@@ -185,17 +185,10 @@ def core_notes(config, run: Execution) -> list[str]:
 
 
 def check_prediction(config, run: Execution) -> None:
-    """Multi-token prediction's next tokens are the sample's next tokens: not under what would make
-    them another document's or another rank's."""
-    if not config.mtp_depth:
-        return
-    name = family_of(config).architecture
-    if run.documents is not None:
-        raise LayoutModelError(f"{name} with num_nextn_predict_layers={config.mtp_depth} and positions restarting per "
-                               "document (--no-use_global_causal_attn or --reset_position_ids): multi-token prediction "
-                               "across document boundaries is not implemented; train with global causal attention, or "
-                               "set num_nextn_predict_layers to 0 in config.json")
-    if run.ring is not None:
+    """Multi-token prediction looks a few tokens ahead in the sample: not under context parallelism,
+    where they are another rank's."""
+    if config.mtp_depth and run.ring is not None:
+        name = family_of(config).architecture
         raise LayoutModelError(f"{name} with num_nextn_predict_layers={config.mtp_depth} and --context_parallel_degree "
                                f"{run.cp[0]}: the next tokens of a rank's chunk are on another rank (not implemented); "
                                "use --context_parallel_degree 1")

@@ -3,7 +3,8 @@ gives, token by token, what its documents give run one at a time. The references
 own models (made inside the test) run on each document alone, for the logits of LLaMA 3, Gemma 2
 (windows, soft-caps), GPT-2 (learned positions), DeepSeek-V3 (latent attention, yarn) and GPT-OSS
 (sinks, windows); our single-card model on each document alone, for the gradients of the summed
-loss; and the single card per document, for the ring of cp2 x tp2 x pp2 + SP and cp4."""
+loss (multi-token prediction's too); and the single card per document, for the ring of cp2 x tp2 x
+pp2 + SP and cp4, and for multi-token prediction under tp2 x pp2 + SP."""
 
 from __future__ import annotations
 
@@ -129,6 +130,50 @@ def test_a_packed_sample_trains_as_its_documents_one_at_a_time(root, kind, core)
                                    err_msg=f"{kind}, {core}: {name}")
 
 
+PREDICTING = dict(model_type="deepseek_v3", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                  v_head_dim=8, num_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2, moe_intermediate_size=16,
+                  first_k_dense_replace=1, num_nextn_predict_layers=1, num_nextn_predict_lambda=0.5,
+                  max_position_embeddings=64, aux_loss_alpha=0.0)  # a balance loss is the whole sample's statistic
+
+
+@pytest.mark.parametrize("core", list(CORE_CASES))
+def test_a_packed_sample_trains_its_prediction_layer_as_its_documents_one_at_a_time(core):
+    """Multi-token prediction (a DeepSeek-V3-shaped model with one prediction layer, lambda 0.5) on the
+    packed sample per document against each document alone in one causal stream: every depth-1
+    prediction whose embedded token (the next one) is in its position's document counts (a document's
+    last token embeds the next document's first token and is not counted, as the alone run has no
+    such token), so the loss is the count-weighted mix of the documents' next-token and prediction
+    losses, and its gradient, for every parameter, that mix of theirs (rtol 1e-5, atol 1e-5 of the
+    largest entry); the documents' positions reach the prediction layer's attention and the loss."""
+    from modeling.registry import config_from_dict, family_of
+
+    config = config_from_dict(PREDICTING)
+    paddle.seed(3)
+    packed_model = family_of(config).causal_lm(config, Execution(attention=CORE_CASES[core], documents=(END,)))
+    alone_model = family_of(config).causal_lm(config, Execution(attention=CORE_CASES[core]))
+    alone_model.set_state_dict(packed_model.state_dict())
+    tokens = packed_ids(config.vocab_size)
+    labels = np.roll(tokens, -1, axis=1)
+    packed_model.criterion(packed_model(paddle.to_tensor(tokens)), paddle.to_tensor(labels)).backward()
+    parts = [(tokens[row:row + 1, start:end], labels[row:row + 1, start:end])
+             for row in range(len(LENGTHS)) for start, end in documents(row)]
+    main_count, ahead_count = sum(ids.size for ids, _ in parts), sum(ids.size - 1 for ids, _ in parts)
+    mixed = paddle.zeros([])
+    for ids, part_labels in parts:  # each document's (mean next-token loss, weighted mean prediction loss)
+        logits, part_labels = alone_model(paddle.to_tensor(ids)), paddle.to_tensor(part_labels)
+        main = alone_model.criterion(logits[0], part_labels)
+        ahead = alone_model.criterion(logits, part_labels) - main
+        mixed = mixed + main * ids.size / main_count + ahead * (ids.size - 1) / ahead_count
+    mixed.backward()
+    alone_grads = {name: param.grad.numpy() for name, param in alone_model.named_parameters()}
+    scale = max(np.abs(grad).max() for grad in alone_grads.values())
+    assert np.abs(alone_grads["deepseek_v3.layers.2.eh_proj.weight"]).max() > 0
+    for name, param in packed_model.named_parameters():
+        np.testing.assert_allclose(param.grad.numpy(), alone_grads[name], rtol=TRAIN_TOL, atol=TRAIN_TOL * scale,
+                                   err_msg=f"{core}: {name}")
+
+
 CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64)
 BLOCKWISE = ("--attention", "blockwise", "--block", "6", "--documents", str(END))
@@ -150,6 +195,17 @@ def model_files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def documents_runs(run_workers_module, model_files):
     return layout_runs(run_workers_module, model_files, LAYOUTS, ("--documents", str(END)))
+
+
+@pytest.fixture(scope="module")
+def predicting_runs(run_workers_module, tmp_path_factory):
+    from modeling.deepseek import DeepseekV3ForCausalLM
+
+    fields = {key: value for key, value in PREDICTING.items() if key != "model_type"}
+    files = write_model_files(tmp_path_factory.mktemp("predicting_documents"), "deepseek_v3", fields,
+                              DeepseekV3ForCausalLM)
+    return layout_runs(run_workers_module, files, {"tp2_pp2_sp": (4, TP2 + PP2 + ("--sequence_parallel",) + BLOCKWISE)},
+                       ("--documents", str(END)))
 
 
 @pytest.fixture(scope="module")
@@ -209,3 +265,12 @@ def test_the_flag_sets_the_tokenizers_end_token_and_refuses_what_it_cannot_keep(
     for flags in (["--no-use_global_causal_attn"], ["--reset_position_ids"]):
         with pytest.raises(UserError, match=f"{flags[0]}: the tokenizer has no end-of-sequence token"):
             run_execution(parse_args(flags).model, CPU, None, 64, None)
+
+
+@pytest.mark.multiproc
+def test_multi_token_prediction_per_document_under_tp_pp_and_sp_matches_the_single_card(predicting_runs):
+    """The prediction layer on the last pipeline stage, its documents' positions carried beside the
+    hidden states and the next tokens' embeddings from the first stage, under tp2 x pp2 + SP, per
+    document: eval loss (1e-6), 3 AdamW steps and every parameter (1e-5) against one card's."""
+    assert_matches("tp2_pp2_sp", predicting_runs("tp2_pp2_sp"), predicting_runs("single"))
+

@@ -69,11 +69,13 @@ def logits(config, run: Execution, hidden: paddle.Tensor, weight: paddle.Tensor,
 
 def head_logits(config, run: Execution, layer_state, weight: paddle.Tensor, tied: bool, training: bool):
     """The next token's logits from the final hidden states of `layer_state`; in training with
-    multi-token prediction a tuple: then each depth's, from the outputs carried beside them."""
-    hidden, _, carried = unpack(layer_state)
+    multi-token prediction a tuple: then each depth's, from the outputs carried beside them, and the
+    document positions when they restart (which predictions count, `loss.CausalLMCriterion`)."""
+    hidden, positions, carried = unpack(layer_state)
     if not (training and carried):
         return logits(config, run, hidden, weight, tied)
-    return tuple(logits(config, run, each, weight, tied) for each in (hidden, *carried))
+    out = tuple(logits(config, run, each, weight, tied) for each in (hidden, *carried))
+    return out if positions is None else (*out, positions)
 
 
 class HeadLayer(nn.Layer):

@@ -15,7 +15,12 @@ the hidden states'. The last k positions of a sample have no token i + k + 1: th
 token 0 and their prediction is not counted (`loss.CausalLMCriterion`), Megatron's and transformers'
 way, instead of lengthening every sample by D tokens as PaddleNLP's data does. Rotary positions are
 the main model's (transformers gives the prediction layer positions one further: rotary attention
-depends only on their differences).
+depends only on their differences). With positions restarting per document the prediction layers
+attend as the decoder layers do, and a prediction counts only where its embedded token is in the
+position's own document (token i + k after token i without a document start between): the target
+may then be the next document's first token, as the next-token loss's at a document's end, and a
+packed sample trains as its documents one at a time (Megatron masks the same way in packed
+sequences). The positions reach the loss beside the logits (`embedding.head_logits`).
 
 In evaluation the prediction layers are skipped: evaluation reports the next-token loss alone.
 """
@@ -91,12 +96,12 @@ class PredictionLayer(DecoderLayer):
         embeddings taken and its output appended. Passed on untouched in evaluation."""
         if not self.training:
             return layer_state
-        hidden, _, carried = unpack(layer_state)
+        hidden, positions, carried = unpack(layer_state)
         embeddings, rest = carried[0], carried[1:]
         previous = hidden if self.declared.depth == 1 else rest[-1]
         mixed = self.eh_proj(paddle.concat([self.enorm(embeddings), self.hnorm(previous)], axis=-1))
-        out = self.run.recompute("full", self._block, mixed, training=self.training)
-        return state(hidden, None, rest + (self.shared_head(out),))
+        out = self.run.recompute("full", lambda x: self._block(x, positions), mixed, training=self.training)
+        return state(hidden, positions, rest + (self.shared_head(out),))
 
 
 Prediction.layer = PredictionLayer
