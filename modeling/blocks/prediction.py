@@ -19,8 +19,8 @@ depends only on their differences). With positions restarting per document the p
 attend as the decoder layers do, and a prediction counts only where its embedded token is in the
 position's own document (token i + k after token i without a document start between): the target
 may then be the next document's first token, as the next-token loss's at a document's end, and a
-packed sample trains as its documents one at a time (Megatron masks the same way in packed
-sequences). The positions reach the loss beside the logits (`embedding.head_logits`).
+packed sample trains as its documents one at a time. The positions reach the loss beside the
+logits (`embedding.head_logits`).
 
 In evaluation the prediction layers are skipped: evaluation reports the next-token loss alone.
 """
