@@ -73,6 +73,25 @@ def test_each_layers_saved_bytes_equal_its_declarations_model(model_type, core, 
         family(model_type).layer_activations(config, run, BATCH, SEQ, index=i).kept for i in range(2))
 
 
+@pytest.mark.parametrize("core", ["dense", "blockwise"])
+def test_a_prediction_layers_saved_bytes_equal_its_declarations_model(core):
+    """A multi-token prediction layer (its decoder layer dense here: an MoE's own model assumes
+    balanced routing) keeps what its declaration says: the decoder layer's, its two input norms',
+    the projection's input and the shared head's norm."""
+    fields = dict(FAMILIES["deepseek_v3"], first_k_dense_replace=3, num_nextn_predict_layers=1)
+    config = config_from_dict(dict(model_type="deepseek_v3", **fields))
+    run = Execution(attention=CORES[core])
+    layer = _layers(family("deepseek_v3").causal_lm(config, run))[config.num_hidden_layers]
+    layer.train()
+    hidden, embeddings = (paddle.randn([BATCH, SEQ, config.hidden_size]) for _ in range(2))
+    hidden.stop_gradient = embeddings.stop_gradient = False
+    measured = saved_activation_bytes(layer, lambda: layer(state(hidden, None, (embeddings,))),
+                                      rotary_constants(layer, SEQ))
+    declared = config.prediction_layer(1).saved_bytes(run, BATCH, SEQ, 4)
+    assert measured == {name: size for name, size in declared.items() if size}
+    assert {"enorm", "hnorm", "eh_proj", "shared_head.norm"} <= set(measured)
+
+
 @pytest.mark.parametrize("model_type", ["gemma2", "olmo2", "mpt"])
 def test_what_each_recompute_granularity_keeps_equals_the_model(model_type):
     """Paddle's CPU allocator: a layer's training forward leaves allocated, beyond its input, the

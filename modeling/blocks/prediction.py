@@ -77,7 +77,7 @@ class Prediction(Decoder):
 
     def saved_bytes(self, run: Execution, batch: int, seq_len: int, dtype_bytes: int) -> dict[str, int]:
         """The decoder layer's, plus what its three norms and the projection's input (both normed
-        halves) keep, on a rank's positions (the planner's model of this layer; not measured)."""
+        halves) keep, on a rank's positions (the planner's model; measured equal for a dense one)."""
         tokens = batch * seq_len // sequence_shards(run.tp, run.sequence_parallel)
         norm = rms_norm_saved_bytes(tokens, self.norm.dim, dtype_bytes, self.norm.offset,
                                     fused=run.kernels.fused_rms_norm)
