@@ -111,6 +111,10 @@ def validate_layout(config, layout: Layout, seq_len: int | None = None) -> None:
     does not split over the layout's tp, or its decoder layers over pp x vpp; with `seq_len`, also
     when a layer's attention over that many tokens is one the layout cannot compute."""
     config.validate()
+    if config.mtp_depth and layout.cp > 1:  # multi-token prediction looks a few tokens ahead in the sample
+        raise LayoutModelError(f"{family_of(config).architecture} with num_nextn_predict_layers={config.mtp_depth} and "
+                               f"--context_parallel_degree {layout.cp}: the next tokens of a rank's chunk are on another "
+                               "rank (not implemented); use --context_parallel_degree 1")
     if seq_len is not None and layout.cp > 1:
         _check_context_parallel(config, layout, seq_len)
     family_of(config).check_tensor_parallel(config, layout.tp)
@@ -184,22 +188,11 @@ def core_notes(config, run: Execution) -> list[str]:
             f"core does not compute {reason})" for reason, layers in by_reason.items()]
 
 
-def check_prediction(config, run: Execution) -> None:
-    """Multi-token prediction looks a few tokens ahead in the sample: not under context parallelism,
-    where they are another rank's."""
-    if config.mtp_depth and run.ring is not None:
-        name = family_of(config).architecture
-        raise LayoutModelError(f"{name} with num_nextn_predict_layers={config.mtp_depth} and --context_parallel_degree "
-                               f"{run.cp[0]}: the next tokens of a rank's chunk are on another rank (not implemented); "
-                               "use --context_parallel_degree 1")
-
-
 def build_causal_lm(config, topo: Topology, choices: Execution = Execution()):
     """The model form the layout needs (`*ForCausalLMPipe` when pp > 1, else `*ForCausalLM` with
     TP inside) for the run's `choices`, checked against its family's declaration."""
     model_family = family_of(config)
     run = execution_for(topo.layout, topo.tp_rank, choices, topo.ring, topo.experts)
-    check_prediction(config, run)
     model = model_family.pipe(config, run) if topo.layout.pp > 1 else model_family.causal_lm(config, run)
     model_family.check_built(model, config, run, topo.layout.pp, topo.pp_rank)
     return model

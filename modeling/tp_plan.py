@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from functools import cached_property, partial
+from functools import cached_property, lru_cache, partial
 from typing import Callable, Iterator
 
 import numpy as np
@@ -177,16 +177,18 @@ def single_card_shape(local, axis: int | None, tp: int) -> list[int]:
     return shape
 
 
-def chunk_starts(num_layers: int, chunks: int) -> list[int]:
+@lru_cache(maxsize=None)  # asked for every tensor a rank may hold: 46 million times planning a 2048-rank save
+def chunk_starts(num_layers: int, chunks: int) -> tuple[int, ...]:
     """The first decoder layer of each of `chunks` pipeline chunks, then `num_layers`: an equal share
     each, and when they do not divide, one more each for the chunks after the first, in order, so
-    the first and the last (which also hold the embedding, and the head and loss) keep the fewer
-    (DeepSeek-V3's 61 layers over 16 stages: 3, thirteen of 4, then 3 and 3)."""
+    the first chunk (which also holds the embedding) keeps the fewer, and so does the last (the head
+    and loss) unless every other chunk needs one more (DeepSeek-V3's 61 layers over 16 stages: 3,
+    thirteen of 4, then 3 and 3)."""
     share, extra = divmod(num_layers, chunks)
     starts = [0]
     for chunk in range(chunks):
         starts.append(starts[-1] + share + (1 if 1 <= chunk <= extra else 0))
-    return starts
+    return tuple(starts)
 
 
 def layer_stage(index: int, num_layers: int, pp: int, vpp: int) -> int:

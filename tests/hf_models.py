@@ -281,8 +281,11 @@ def with_prediction_layers(folder: Path, depth: int, seed: int = 0) -> None:
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(BIAS_SCALE * torch.rand_like(buffer))
     main = load_file(str(folder / "model.safetensors"))
-    copies = {"embed_tokens.weight": main["model.embed_tokens.weight"], "shared_head.head.weight": main["lm_head.weight"]}
     released = {}
+    for k in range(depth):  # each layer's copies of the embedding and head
+        layer = f"model.layers.{config['num_hidden_layers'] + k}"
+        released |= {f"{layer}.embed_tokens.weight": main["model.embed_tokens.weight"],
+                     f"{layer}.shared_head.head.weight": main["lm_head.weight"]}
     for name, tensor in made.state_dict().items():
         if not name.startswith("layers."):
             continue
@@ -299,7 +302,6 @@ def with_prediction_layers(folder: Path, depth: int, seed: int = 0) -> None:
                 released[f"{layer}.mlp.experts.{expert}.down_proj.weight"] = down
         else:
             released[f"{layer}.{key}"] = tensor
-        released |= {f"{layer}.{key}": value for key, value in copies.items()}
     save_file({**main, **{name: value.clone().contiguous() for name, value in released.items()}},
               str(folder / "model.safetensors"), metadata={"format": "pt"})
     read, wrote = _prediction_model(folder)[1].state_dict(), made.state_dict()

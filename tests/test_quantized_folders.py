@@ -72,7 +72,7 @@ def test_an_mxfp4_folder_starts_at_the_logits_transformers_computes_on_it(mxfp4_
     shard = ShardReader(mxfp4_folder / "model.safetensors")
     assert len(theirs.files) == 2 * json.loads((mxfp4_folder / "config.json").read_text())["num_hidden_layers"]
     for name in theirs.files:  # what transformers dequantized on load, ours exactly
-        np.testing.assert_array_equal(Mxfp4Reader(name, shard, shard).read(name), theirs[name], err_msg=name)
+        np.testing.assert_array_equal(Mxfp4Reader(shard, shard).read(name), theirs[name], err_msg=name)
     assert open_pretrained(mxfp4_folder).config.get("quantization_config") is None, "trained unquantized"
     np.testing.assert_allclose(our_logits(mxfp4_folder, IDS), np.load(f"{mxfp4_folder}.npy"), rtol=1e-5, atol=1e-5)
 
@@ -82,7 +82,7 @@ def test_a_rank_reads_one_experts_bytes(mxfp4_folder):
     equals the same expert of the whole tensor."""
     shard = ShardReader(mxfp4_folder / "model.safetensors")
     name = "model.layers.0.mlp.experts.gate_up_proj"
-    reader = Mxfp4Reader(name, shard, shard)
+    reader = Mxfp4Reader(shard, shard)
     whole = reader.read(name)
     assert list(whole.shape) == reader.shape(name) == [4, 64, 256]
     for expert in range(4):
@@ -152,7 +152,7 @@ def test_an_fp8_folder_reads_as_transformers_dequantizes_it_and_starts_at_its_lo
     shard = ShardReader(folder / "model.safetensors")
     assert len(theirs) > 10
     for name, expected in theirs.items():
-        np.testing.assert_array_equal(Fp8Reader(name, shard, shard, FP8_BLOCK).read(name), expected, err_msg=name)
+        np.testing.assert_array_equal(Fp8Reader(shard, shard, FP8_BLOCK).read(name), expected, err_msg=name)
     opened = open_pretrained(folder)
     assert opened.config.get("quantization_config") is None and not opened.notes
     np.testing.assert_allclose(our_logits(folder, IDS), hf_models.logits(reference, IDS), rtol=1e-5, atol=1e-5)

@@ -134,8 +134,9 @@ class DecoderLayer(Block):
                             norms.after_feed_forward)
 
     def forward(self, layer_state):
-        """`layer_state`: the hidden states, or (hidden states, document positions) under per-document
-        attention (`modeling/documents.py`); given back in the same form."""
+        """`layer_state`: the hidden states, or a tuple with the document positions under per-document
+        attention and what multi-token prediction carries (`documents.state`); given back in the same
+        form with new hidden states."""
         hidden, positions, _ = unpack(layer_state)
         hidden = self.run.recompute("full", lambda x: self._block(x, positions), hidden, training=self.training)
         return with_hidden(layer_state, hidden)

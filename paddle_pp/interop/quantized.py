@@ -52,10 +52,10 @@ def dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, 
 
 
 class Mxfp4Reader:
-    """Tensor `name` from its `_blocks` and `_scales` entries (each in its file's reader)."""
+    """A tensor from its `_blocks` and `_scales` entries (each in its file's reader)."""
 
-    def __init__(self, name: str, blocks: ShardReader, scales: ShardReader):
-        self.name, self.blocks, self.scales = name, blocks, scales
+    def __init__(self, blocks: ShardReader, scales: ShardReader):
+        self.blocks, self.scales = blocks, scales
 
     def shape(self, name: str) -> list[int]:
         *lead, rows, groups, pair = self.blocks.shape(name + BLOCKS)
@@ -70,10 +70,10 @@ class Mxfp4Reader:
 
 
 class Fp8Reader:
-    """Tensor `name` from its float8 entry and its `_scale_inv` entry (each in its file's reader)."""
+    """A tensor from its float8 entry and its `_scale_inv` entry (each in its file's reader)."""
 
-    def __init__(self, name: str, weights: ShardReader, scales: ShardReader, block: tuple[int, int]):
-        self.name, self.weights, self.scales, self.block = name, weights, scales, block
+    def __init__(self, weights: ShardReader, scales: ShardReader, block: tuple[int, int]):
+        self.weights, self.scales, self.block = weights, scales, block
 
     def shape(self, name: str) -> list[int]:
         return self.weights.shape(name)
@@ -86,14 +86,14 @@ def _cut(whole: np.ndarray, piece: Piece) -> np.ndarray:
     return piece.flat_slice(np.ascontiguousarray(piece.cut(whole)))
 
 
-def _paired(readers: dict, codes: str, scales: str, make: Callable[[str, ShardReader, ShardReader], object]) -> dict:
-    """`readers` with each `<name><codes>` / `<name><scales>` pair replaced by `make(name, the codes'
-    reader, the scales' reader)`."""
+def _paired(readers: dict, codes: str, scales: str, make: Callable[[ShardReader, ShardReader], object]) -> dict:
+    """`readers` with each `<name><codes>` / `<name><scales>` pair replaced, under `<name>`, by
+    `make(the codes' reader, the scales' reader)`."""
     names = [key.removesuffix(codes) for key in readers
              if key.endswith(codes) and key.removesuffix(codes) + scales in readers]
     taken = {name + suffix for name in names for suffix in (codes, scales)}
     return {key: reader for key, reader in readers.items() if key not in taken} | {
-        name: make(name, readers[name + codes], readers[name + scales]) for name in names}
+        name: make(readers[name + codes], readers[name + scales]) for name in names}
 
 
 def dequantizing(readers: dict[str, ShardReader], quantization: dict | None) -> dict:
@@ -104,4 +104,4 @@ def dequantizing(readers: dict[str, ShardReader], quantization: dict | None) -> 
     if quantization.get("quant_method") != "fp8" or not quantization.get("weight_block_size"):
         return readers
     block = tuple(quantization["weight_block_size"])
-    return _paired(readers, "", SCALE_INV, lambda name, codes, scales: Fp8Reader(name, codes, scales, block))
+    return _paired(readers, "", SCALE_INV, lambda codes, scales: Fp8Reader(codes, scales, block))

@@ -19,7 +19,7 @@ def prediction_metrics(recorded: list, config, topo: Topology) -> dict:
     every rank calls it once per step), {} otherwise; `recorded` is emptied."""
     if not config.mtp_depth:
         return {}
-    total = paddle.to_tensor([float(sum(float(loss) for loss in recorded)), float(len(recorded))], "float64")
+    total = paddle.to_tensor([sum(float(loss) for loss in recorded), len(recorded)], "float64")
     recorded.clear()
     for group, size in (("pp_group", topo.layout.pp), ("dp_group", topo.layout.dp),
                         ("sharding_group", topo.layout.sharding_degree)):
