@@ -15,6 +15,7 @@ FORMAT_VERSION = 2  # 2: files carry CRC-32 instead of SHA-256 (version 1 files 
 MODEL, OPTIMIZER, GRADIENTS = "model", "optimizer", "gradients"
 CONFIG_FILE = "config.json"
 TRAINER_STATE_FILE = "trainer_state.json"
+TRAINER_STATE_PICKLE = "trainer_state.bin"  # PaddleFormers' (a pickled TrainerState)
 TOKENIZER_FILE = "tokenizer.model"  # a SentencePiece model (the shipped tokenizer, and LLaMA folders')
 # Files a tokenizer folder may hold: checkpoints, exports and conversions carry them all.
 TOKENIZER_FILE_PATTERNS = ("tokenizer*", "vocab*", "merges.txt", "special_tokens_map.json", "added_tokens.json",
@@ -61,9 +62,31 @@ def checkpoint_dir_name(step: int) -> str:
     return f"{CHECKPOINT_PREFIX}{step}"
 
 
+# Checkpoints other trainers write, told apart by their files, and the tool that turns each into ours.
+FOREIGN_CHECKPOINTS = (
+    ("a PaddleFormers flex checkpoint", lambda folder: any(Path(folder).glob("model_state/*.metadata")),
+     "tools/reshard.py paddleformers {folder} <new folder> --model <the folder the run started from>"),
+    ("a PaddleFormers unified checkpoint", lambda folder: (Path(folder) / TRAINER_STATE_PICKLE).is_file()
+     and (Path(folder) / index_name(MODEL)).is_file(), "tools/reshard.py paddleformers {folder} <new folder>"),
+    ("PaddleNLP's or fleet's per-rank files", lambda folder: any(Path(folder).glob("model_state.tp*.pdparams")),
+     "tools/reshard.py merge {folder} <new folder>"),
+)
+
+
+def foreign_checkpoint(folder: Path) -> str | None:
+    """What another trainer's checkpoint `folder` is and the command that imports it; None otherwise."""
+    for what, recognised, command in FOREIGN_CHECKPOINTS:
+        if recognised(folder):
+            return f"{folder} is {what}: import it first with `{command.format(folder=folder)}` and use that folder"
+    return None
+
+
 def read_index(folder: Path, kind: str) -> dict:
     """The index of `kind` in `folder`."""
     path = Path(folder) / index_name(kind)
+    foreign = foreign_checkpoint(folder) if kind == MODEL else None
+    if foreign:
+        raise CheckpointError(foreign)
     if not path.is_file():
         raise CheckpointError(f"{path} is missing: {folder} is not a complete unified checkpoint")
     return read_versioned_json(path)

@@ -483,6 +483,7 @@ class ShardReader:
                 if header_len > size - 8:
                     raise ValueError(f"header of {header_len} bytes in a file of {size}")
                 header = json.loads(handle.read(header_len))
+            self.metadata: dict[str, str] = header.get("__metadata__") or {}  # e.g. {"format": "pt"}
             self._entries = {k: v for k, v in header.items() if k != "__metadata__"}
             end = max((v["data_offsets"][1] for v in self._entries.values()), default=0)
         except (struct.error, ValueError, KeyError, TypeError, AttributeError) as err:

@@ -74,7 +74,7 @@ def verify_checkpoint(folder: Path, plan_of_folder: Callable[[Path], ModelPlan] 
 
 
 def _against_config(folder: Path, plan_of_folder: Callable[[Path], ModelPlan]) -> list[str]:
-    """The model index against the shapes `config.json` implies (single-card names and shapes)."""
+    """The model index against what `config.json` implies: single-card names, shapes and tp axes."""
     try:
         plan = plan_of_folder(folder)
         tensors = read_index(folder, MODEL)["metadata"]["tensors"]
@@ -86,4 +86,7 @@ def _against_config(folder: Path, plan_of_folder: Callable[[Path], ModelPlan]) -
     problems += [f"{name}: shape {tensors[name]['shape']}, config.json implies {shape}"
                  for name, shape in sorted(expected.items()) if name in tensors and tensors[name]["shape"] != shape]
     problems += [f"{name}: not a parameter of the model config.json describes" for name in sorted(set(tensors) - set(expected))]
+    axes = plan.axes()  # a wrong recorded axis would split the tensor wrongly (`reshard split`)
+    problems += [f"{name}: index records tp axis {tensors[name].get('tp_axis')}, the model splits it on {axes[name]}"
+                 for name in sorted(set(tensors) & set(expected)) if tensors[name].get("tp_axis") != axes[name]]
     return problems

@@ -7,9 +7,10 @@
   join    SOURCE TARGET: a pre-split copy back to the unified format
   merge   SOURCE TARGET: Paddle fleet per-rank files (model_state.tpXX_ppYY.pdparams,
           optimizer.tpXX_ppYY[_shardZZ].pdopt, config.json, trainer_state.json) to the unified format
-  flex    SOURCE TARGET --model FOLDER: a PaddleFormers checkpoint in its flex format (model_state/,
-          optimizer_state/, master_weight/, trainer_state.bin) to the unified format, FOLDER giving the
-          model's config and tokenizer
+  paddleformers SOURCE TARGET [--model FOLDER]: a PaddleFormers checkpoint to the unified format, in
+          either of its formats: flex (model_state/, optimizer_state/, master_weight/, trainer_state.bin;
+          FOLDER, the one the run started from, gives the config and tokenizer it lacks) or unified
+          (model-*.safetensors in transformers' layout, optimizer-*.safetensors, config.json)
   to-flex SOURCE TARGET: a unified checkpoint (either weights layout) written back in PaddleFormers' flex
           format, for its trainer to resume
   rechunk SOURCE TARGET --max_shard_mb N: rewrite a unified checkpoint with another shard size
@@ -33,7 +34,7 @@ from checkpoint.writers import assign_writers
 from modeling.paddlenlp_fused import FFN, QKV
 from modeling.registry import config_from_dict, plan_of, validate_layout
 from paddle_pp.interop.fleet import merge_fleet
-from paddle_pp.interop.paddleformers import export_flex, import_flex
+from paddle_pp.interop.paddleformers import export_flex, import_paddleformers
 from paddle_pp.interop.pickled import ALLOW_UNSAFE_PICKLE_HELP
 from paddle_pp.interop.pretrained import our_config_of
 from paddle_pp.interop.transformers import export_paddlenlp_fused
@@ -114,8 +115,8 @@ def _rewrite(args) -> int:
         elif args.command == "merge":
             out = merge_fleet(args.source, args.target, int(args.max_shard_mb * 2**20), on_tensor,
                               args.allow_unsafe_pickle)
-        elif args.command == "flex":
-            out = import_flex(args.source, args.target, args.model, int(args.max_shard_mb * 2**20), on_tensor)
+        elif args.command == "paddleformers":
+            out = import_paddleformers(args.source, args.target, args.model, int(args.max_shard_mb * 2**20), on_tensor)
         elif args.command == "to-flex":
             out = export_flex(args.source, args.target, on_tensor)
         else:
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--max_rows", type=int, default=64, help="print the per-rank save table up to this many ranks")
     helps = {"split": "write a per-rank pre-split copy for a layout", "join": "a pre-split copy back to unified",
              "merge": "fleet per-rank .pdparams/.pdopt files to unified",
-             "flex": "a PaddleFormers flex checkpoint (model_state/, optimizer_state/, ...) to unified",
+             "paddleformers": "a PaddleFormers checkpoint (flex or unified) to unified",
              "to-flex": "a unified checkpoint to PaddleFormers' flex format",
              "rechunk": "change the shard size",
              "weights": "a weights-only copy to hand a model on (optionally bfloat16/float16)"}
@@ -162,10 +163,9 @@ def main(argv: list[str] | None = None) -> int:
                                  help=f"store the projections fused as PaddleNLP's model with {flag} does")
         if name == "merge":
             sub.add_argument("--allow_unsafe_pickle", action="store_true", help=ALLOW_UNSAFE_PICKLE_HELP)
-        if name == "flex":
-            sub.add_argument("--model", type=Path, required=True,
-                             help="the folder the run started from: its config.json and tokenizer (a flex "
-                                  "checkpoint has neither)")
+        if name == "paddleformers":
+            sub.add_argument("--model", type=Path, help="for a flex checkpoint: the folder the run started from, "
+                                                        "its config.json and tokenizer (a flex checkpoint has neither)")
     args = parser.parse_args(argv)
     try:
         return _plan(args) if args.command == "plan" else _rewrite(args)

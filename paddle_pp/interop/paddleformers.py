@@ -1,24 +1,32 @@
-"""A PaddleFormers 1.2 training checkpoint in its default flex format turned into a unified one,
-which this trainer resumes under any layout (`tools/reshard.py flex`), and a unified checkpoint
-written back in that format (`tools/reshard.py to-flex`, `export_flex`).
+"""A PaddleFormers 1.2 training checkpoint, in either of its formats, turned into a unified one
+which this trainer resumes under any layout (`tools/reshard.py paddleformers`), and a unified
+checkpoint written back in its default flex format (`tools/reshard.py to-flex`, `export_flex`).
 
-What PaddleFormers writes (`trainer.py` `_save_flex_model_state` / `_save_flex_optimizer_state`):
-`model_state/` with a plain family's tensors under transformers' names (`model.layers.0.self_attn.
-q_proj.weight`) in Paddle's [in, out] layout for linears, the head as transformers keeps it ([vocab,
-hidden]); `optimizer_state/` with AdamW's `<name>.moment1_0`, `.moment2_0`, `.beta1_pow_acc_0`,
-`.beta2_pow_acc_0`; `master_weight/` with fp32 masters `<name>.w_0` under mixed precision (empty in
-fp32); `trainer_state.bin` (a pickled TrainerState: global_step, consumed_samples) and
+The flex format (`trainer.py` `_save_flex_model_state` / `_save_flex_optimizer_state`): `model_state/`
+with a plain family's tensors under transformers' names (`model.layers.0.self_attn.q_proj.weight`)
+in Paddle's [in, out] layout for linears, the head as transformers keeps it ([vocab, hidden]);
+`optimizer_state/` with AdamW's `<name>.moment1_0`, `.moment2_0`, `.beta1_pow_acc_0`,
+`.beta2_pow_acc_0`; `master_weight/` with fp32 masters `<name>.w_0` under mixed precision (an empty
+one in fp32); `trainer_state.bin` (a pickled TrainerState: global_step, consumed_samples) and
 `scheduler.pdparams`. Each tensor is taken whole from its pieces (`interop/flex.py`) and placed by
 its shape: as ours, or transposed where only the transpose fits (the head). A flex checkpoint has no
 config.json: the model's comes from the folder the run started from (`model_folder`), which also
-gives the tokenizer. Families PaddleFormers fuses internally (ERNIE 4.5's qkv_proj, Gemma 3's
-up_gate_proj) are refused by the names they lack.
+gives the tokenizer.
+
+Its unified checkpoint (`unified_checkpoint/load_save_single_card.py`): the weights are a transformers
+folder (names, [out, in] linears, `format: pt`, config.json beside them), read as one; the optimizer's
+`optimizer-*.safetensors` keep `<name>/moment1_0` ... under transformers' names in Paddle's layout
+(`format: np`: the tensors as PaddleFormers holds them, the head [vocab, hidden]), and
+`master_weights-*.safetensors` (under mixed precision only; read from PaddleFormers' source, not
+produced on CPU here) the fp32 masters by name in the same layout. Each file's layout is taken from its
+own `format` metadata, not assumed. Families PaddleFormers fuses internally (ERNIE 4.5's qkv_proj,
+Gemma 3's up_gate_proj) are refused by the names they lack.
 
 The way back writes the same names, layouts and files through Paddle's own `save_state_dict` (one
 process, each tensor whole: a checkpoint of any layout loads from it, as PaddleFormers resumes one
 through `load_state_dict`). It holds the weights, then the optimizer's states and masters, in memory
-whole, since `save_state_dict` takes whole tensors. Not run against PaddleFormers itself
-(docs/known-problems.md).
+whole, since `save_state_dict` takes whole tensors. PaddleFormers 1.2's Trainer resumes it
+(tests/test_paddleformers.py).
 """
 
 from __future__ import annotations
@@ -31,8 +39,17 @@ from typing import Callable
 
 import numpy as np
 
-from checkpoint.format import FORMAT_VERSION, MODEL, OPTIMIZER, STATE_SEPARATOR, CheckpointError
-from checkpoint.optimizer_state import MASTER_WEIGHT
+from checkpoint.format import (
+    FORMAT_VERSION,
+    MODEL,
+    OPTIMIZER,
+    STATE_SEPARATOR,
+    TRAINER_STATE_PICKLE,
+    CheckpointError,
+    index_name,
+)
+from checkpoint.optimizer_state import MASTER_WEIGHT, state_tp_axis
+from checkpoint.shards import ShardReader
 from checkpoint.split import DEFAULT_SHARD_BYTES
 from modeling.registry import config_from_dict, family_of, plan_of
 from paddle_pp.interop.fleet import scheduler_state, write_rank_arrays, write_unified
@@ -42,7 +59,7 @@ from paddle_pp.interop.pretrained import open_pretrained
 
 ADAM_STATES = ("moment1", "moment2", "beta1_pow_acc", "beta2_pow_acc")  # Paddle AdamW's accumulators, `_0` on disk
 MASTER_SUFFIX = "w_0"
-TRAINER_STATE_BIN = "trainer_state.bin"
+OPTIMIZER_INDEX, MASTER_WEIGHTS_INDEX = "optimizer.safetensors.index.json", "master_weights.safetensors.index.json"
 TRAINER_STATE_CLASS = ("paddleformers.trainer.trainer_callback", "TrainerState")
 
 
@@ -98,7 +115,7 @@ def _states(parts: dict[str, FlexFolder], names: dict[str, str], weights: dict[s
 
 
 def _trainer_state(source: Path) -> dict:
-    path = source / TRAINER_STATE_BIN
+    path = source / TRAINER_STATE_PICKLE
     if not path.is_file():
         raise CheckpointError(f"{path} is missing: the import needs the step and consumed samples to resume")
     theirs = load_pickled_record(path, {TRAINER_STATE_CLASS: SimpleNamespace})
@@ -107,6 +124,59 @@ def _trainer_state(source: Path) -> dict:
     return {"format_version": FORMAT_VERSION, "step": int(theirs.global_step),
             "consumed_samples": int(getattr(theirs, "consumed_samples", 0)),
             "lr_scheduler": scheduler_state(source, {}, False), "imported_from": str(source)}
+
+
+def _layout_of(reader: ShardReader, expected: str, what: str) -> None:
+    found = reader.metadata.get("format")
+    if found != expected:
+        raise CheckpointError(f"{reader.path} stores {what} in format {found!r}; PaddleFormers 1.2 writes them in "
+                              f"{expected!r} (its layout for them), and no other layout is read")
+
+
+def _unified_states(source: Path, names: dict[str, str], weights: dict[str, np.ndarray],
+                    head: str) -> dict[str, np.ndarray]:
+    """Our optimizer keys from PaddleFormers' optimizer and master-weight files (Paddle's layout,
+    the head [vocab, hidden])."""
+    states = {}
+    for index_file, suffixes in ((OPTIMIZER_INDEX, {state: f"/{state}_0" for state in ADAM_STATES}),
+                                 (MASTER_WEIGHTS_INDEX, {MASTER_WEIGHT: ""})):
+        if not (source / index_file).is_file():
+            continue
+        weight_map = json.loads((source / index_file).read_text())["weight_map"]
+        readers = {file: ShardReader(source / file) for file in sorted(set(weight_map.values()))}
+        for reader in readers.values():
+            _layout_of(reader, "np", "optimizer states")
+        unread = set(weight_map)
+        for ours, theirs in names.items():
+            for state, suffix in suffixes.items():
+                key = theirs + suffix
+                if key not in weight_map:
+                    continue
+                unread.discard(key)
+                value = _float32(readers[weight_map[key]].read(key))
+                states[f"{ours}{STATE_SEPARATOR}{state}"] = value if value.size == 1 else \
+                    _placed(_their_layout(value, ours, head), weights[ours].shape, key)
+        if unread:
+            raise CheckpointError(f"{source / index_file} holds states of tensors this model lacks: "
+                                  f"{', '.join(sorted(unread)[:4])}")
+    return states
+
+
+def import_unified(source: Path, target: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                   on_tensor: Callable[[str, int], None] | None = None) -> Path:
+    """Write PaddleFormers' unified checkpoint `source` as ours at `target` (its config and tokenizer
+    are in it)."""
+    source = Path(source)
+    for file in sorted(set(json.loads((source / index_name(MODEL)).read_text())["weight_map"].values())):
+        _layout_of(ShardReader(source / file), "pt", "weights")
+    folder = open_pretrained(source)
+    config = config_from_dict(folder.config)
+    plan = plan_of(config)
+    names, head = _their_names(config, plan), f"{family_of(config).skeleton.head}.weight"
+    weights = {ours: _float32(folder.read(ours, None, 1, 0)) for ours in names}
+    states = _unified_states(source, names, weights, head)
+    return _write_imported(target, config, plan, weights, states, _trainer_state(source), source, max_shard_bytes,
+                           on_tensor)
 
 
 def import_flex(source: Path, target: Path, model_folder: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
@@ -121,14 +191,44 @@ def import_flex(source: Path, target: Path, model_folder: Path, max_shard_bytes:
     plan = plan_of(config)
     names = _their_names(config, plan)
     weights = _weights(parts["model_state"], names, plan)
+    return _write_imported(target, config, plan, weights, _states(parts, names, weights), _trainer_state(source),
+                           model_folder, max_shard_bytes, on_tensor)
+
+
+def import_paddleformers(source: Path, target: Path, model_folder: Path | None = None,
+                         max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                         on_tensor: Callable[[str, int], None] | None = None) -> Path:
+    """A PaddleFormers checkpoint in either of its formats, told apart by its files, as ours at `target`
+    (a flex one needs `model_folder` for the config and tokenizer it lacks)."""
+    source = Path(source)
+    if (source / "model_state").is_dir():
+        if model_folder is None:
+            raise CheckpointError(f"{source} is a flex checkpoint, which holds no config.json: pass --model, the "
+                                  "folder the run started from")
+        return import_flex(source, target, model_folder, max_shard_bytes, on_tensor)
+    if (source / index_name(MODEL)).is_file() and (source / TRAINER_STATE_PICKLE).is_file():
+        return import_unified(source, target, max_shard_bytes, on_tensor)
+    raise CheckpointError(f"{source} is not a PaddleFormers checkpoint (neither model_state/ of a flex one nor "
+                          f"{index_name(MODEL)} with {TRAINER_STATE_PICKLE} of a unified one)")
+
+
+def _write_imported(target: Path, config, plan, weights: dict[str, np.ndarray], states: dict[str, np.ndarray],
+                    trainer_state: dict, tokenizer_folder: Path, max_shard_bytes: int,
+                    on_tensor: Callable[[str, int], None] | None) -> Path:
+    """Weights and states of single-card names and shapes as a unified checkpoint, their tp axes
+    recorded (how `reshard split` and every loader cut them)."""
+    axes = plan.axes()
+
+    def axis(key: str, array: np.ndarray) -> int | None:
+        param = key.split(STATE_SEPARATOR)[0]
+        return state_tp_axis(array.shape, weights[param].shape, axes.get(param))
 
     def write(writer) -> None:
-        write_rank_arrays(writer, MODEL, 0, 0, weights, lambda name, array: None, 1)
-        states = _states(parts, names, weights)
+        write_rank_arrays(writer, MODEL, 0, 0, weights, axis, 1)
         if states:
-            write_rank_arrays(writer, OPTIMIZER, 0, 0, states, lambda name, array: None, 1)
+            write_rank_arrays(writer, OPTIMIZER, 0, 0, states, axis, 1)
 
-    return write_unified(Path(target), config, plan, (1, 1), write, _trainer_state(source), model_folder,
+    return write_unified(Path(target), config, plan, (1, 1), write, trainer_state, tokenizer_folder,
                          max_shard_bytes, on_tensor)
 
 
@@ -168,7 +268,7 @@ def export_flex(source: Path, target: Path, on_tensor: Callable[[str, int], None
     import paddle
 
     from checkpoint.durable import new_folder
-    from checkpoint.format import TRAINER_STATE_FILE, copy_tokenizer_files, index_name
+    from checkpoint.format import TRAINER_STATE_FILE, copy_tokenizer_files
     from checkpoint.unified_io import UnifiedReader
     from paddle_pp.interop.transformers_layout import checkpoint_config
 
@@ -198,14 +298,13 @@ def export_flex(source: Path, target: Path, on_tensor: Callable[[str, int], None
                     by_kind["optimizer_state"][f"{names[ours]}.{state_name}_0"] = array
                 else:
                     raise CheckpointError(f"{key}: PaddleFormers' AdamW keeps no state {state_name!r}")
-            for kind, arrays in by_kind.items():
-                if arrays:
-                    _save_kind(arrays, partial / kind)
-                    arrays.clear()
+            for kind, arrays in by_kind.items():  # both, as PaddleFormers: its resume opens master_weight/ in fp32 too
+                _save_kind(arrays, partial / kind)
+                arrays.clear()
         fields = TRAINER_STATE_FIELDS | {"global_step": int(state["step"]),
                                          "consumed_samples": int(state.get("consumed_samples", 0)),
                                          "max_steps": int(state.get("max_steps", 0))}
-        (partial / TRAINER_STATE_BIN).write_bytes(pickled_instance(*TRAINER_STATE_CLASS, fields))
+        (partial / TRAINER_STATE_PICKLE).write_bytes(pickled_instance(*TRAINER_STATE_CLASS, fields))
         if state.get("lr_scheduler"):
             paddle.save(state["lr_scheduler"], str(partial / "scheduler.pdparams"))
         copy_tokenizer_files(source, partial)

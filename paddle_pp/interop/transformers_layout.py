@@ -28,6 +28,8 @@ from checkpoint.format import (
     TRAINER_STATE_FILE,
     TRANSFORMERS_LAYOUT,
     WEIGHTS_LAYOUT,
+    CheckpointError,
+    foreign_checkpoint,
     index_name,
     read_index,
     tensor_nbytes,
@@ -110,7 +112,12 @@ def checkpoint_config(folder: Path) -> dict:
     """Our config of a checkpoint folder, in either weights layout (config.json is transformers' when
     it was saved with --save_to_hf), as `config.to_dict()` gives it."""
     folder = Path(folder)
+    foreign = foreign_checkpoint(folder)
+    if foreign:
+        raise CheckpointError(foreign)
     if weights_layout(folder) is None:
+        if not (folder / CONFIG_FILE).is_file():
+            raise CheckpointError(f"{folder / CONFIG_FILE} is missing: {folder} is not a checkpoint of this trainer")
         return json.loads((folder / CONFIG_FILE).read_text())
     return config_from_dict(open_pretrained(folder, weights=False).config).to_dict()
 

@@ -25,6 +25,7 @@ def tensor_progress(total_bytes: int, description: str) -> Iterator[Callable[[st
     with tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=description,
               mininterval=0.5) as bar:
         yield lambda name, nbytes: bar.update(nbytes)
+        bar.update(max(0, bar.total - bar.n))  # the total counts whole files (headers, small files): done is 100%
 
 
 class MetricsLog:
