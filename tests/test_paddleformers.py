@@ -4,15 +4,16 @@ tests/paddleformers_runs.py, `.venv/paddleformers`).
 PaddleFormers trains its own LLaMA 6 steps on our trainer's samples in our trainer's order, with the
 same AdamW, clipping and schedule, and saves at step 3 in each of its formats (flex, its default, and
 its unified checkpoint). Both import bit for bit: every weight and Adam state equal to what its model
-and optimizer held at step 3. From either import this trainer continues PaddleFormers' own curve
-(steps 4-6, 1e-5) on one card and under tp2 x pp2; a PaddleFormers folder given to
-`--resume_from_checkpoint` as it is gets the import command. The way back: the tp2 x pp2 run's step-5
+and optimizer held at step 3. This trainer continues PaddleFormers' own curve (steps 4-6, 1e-5) from
+the flex import under tp2 x pp2 and from the unified one on one card; a PaddleFormers folder given to
+`--resume_from_checkpoint` as it is gets the import command. Its `save_pretrained` folder starts this
+trainer on its whole curve (its warmup modelled). The way back: the tp2 x pp2 run's step-5
 checkpoint (weights in transformers' layout) written as a flex checkpoint is resumed by PaddleFormers'
 own Trainer, whose step 6 is its uninterrupted run's (1e-5), and PaddleFormers' model loads that
 checkpoint's weights folder with our logits (1e-5).
 
-The schedules agree after warmup only: PaddleFormers' warmup multiplies by step / warmup, ours (and
-PaddleNLP's pretraining) by (step + 1) / warmup; the resumes start after it (docs/known-problems.md).
+PaddleFormers' warmup multiplies the peak by step / warmup, ours by default (PaddleNLP's pretraining,
+Megatron) by (step + 1) / warmup: `--warmup_from_zero`, which PaddleFormers' recipes set, is its way.
 """
 
 from __future__ import annotations
@@ -122,12 +123,12 @@ def _resume_one_card(folder: Path, data_cache: Path, out: Path) -> subprocess.Co
 
 def test_one_card_continues_paddleformers_curve_and_its_own_folder_gets_the_import_command(theirs, imported,
                                                                                         data_cache, tmp_path):
-    """The flex import resumed on one card trains PaddleFormers' steps 4-6 (1e-5); its checkpoint folder
+    """The unified import resumed on one card trains PaddleFormers' steps 4-6 (1e-5); its checkpoint folder
     as it is is refused before training, naming `tools/reshard.py paddleformers`."""
-    done = _resume_one_card(imported["flex_checkpoint"], data_cache, tmp_path / "resumed")
+    done = _resume_one_card(imported["unified_checkpoint"], data_cache, tmp_path / "resumed")
     assert done.returncode == 0, done.stderr[-2000:]
     losses = [json.loads(line)["loss"] for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
-    expected = _losses(theirs["flex_checkpoint"])
+    expected = _losses(theirs["unified_checkpoint"])
     np.testing.assert_allclose(losses, [expected[step] for step in range(SAVED + 1, STEPS + 1)], rtol=TOL)
     for format, root in theirs.items():
         refused = _resume_one_card(root / "run" / f"checkpoint-{SAVED}", data_cache, tmp_path / f"refused_{format}")
@@ -135,18 +136,34 @@ def test_one_card_continues_paddleformers_curve_and_its_own_folder_gets_the_impo
         assert "a PaddleFormers" in refused.stderr and "tools/reshard.py paddleformers" in refused.stderr, format
 
 
+def test_its_save_pretrained_folder_trains_here_on_its_curve_warming_up_as_it_does(theirs, data_cache, tmp_path):
+    """The folder PaddleFormers' `save_pretrained` wrote (its config keys, transformers' layout) starts this
+    trainer, which with PaddleFormers' warmup (`--warmup_from_zero`, what its recipes set) trains its six
+    losses (1e-5), the two warmup steps included."""
+    out = tmp_path / "from_start"
+    done = subprocess.run([sys.executable, str(SCRIPT), *MODEL, *SCHEDULE, "--warmup_from_zero", "--logging_steps",
+                           "1", "--model_name_or_path", str(theirs["flex_checkpoint"] / "start"), "--data_cache",
+                           str(data_cache), "--output_dir", str(out)], capture_output=True, text=True, timeout=300,
+                          cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["lr"] == 0.0, "PaddleFormers' first step has no learning rate"
+    expected = _losses(theirs["flex_checkpoint"])
+    np.testing.assert_allclose([r["loss"] for r in records], [expected[s] for s in range(1, STEPS + 1)], rtol=TOL)
+
+
 def test_tp2_pp2_continues_its_curve_and_paddleformers_resumes_and_loads_what_we_saved(theirs, imported, rows,
                                                                                       run_workers, data_cache,
                                                                                       tmp_path):
-    """The unified import under tp2 x pp2: steps 4-6 on PaddleFormers' curve (1e-5), every rank starting
+    """The flex import under tp2 x pp2: steps 4-6 on PaddleFormers' curve (1e-5), every rank starting
     from exactly the import. Its step-5 checkpoint (weights in transformers' layout) written back by
     `to-flex` is resumed by PaddleFormers' Trainer, whose step 6 equals its uninterrupted run's and
     ours (1e-5); PaddleFormers' AutoModelForCausalLM loads that checkpoint with our logits (1e-5)."""
     out = tmp_path / "tp2pp2"
     results = pretrain(run_workers, data_cache, out, 4, (*TP2, *PP2, *SCHEDULE, "--save_steps", str(OURS_SAVED),
                                                          "--save_to_hf", "--resume_from_checkpoint",
-                                                         str(imported["unified_checkpoint"])), "tp2pp2")
-    expected = _losses(theirs["unified_checkpoint"])
+                                                         str(imported["flex_checkpoint"])), "tp2pp2")
+    expected = _losses(theirs["flex_checkpoint"])
     assert all(result["resumed_exactly"] for result in results)
     np.testing.assert_allclose(results[0]["losses"], [expected[step] for step in range(SAVED + 1, STEPS + 1)],
                                rtol=TOL)

@@ -130,6 +130,7 @@ def test_paddleformers_offline_recipe_reads_with_its_meaning(tmp_path, capsys):
     assert data.max_seq_length == 8192 and data.seed == 23 and data.gradient_accumulation_steps == 4
     assert optim.bf16 and optim.learning_rate == 1e-5 and optim.warmup_steps == 20 and optim.max_steps == 100
     assert optim.lr_scheduler_type == "linear" and optim.min_learning_rate == 0.0 and optim.weight_decay == 0.0
+    assert optim.warmup_from_zero  # its Trainer's warmup: peak x step / warmup (tests/test_paddleformers.py)
     assert output.eval_iters == 10 and output.eval_steps == 100 and output.do_eval and output.disable_progress_bar
     assert ckpt.save_steps == 100 and ckpt.resume_from_checkpoint == "latest"
     assert not ckpt.save_to_hf and _parse(tmp_path, FULL_OFFLINE_DATA, save_to_hf=True).checkpoint.save_to_hf
@@ -156,8 +157,9 @@ def test_paddleformers_offline_recipe_reads_with_its_meaning(tmp_path, capsys):
     (FULL_OFFLINE_DATA, {"_attn_implementation": "flex"}, "_attn_implementation='flex'"),
     (FULL_OFFLINE_DATA, {"eval_iters": -1}, "do_eval without eval_iters"),
     (FULL_OFFLINE_DATA, {"a_new_field": 1}, "a_new_field=1 (a field paddle-pp does not know"),
+    (FULL_OFFLINE_DATA, {"min_lr": 1e-6}, "linear schedule decays to 0 and never reads min_lr"),
 ], ids=["online_data", "iterable", "sft", "lora", "o1", "o1_by_default", "two_spellings", "selective", "sep",
-        "attention", "eval_iters", "unknown"])
+        "attention", "eval_iters", "unknown", "min_lr_linear"])
 def test_what_a_paddleformers_recipe_asks_and_this_trainer_does_not_do_is_refused_by_name(tmp_path, capsys, text,
                                                                                        changes, words):
     with pytest.raises(SystemExit) as exit_info:

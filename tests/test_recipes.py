@@ -108,6 +108,7 @@ def test_config_takes_a_json_recipe(tmp_path):
     args = parse_args(["--config", str(_recipe(tmp_path, {"max_steps": 7, "learning_rate": 1e-4})),
                        "--max_steps", "9"])
     assert (args.optim.max_steps, args.optim.learning_rate, args.optim.lr_scheduler_type) == (9, 1e-4, "linear")
+    assert not args.optim.warmup_from_zero  # PaddleNLP's pretraining warms up by (step + 1) / warmup
 
 
 def test_amp_master_grad_with_micro_batches_is_accepted(tmp_path):

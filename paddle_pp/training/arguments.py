@@ -96,6 +96,9 @@ class OptimizerArguments:
     warmup_steps: int = flag(20, "linear warmup steps")
     warmup_ratio: float = flag(0.0, "warmup as a share of --max_steps, used unless --warmup_steps is given")
     lr_scheduler_type: str = flag("cosine", "decay after warmup", choices=sorted(DECAYS))
+    warmup_from_zero: bool = flag(False, "warm up as transformers and PaddleFormers do, peak x step / warmup (0 at "
+                                         "the first step), instead of peak x (step + 1) / warmup (PaddleNLP's "
+                                         "pretraining, Megatron); PaddleFormers' recipes set it")
     max_steps: int = flag(300, "optimizer steps")
     weight_decay: float = flag(0.1, "AdamW decay, applied to matrices only")
     adam_beta1: float = flag(0.9, "AdamW beta1")

@@ -13,6 +13,8 @@ What differs from a PaddleNLP recipe, each read with PaddleFormers' meaning:
 - attention per document unless `use_global_causal_attn` (default false); positions restart at every
   document either way, as PaddleFormers' collator restarts them (true: `--reset_position_ids`);
   `_attn_implementation` picks the core (flashmask and sdpa: flash where it applies, eager: dense);
+- the schedule as its Trainer's: warmup from 0 (peak x step / warmup, `--warmup_from_zero`), `min_lr`
+  read by cosine only (its linear decays to 0: a recipe giving both is refused);
 - recompute: `recompute_granularity: full` with `recompute_method: uniform` and
   `recompute_num_layers: 1` (what PaddleFormers' decoder layers test for) recomputes each layer;
 - the flat communication booleans that replaced PaddleNLP's `*_parallel_config` strings, and the
@@ -46,6 +48,7 @@ PADDLEFORMERS_DEFAULTS: dict[str, Any] = {
     "max_seq_length": 4096, "split": "950,50", "logging_steps": 500, "save_steps": 500, "do_eval": False,
     "sharding": "stage1", "hybrid_parallel_topo_order": "sharding_first", "moe_router_bias_update_rate": 0.0,
     "use_flash_attention": True, "use_global_causal_attn": False, "sharding_parallel_degree": -1,
+    "warmup_from_zero": True,
 }
 
 _COMMUNICATION = "communication scheduling (PaddleFormers' flat form of a *_parallel_config option)"
@@ -108,6 +111,14 @@ def _training(values: dict) -> list[str]:
     return refused
 
 
+def _schedule(values: dict) -> list[str]:
+    decay = values.get("lr_scheduler_type", PADDLEFORMERS_DEFAULTS["lr_scheduler_type"])
+    if decay == "linear" and values.get("min_lr"):
+        return [f"min_lr={values['min_lr']!r} with lr_scheduler_type linear (PaddleFormers' linear schedule decays "
+                "to 0 and never reads min_lr: remove it, or use cosine, which decays to it)"]
+    return []
+
+
 def _data(values: dict) -> list[str]:
     online = [name for name in ONLINE_DATA if name in values]
     if online:
@@ -142,7 +153,7 @@ def prepare(values: dict) -> tuple[dict[str, Any], set[str], list[str]]:
     degrees, refused = _degrees(values)
     recompute, recompute_refused = _recompute(values)
     attention, attention_refused = _attention(values)
-    refused += recompute_refused + attention_refused + _training(values) + _data(values)
+    refused += recompute_refused + attention_refused + _training(values) + _schedule(values) + _data(values)
     consumed = {name for spellings in DEGREES.values() for name in spellings} | set(UNBUILT_DEGREES)
     consumed |= {*RECOMPUTE_FIELDS, *ONLINE_DATA, "stage", "fine_tuning", "dataset_type", "_attn_implementation",
                  "use_global_causal_attn"}

@@ -174,7 +174,7 @@ class Pretrainer:
                                                           args.output.eval_steps, args.output.eval_iters),
             self.config.vocab_size)
         self.schedule = WarmupCosine(optim.learning_rate, warmup_steps(optim, args.given), optim.max_steps,
-                                     optim.min_learning_rate, optim.lr_scheduler_type)
+                                     optim.min_learning_rate, optim.lr_scheduler_type, optim.warmup_from_zero)
         if self.layout.vpp > 1 and self.batches.accumulate_steps < self.layout.pp:
             raise TrainingConfigError(
                 f"--virtual_pp_degree needs at least --pipeline_parallel_degree {self.layout.pp} micro-batches per "
