@@ -8,6 +8,9 @@ C++-extension helper runs `which ccache` on import, for compiling custom operato
 never does) and setuptools' "Setuptools is replacing distutils" (PaddleNLP's `utils/import_utils.py`
 imports pip after Paddle imported setuptools' distutils). Every other warning still shows.
 
+`quiet_one_process_fleet` (around `fleet.init` of a one-process job) keeps Paddle's notes about
+distributed start-up off the terminal of a one-card run.
+
 `lean_paddlenlp` (from `modeling/__init__.py`) registers `paddlenlp`, `paddlenlp.data` and
 `paddlenlp.transformers` as packages whose `__init__.py` has not run, so that importing one of their
 modules (`paddlenlp.transformers.model_utils`, `paddlenlp.data.causal_dataset`: the base classes and the
@@ -31,12 +34,14 @@ peft, prompt) and resolve only in the top init's order.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.machinery
 import importlib.util
 import sys
 import types
 import warnings
+from collections.abc import Iterator
 
 KNOWN_NOTES = ("No ccache found", "Setuptools is replacing distutils")
 
@@ -45,6 +50,30 @@ def quiet_known_notes() -> None:
     """Ignore the start-up notes of `KNOWN_NOTES` (messages' beginnings), nothing else."""
     for note in KNOWN_NOTES:
         warnings.filterwarnings("ignore", message=note, category=UserWarning)
+
+
+ONE_PROCESS_NOTES = ("Currently not a parallel execution environment", "Current global rank 0 is not in group")
+
+
+@contextlib.contextmanager
+def quiet_one_process_fleet() -> Iterator[None]:
+    """`fleet.init` in a one-process job (one card, started as `python script`, no launcher) without two
+    things it prints there that say nothing about the run, on the terminal the user reads: the banner
+    listing the flags Paddle itself changed on import (`FLAGS_enable_pir_in_executor`: PIR is its
+    executor) and `ONE_PROCESS_NOTES`' two warnings that one process is not parallel (its INFO lines: `init_distributed` sets
+    fleet's log level). A launched job keeps all of it, in each
+    rank's log, as Paddle prints it."""
+    from paddle.distributed import parallel
+
+    banner = parallel._print_modified_flags
+    parallel._print_modified_flags = lambda flags: None  # upstream: init_parallel_env's flags banner
+    try:
+        with warnings.catch_warnings():
+            for note in ONE_PROCESS_NOTES:
+                warnings.filterwarnings("ignore", message=note, category=UserWarning)
+            yield
+    finally:
+        parallel._print_modified_flags = banner
 
 
 LEAN_PACKAGES = ("paddlenlp", "paddlenlp.data", "paddlenlp.transformers")  # parents first

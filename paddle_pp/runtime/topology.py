@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -9,11 +10,13 @@ from typing import Any, TypeVar
 import paddle
 import paddle.distributed as dist
 from paddle.distributed import fleet
+from paddle.distributed.fleet.utils.log_util import set_log_level
 
 from paddle_pp.runtime.errors import UserError
 from paddle_pp.runtime.experts import ExpertGroup, build_expert_group
 from paddle_pp.runtime.layout import Layout, launched_world_size
 from paddle_pp.runtime.ring import build_ring
+from paddle_pp.runtime.startup import quiet_one_process_fleet
 
 T = TypeVar("T")
 
@@ -128,7 +131,12 @@ def init_distributed(layout: Layout, micro_batch_size: int = 1, accumulate_steps
             f"layout {layout.describe()} was validated for {layout.world_size} processes but this job "
             f"has {actual_world}; pass the launcher's --nproc_per_node x --nnodes as the world size."
         )
-    fleet.init(is_collective=True, strategy=build_strategy(layout, micro_batch_size, accumulate_steps))
+    one_process = layout.world_size == 1  # Paddle's start-up notes would reach the user's terminal
+    log_level = "WARNING" if one_process else "INFO"  # fleet's INFO lines: its strategy, its one-rank groups
+    set_log_level(log_level)
+    strategy = build_strategy(layout, micro_batch_size, accumulate_steps)
+    with quiet_one_process_fleet() if one_process else contextlib.nullcontext():
+        fleet.init(is_collective=True, strategy=strategy, log_level=log_level)
     hcg = fleet.get_hybrid_communicate_group()
     if layout.device == "cpu" and layout.pp > 1:
         cpu.create_pipeline_edge_groups(hcg, wrap_around=layout.vpp > 1)
