@@ -28,7 +28,7 @@ from modeling.tp_plan import FIRST, FIRST_AND_LAST, LAST, TensorPlan, split_axes
 class Skeleton:
     """Where a causal LM's pieces sit, as single-card names; its decoder layers are what the
     config declares (`decoder_layer(index)`), and its multi-token prediction layers after them
-    (`prediction_layer(depth)`, numbered on from the last decoder layer as released folders do)."""
+    (`config.prediction_layers()`, numbered on from the last decoder layer as released folders do)."""
 
     tokens: str  # the token embedding (also the head when the config ties them)
     layers: str  # decoder layer i is f"{layers}.{i}"
@@ -42,11 +42,9 @@ class Skeleton:
         parts = [(self.tokens, VocabEmbedding(config.vocab_size, config.hidden_size), FIRST_AND_LAST if tied else FIRST)]
         if self.positions:
             parts.append((self.positions, Embedding(config.max_position_embeddings, config.hidden_size), FIRST))
-        layers = config.num_hidden_layers
-        parts += [(f"{self.layers}.{i}", config.decoder_layer(i), i) for i in range(layers)]
+        parts += [(f"{self.layers}.{i}", config.decoder_layer(i), i) for i in range(config.num_hidden_layers)]
         parts.append((self.norm, config.hidden_norm(), LAST))
-        parts += [(f"{self.layers}.{layers + depth - 1}", config.prediction_layer(depth), LAST)
-                  for depth in range(1, config.mtp_depth + 1)]
+        parts += [(f"{self.layers}.{index}", layer, LAST) for index, layer in config.prediction_layers()]
         if not tied:
             parts.append((self.head, LMHead(config.hidden_size, config.vocab_size), LAST))
         return parts

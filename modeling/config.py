@@ -61,6 +61,13 @@ class CausalLMConfig(PretrainedConfig):
         """The multi-token prediction layer of depth `depth` (1..mtp_depth)'s declaration."""
         raise NotImplementedError
 
+    def prediction_layers(self) -> list[tuple[int, Part]]:
+        """(layer index, declaration) of each multi-token prediction layer, by depth: numbered after
+        the decoder layers, as the released checkpoints name them (DeepSeek-V3's layer 61), and placed
+        on the last pipeline stage after the final norm."""
+        return [(self.num_hidden_layers + depth - 1, self.prediction_layer(depth))
+                for depth in range(1, self.mtp_depth + 1)]
+
     def validate(self) -> None:
         """Shapes that must fit together, checked before any weight exists."""
 

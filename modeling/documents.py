@@ -71,14 +71,19 @@ def state(hidden: paddle.Tensor, positions: paddle.Tensor | None = None, carried
     return (hidden, *extra) if extra else hidden
 
 
+def positions_among(tensors) -> tuple[paddle.Tensor | None, tuple[paddle.Tensor, ...]]:
+    """(the document positions, the other tensors) of what travels beside the hidden states or the
+    logits: the positions are the one integer tensor there (None: attention spans the sample)."""
+    positions = [tensor for tensor in tensors if not tensor.is_floating_point()]
+    return (positions[0] if positions else None), tuple(tensor for tensor in tensors if tensor.is_floating_point())
+
+
 def unpack(value) -> tuple[paddle.Tensor, paddle.Tensor | None, tuple[paddle.Tensor, ...]]:
     """(hidden states, document positions or None, carried tensors) of a `state`."""
     if not isinstance(value, tuple):
         return value, None, ()
     hidden, *rest = value
-    if rest and not rest[0].is_floating_point():
-        return hidden, rest[0], tuple(rest[1:])
-    return hidden, None, tuple(rest)
+    return (hidden, *positions_among(rest))
 
 
 def with_hidden(value, hidden: paddle.Tensor):

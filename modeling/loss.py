@@ -8,6 +8,7 @@ from paddle import nn
 from paddle.distributed.fleet.layers.mpu import mp_layers
 
 from modeling.autocast import full_precision
+from modeling.documents import positions_among
 from modeling.execution import Execution
 
 IGNORE_INDEX = -100
@@ -35,8 +36,8 @@ class CausalLMCriterion(nn.Layer):
     def forward(self, logits, labels):
         if not isinstance(logits, tuple):
             return self.mean(logits, labels)
-        main, *depths = logits
-        positions = depths.pop() if not depths[-1].is_floating_point() else None  # restarting per document
+        main, *rest = logits
+        positions, depths = positions_among(rest)  # positions when they restart per document
         loss = self.mean(main, labels)
         for depth, ahead in enumerate(depths, start=1):
             shifted = paddle.concat([labels[:, depth:], paddle.full_like(labels[:, :depth], IGNORE_INDEX)], axis=1)

@@ -153,10 +153,9 @@ class CausalLMPipe(PipelinePretrainedModel, PipelineLayer):
         norm_prefix, norm_name = _split(skeleton.norm)
         self.add_sequential_layer(LayerDesc(NormSection, config=config, run=run, name=norm_name,
                                             part=config.hidden_norm()), norm_prefix)
-        for depth in range(1, config.mtp_depth + 1):  # after the last decoder layer: on the last stage
-            declared = config.prediction_layer(depth)
+        for index, declared in config.prediction_layers():  # after the final norm: on the last stage
             self.add_sequential_layer(LayerDesc(declared.layer, config=config, run=run, declared=declared),
-                                      f"{skeleton.layers}.{config.num_hidden_layers + depth - 1}")
+                                      f"{skeleton.layers}.{index}")
         if tied:
             self.add_sequential_layer(SharedLayerDesc(tied_key, TiedHeadLayer, shared_weight_attr="embedding_weight",
                                                       config=config, run=run), skeleton.tokens)

@@ -89,8 +89,7 @@ def decoder_activation_bytes(config, layout: Layout, workload: Workload, stage: 
               for index in range(config.num_hidden_layers)
               if layer_stage(index, config.num_hidden_layers, layout.pp, layout.vpp) == stage]
     if stage == layout.pp - 1:
-        layers += [config.prediction_layer(depth).activations(run, batch, seq_len, compute_bytes)
-                   for depth in range(1, config.mtp_depth + 1)]
+        layers += [layer.activations(run, batch, seq_len, compute_bytes) for _, layer in config.prediction_layers()]
     in_flight = 1.0 if layout.pp == 1 else min(layout.pp - stage, workload.gradient_accumulation_steps)
     if layout.vpp > 1:
         in_flight *= 1 + (layout.pp - 1) / (layout.pp * layout.vpp)
@@ -153,8 +152,7 @@ def dispatch_bytes_per_step(config, layout: Layout, workload: Workload, compute_
     for index in range(config.num_hidden_layers):
         if isinstance(config.decoder_layer(index).feed_forward, MoE):
             per_stage[layer_stage(index, config.num_hidden_layers, layout.pp, layout.vpp)] += 1
-    per_stage[-1] += sum(isinstance(config.prediction_layer(depth).feed_forward, MoE)
-                         for depth in range(1, config.mtp_depth + 1))  # on the last stage
+    per_stage[-1] += sum(isinstance(layer.feed_forward, MoE) for _, layer in config.prediction_layers())
     exchanges = 4 + (2 if workload.recompute else 0)
     rows = workload.per_device_train_batch_size * workload.max_seq_length * config.num_experts_per_tok
     worst = max(per_stage) * workload.gradient_accumulation_steps * exchanges * rows * config.hidden_size * compute_bytes
