@@ -29,6 +29,26 @@ def local_positions(seq_len: int, degree: int, rank: int) -> np.ndarray:
     return np.concatenate([np.arange(start, stop) for start, stop in chunk_bounds(seq_len, degree, rank)])
 
 
+def whole_sequence(x: paddle.Tensor, ring) -> paddle.Tensor:
+    """The whole sequences [batch, seq] of integers (ids, labels, flags) of which `x` holds this rank's
+    two chunks, in sequence order: each rank's values put in place and summed over the ring (one small
+    all-reduce, in float64, exact for any id)."""
+    batch, local = x.shape
+    held = paddle.to_tensor(local_positions(local * ring.degree, ring.degree, ring.rank)).expand([batch, local])
+    whole = paddle.zeros([batch, local * ring.degree], "float64").put_along_axis(held, x.astype("float64"), axis=1)
+    return ring.all_reduce(whole).astype(x.dtype)
+
+
+def ahead_in_sequence(x: paddle.Tensor, depth: int, fill: int, ring=None) -> paddle.Tensor:
+    """Each position's value `depth` positions further on in its sequence ([batch, seq] integers), `fill`
+    where the sequence has none; under context parallelism (`ring`) along the whole sequence, whose
+    next chunk is on another rank, this rank's positions kept (multi-token prediction's tokens, labels
+    and document positions)."""
+    whole = x if ring is None or ring.degree == 1 else whole_sequence(x, ring)
+    shifted = paddle.concat([whole[:, depth:], paddle.full_like(whole[:, :depth], fill)], axis=1)
+    return shifted if whole is x else split_sequence(shifted, ring.degree, ring.rank)
+
+
 def split_sequence(x, degree: int, rank: int, axis: int = 1):
     """This rank's tokens of a [batch, seq, ...] array or tensor (its two chunks, concatenated)."""
     seq_len = x.shape[axis]

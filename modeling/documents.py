@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
-from modeling.context_parallel import local_positions
+from modeling.context_parallel import local_positions, whole_sequence
 
 
 def document_positions(input_ids: paddle.Tensor, end_ids: tuple[int, ...], ring=None) -> paddle.Tensor:
@@ -47,8 +47,7 @@ def document_positions(input_ids: paddle.Tensor, end_ids: tuple[int, ...], ring=
         return _positions_after(ended)
     batch, local = input_ids.shape
     held = paddle.to_tensor(local_positions(local * ring.degree, ring.degree, ring.rank)).expand([batch, local])
-    flags = paddle.zeros([batch, local * ring.degree], "float32").put_along_axis(held, ended.astype("float32"), axis=1)
-    return paddle.take_along_axis(_positions_after(ring.all_reduce(flags) > 0.5), held, axis=1)
+    return paddle.take_along_axis(_positions_after(whole_sequence(ended.astype("int64"), ring) > 0), held, axis=1)
 
 
 def _positions_after(ended: paddle.Tensor) -> paddle.Tensor:

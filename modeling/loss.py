@@ -8,6 +8,7 @@ from paddle import nn
 from paddle.distributed.fleet.layers.mpu import mp_layers
 
 from modeling.autocast import full_precision
+from modeling.context_parallel import ahead_in_sequence
 from modeling.documents import positions_among
 from modeling.execution import Execution
 
@@ -40,10 +41,9 @@ class CausalLMCriterion(nn.Layer):
         positions, depths = positions_among(rest)  # positions when they restart per document
         loss = self.mean(main, labels)
         for depth, ahead in enumerate(depths, start=1):
-            shifted = paddle.concat([labels[:, depth:], paddle.full_like(labels[:, :depth], IGNORE_INDEX)], axis=1)
+            shifted = ahead_in_sequence(labels, depth, IGNORE_INDEX, self.ring)
             if positions is not None:  # token i + depth must be in token i's document
-                inside = paddle.concat([positions[:, depth:] == positions[:, :-depth] + depth,
-                                        paddle.zeros_like(positions[:, :depth], "bool")], axis=1)
+                inside = ahead_in_sequence(positions, depth, -1, self.ring) == positions + depth
                 shifted = paddle.where(inside, shifted, paddle.full_like(shifted, IGNORE_INDEX))
             predicted = self.mean(ahead, shifted)
             self.prediction_losses.append(predicted.detach())

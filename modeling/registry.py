@@ -111,10 +111,6 @@ def validate_layout(config, layout: Layout, seq_len: int | None = None) -> None:
     does not split over the layout's tp, or its decoder layers over pp x vpp; with `seq_len`, also
     when a layer's attention over that many tokens is one the layout cannot compute."""
     config.validate()
-    if config.mtp_depth and layout.cp > 1:  # multi-token prediction looks a few tokens ahead in the sample
-        raise LayoutModelError(f"{family_of(config).architecture} with num_nextn_predict_layers={config.mtp_depth} and "
-                               f"--context_parallel_degree {layout.cp}: the next tokens of a rank's chunk are on another "
-                               "rank (not implemented); use --context_parallel_degree 1")
     if seq_len is not None and layout.cp > 1:
         _check_context_parallel(config, layout, seq_len)
     family_of(config).check_tensor_parallel(config, layout.tp)
@@ -152,10 +148,6 @@ def _check_moe_layout(config, layout: Layout) -> None:
     if config.num_experts % layout.ep:
         raise LayoutModelError(f"{name} has {config.num_experts} experts per layer, which do not split over "
                                f"--expert_parallel_degree {layout.ep}; choose an ep that divides {config.num_experts}")
-    if layout.cp > 1:
-        raise LayoutModelError(f"{name} with --context_parallel_degree {layout.cp}: the aux loss's statistic is not "
-                               "yet pooled over the cp ranks of a sequence (not implemented); use "
-                               "--context_parallel_degree 1")
 
 
 def execution_for(layout: Layout, tp_rank: int, choices: Execution = Execution(), ring: Ring | None = None,

@@ -4,7 +4,7 @@ own models (made inside the test) run on each document alone, for the logits of 
 (windows, soft-caps), GPT-2 (learned positions), DeepSeek-V3 (latent attention, yarn) and GPT-OSS
 (sinks, windows); our single-card model on each document alone, for the gradients of the summed
 loss (multi-token prediction's too); and the single card per document, for the ring of cp2 x tp2 x
-pp2 + SP and cp4, and for multi-token prediction under tp2 x pp2 + SP."""
+pp2 + SP and cp4, and for multi-token prediction with experts under the same cp2 x tp2 x pp2 + SP."""
 
 from __future__ import annotations
 
@@ -201,10 +201,11 @@ def documents_runs(run_workers_module, model_files):
 def predicting_runs(run_workers_module, tmp_path_factory):
     from modeling.deepseek import DeepseekV3ForCausalLM
 
-    fields = {key: value for key, value in PREDICTING.items() if key != "model_type"}
+    # with DeepSeek-V3's sequence-wise balance loss (a whole sequence's statistic, pooled over the ring under cp)
+    fields = {key: value for key, value in PREDICTING.items() if key != "model_type"} | {"aux_loss_alpha": 0.1}
     files = write_model_files(tmp_path_factory.mktemp("predicting_documents"), "deepseek_v3", fields,
                               DeepseekV3ForCausalLM)
-    return layout_runs(run_workers_module, files, {"tp2_pp2_sp": (4, TP2 + PP2 + ("--sequence_parallel",) + BLOCKWISE)},
+    return layout_runs(run_workers_module, files, {"cp2_tp2_pp2_sp": LAYOUTS["cp2_tp2_pp2_sp"]},
                        ("--documents", str(END)))
 
 
@@ -268,9 +269,12 @@ def test_the_flag_sets_the_tokenizers_end_token_and_refuses_what_it_cannot_keep(
 
 
 @pytest.mark.multiproc
-def test_multi_token_prediction_per_document_under_tp_pp_and_sp_matches_the_single_card(predicting_runs):
-    """The prediction layer on the last pipeline stage, its documents' positions carried beside the
-    hidden states and the next tokens' embeddings from the first stage, under tp2 x pp2 + SP, per
-    document: eval loss (1e-6), 3 AdamW steps and every parameter (1e-5) against one card's."""
-    assert_matches("tp2_pp2_sp", predicting_runs("tp2_pp2_sp"), predicting_runs("single"))
+def test_multi_token_prediction_and_experts_per_document_under_cp_tp_pp_and_sp_match_the_single_card(
+        predicting_runs):
+    """A DeepSeek-V3-shaped model (MoE layers with a sequence-wise balance loss and correction biases, a
+    prediction layer) per document under cp2 x tp2 x pp2 + SP: the prediction layer on the last stage,
+    its next tokens' embeddings, labels and document positions found along the whole sequence across
+    the ring, the routers' counts and balance statistics pooled over it; eval loss (1e-6), 3 AdamW steps
+    and every parameter (1e-5) against one card's."""
+    assert_matches("cp2_tp2_pp2_sp", predicting_runs("cp2_tp2_pp2_sp"), predicting_runs("single"))
 

@@ -29,7 +29,7 @@ from checkpoint.format import CheckpointError, tokenizer_files
 from checkpoint.verify import verify_checkpoint
 from modeling.deepseek import DeepseekV3Config
 from modeling.expert_parallel import expert_order
-from modeling.registry import LayoutModelError, config_from_dict, family_of, plan_of, plan_of_folder, validate_layout
+from modeling.registry import config_from_dict, family_of, plan_of, plan_of_folder, validate_layout
 from modeling.transformers_adapter import ConfigFieldError
 from paddle_pp.interop.pretrained import TRANSFORMERS, load_pretrained, open_pretrained
 from paddle_pp.interop.transformers import export_hf
@@ -598,9 +598,7 @@ def test_a_multi_token_prediction_layer_gives_transformers_5s_mtp_model_logits_a
     assert config.mtp_loss_weight == 1.0 / PREDICTING[kind][1]  # PaddleNLP's default lambda: the config is silent
     assert plan_layout(config, Layout(world_size=1))[0].parameters == sum(
         int(np.prod(param.shape)) for param in model.parameters())  # the planner counts the prediction layer
-    with pytest.raises(LayoutModelError, match=f"num_nextn_predict_layers={PREDICTING[kind][1]}.*"
-                                               "--context_parallel_degree 2"):
-        validate_layout(config, Layout(world_size=2, context_parallel_degree=2))
+    validate_layout(config, Layout(world_size=2, context_parallel_degree=2))  # trained under cp: test_documents.py
 
 
 @pytest.mark.multiproc

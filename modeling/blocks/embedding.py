@@ -11,6 +11,7 @@ import paddle
 from paddle import nn
 
 from modeling.blocks.parts import Leaf
+from modeling.context_parallel import ahead_in_sequence
 from modeling.documents import document_positions, state, unpack
 from modeling.execution import Execution
 from modeling.sequence_parallel import gather_sequence, scatter_sequence
@@ -30,8 +31,8 @@ def embed(config, run: Execution, tokens: nn.Layer, positions: nn.Layer | None, 
     embeddings of the tokens 1..D further (`blocks/prediction.py`) are carried beside them."""
     hidden = _scaled(config, tokens(input_ids))
     # sent between pipeline stages as they are (the scatter gives a view), where p2p takes contiguous tensors
-    ahead = tuple(scatter_sequence(_scaled(config, tokens(_ahead(input_ids, depth))), run).contiguous()
-                  for depth in range(1, config.mtp_depth + 1)) if tokens.training else ()
+    ahead = tuple(scatter_sequence(_scaled(config, tokens(ahead_in_sequence(input_ids, depth, 0, run.ring))), run)
+                  .contiguous() for depth in range(1, config.mtp_depth + 1)) if tokens.training else ()
     in_documents = document_positions(input_ids, run.documents, run.ring) if run.documents is not None else None
     if positions is not None:
         held = run.positions(input_ids.shape[-1])  # the positions of this rank's tokens under context parallelism
@@ -47,11 +48,6 @@ def _scaled(config, embeddings: paddle.Tensor) -> paddle.Tensor:
     # a scale op keeps nothing for backward; a product with a tensor would keep the embeddings
     dtype = str(embeddings.dtype).removeprefix("paddle.")
     return paddle.scale(embeddings, float(np.asarray(multiplier, _NUMPY_DTYPES[dtype]).astype(np.float32)))
-
-
-def _ahead(input_ids: paddle.Tensor, depth: int) -> paddle.Tensor:
-    """Each position's token `depth` further on; token 0 where the sample has none (not predicted)."""
-    return paddle.concat([input_ids[:, depth:], paddle.zeros_like(input_ids[:, :depth])], axis=1)
 
 
 def logits(config, run: Execution, hidden: paddle.Tensor, weight: paddle.Tensor, tied: bool) -> paddle.Tensor:

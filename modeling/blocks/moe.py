@@ -13,7 +13,10 @@ The aux loss is the Switch form per layer, E * sum_e f_e * P_e times `router_aux
 (f_e: the share of the micro-batch's k x tokens routed to e; P_e: e's mean probability), 1 x the
 coefficient at uniform routing. Its gradient is injected where the layer is (`_AddAuxLoss`), scaled
 like the main loss (1 / accumulation steps), so it works the same under pipeline parallelism; its
-value is kept in the run's `RouterStats` (`modeling/router_stats.py`) for the metrics.
+value is kept in the run's `RouterStats` (`modeling/router_stats.py`) for the metrics. Under context
+parallelism a rank routes its part of each sequence: the counts and the statistics' sums are pooled
+over the ring first, so the aux loss, the recorded loads and the correction-bias updates are the
+whole sequences', as on one card.
 """
 
 from __future__ import annotations
@@ -162,10 +165,13 @@ class SparseMoE(Block):
         counting = self.training and not recomputing()  # a recomputed forward routed the same tokens already
         if learning or counting:
             counts = paddle.to_tensor(counts, "int64")
+            if self.run.ring is not None:  # this rank routed its part of each sequence: the whole sequences' counts
+                counts = self.run.ring.all_reduce(counts)
             sequences = hidden.shape[1 if self.sequence_first else 0]
             with full_precision():
                 aux = declared.routing.aux_loss(self._by_sequence(scores, hidden), counts, sequences,
-                                                self._by_sequence(chosen, hidden)) * declared.routing.aux_coef
+                                                self._by_sequence(chosen, hidden), self.run.ring)
+                aux = aux * declared.routing.aux_coef
             if counting:
                 self.run.router_stats.record(self.layer_index, aux, counts,
                                              declared.routing.margin(scores, self.router_layer.correction))

@@ -118,13 +118,17 @@ class Routing:
         return paddle.stack(gaps).min() if gaps else paddle.full([], float("inf"))
 
     def aux_loss(self, scores: paddle.Tensor, counts: paddle.Tensor, sequences: int,
-                 chosen: paddle.Tensor) -> paddle.Tensor:
+                 chosen: paddle.Tensor, ring=None) -> paddle.Tensor:
         """The balancing statistic (1 at balanced routing) over one micro-batch of `sequences` equal
-        sequences: scores [tokens, E] fp32, counts [E] and `chosen` [tokens, k] the experts chosen."""
+        sequences: scores [tokens, E] fp32, counts [E] (the whole sequences', pooled) and `chosen`
+        [tokens, k] the experts chosen. Under context parallelism (`ring`) this rank holds part of
+        each sequence: its sums are pooled over the ring (`Ring.pooled`), so the statistic is the
+        whole sequences' and each token's scores get their single-card gradient."""
         tokens, experts = scores.shape
+        pooled, parts = (lambda x: x, 1) if ring is None else (ring.pooled, ring.degree)
         if self.aux == SWITCH:
-            share = counts.astype("float32") / float(tokens * self.top_k)
-            return experts * (share * scores.mean(axis=0)).sum()
+            share = counts.astype("float32") / float(tokens * parts * self.top_k)
+            return experts * (share * pooled(scores.sum(axis=0)) / float(tokens * parts)).sum()
         normalised = scores / (scores.sum(axis=-1, keepdim=True) + 1e-20)
         per_sequence = normalised.reshape([sequences, tokens // sequences, experts])
         if self.aux_counts_routed:
@@ -132,8 +136,9 @@ class Routing:
         else:
             chosen = paddle.topk(per_sequence, self.top_k, axis=-1)[1]
         hits = F.one_hot(chosen, experts).sum(axis=2)  # [sequences, tokens, E]: 1 where chosen
-        share = hits.mean(axis=1) * experts / self.top_k  # f_i per sequence
-        return (share * per_sequence.mean(axis=1)).sum(-1).mean()
+        length = float(tokens // sequences * parts)  # each whole sequence's tokens
+        share = pooled(hits.sum(axis=1)) / length * experts / self.top_k  # f_i per sequence
+        return (share * pooled(per_sequence.sum(axis=1)) / length).sum(-1).mean()
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import paddle
 import paddle.distributed as dist
+from paddle.autograd import PyLayer
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,23 @@ class Ring:
         total = tensor.detach().clone()
         dist.all_reduce(total, group=self.group)
         return total
+
+    def pooled(self, tensor: paddle.Tensor) -> paddle.Tensor:
+        """The sum over the ring of a statistic each rank took over its tokens (an MoE layer's summed
+        router scores), inside autograd: its gradient reaches this rank's part as it is. Every cp rank
+        computes the same loss term from the sum, and each token lives on one rank, so each token's
+        scores get their single-card gradient once (the cp gradient reduction sums the ranks')."""
+        return _PooledOverRing.apply(tensor, self)
+
+
+class _PooledOverRing(PyLayer):
+    @staticmethod
+    def forward(ctx, tensor, ring):
+        return ring.all_reduce(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
 
 
 def build_ring(hcg: Any, device: str) -> Ring:

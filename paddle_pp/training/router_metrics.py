@@ -40,7 +40,7 @@ class StepRouting:
 def step_routing(stats: RouterStats, config, topo: Topology) -> StepRouting | None:
     """What every rank's MoE layers routed since the last call, summed over the pipeline stages (each
     holds its own layers) and the data and sharding ranks (each routed its own samples); None for a
-    dense model. A collective over pp, dp and sharding: every rank calls it once per step."""
+    dense model. A collective over pp, dp, sharding and cp: every rank calls it once per step."""
     if not getattr(config, "num_experts", 0):
         return None
     aux, load, margin = stats.take()
@@ -55,6 +55,8 @@ def step_routing(stats: RouterStats, config, topo: Topology) -> StepRouting | No
         if size > 1:
             dist.all_reduce(table, group=getattr(topo, group))
             dist.all_reduce(least, op=dist.ReduceOp.MIN, group=getattr(topo, group))
+    if topo.ring is not None:  # the loads are pooled over cp already (each layer's), the margins are each rank's
+        dist.all_reduce(least, op=dist.ReduceOp.MIN, group=topo.ring.group)
     return StepRouting(table.numpy(), float(least))
 
 
