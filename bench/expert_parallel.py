@@ -122,6 +122,8 @@ PLANNED = {  # 64 ranks: name -> Layout keywords
                                                  sharding="stage1", expert_parallel_degree=8),
     "pp4 x dp16, ep16": dict(pipeline_parallel_degree=4, expert_parallel_degree=16),
     "tp2 x pp4 x dp8, ep8": dict(tensor_parallel_degree=2, pipeline_parallel_degree=4, expert_parallel_degree=8),
+    "tp2 x pp4 x dp8 + SP, ep8": dict(tensor_parallel_degree=2, pipeline_parallel_degree=4, expert_parallel_degree=8,
+                                      sequence_parallel=True),
 }
 
 

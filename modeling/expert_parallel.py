@@ -11,29 +11,42 @@ exchanged, however unbalanced the routing.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import paddle
+import paddle.distributed as dist
+import paddle.nn.functional as F
 from paddle import nn
+from paddle.distributed.fleet.utils import sequence_parallel_utils as sp_utils
 
+from modeling import tp_layers
 from paddle_pp.runtime.experts import ExpertGroup
 
+# runs this rank's experts on rows sorted by expert, `counts` each: (outputs in that order or None, the idle term)
+Compute = Callable[[paddle.Tensor, list[int]], "tuple[paddle.Tensor | None, paddle.Tensor]"]
 
-def expert_order(received: np.ndarray) -> np.ndarray:
-    """The permutation putting a rank's received rows in expert order: `received[s, e]` rows came
-    from source rank s for its local expert e, laid out by source then expert; the result lists
-    expert 0's rows (by source), then expert 1's, and so on."""
-    starts = np.cumsum(np.concatenate([[0], received.reshape(-1)]))[:-1].reshape(received.shape)
+
+def expert_order(received: np.ndarray, stride: int | None = None) -> np.ndarray:
+    """The permutation putting rows in expert order: `received[s, e]` rows came from source rank s
+    for local expert e, laid out by source then expert, each source's right after the previous one's
+    (or, with `stride`, source s's from row s x stride: rows gathered padded); the result lists expert
+    0's rows (by source), then expert 1's, and so on."""
     sources, experts = received.shape
+    firsts = (np.arange(sources) * stride if stride is not None else
+              np.concatenate([[0], np.cumsum(received.sum(axis=1))[:-1]]))
+    starts = firsts[:, None] + np.cumsum(received, axis=1) - received
     return np.concatenate([np.arange(starts[s, e], starts[s, e] + received[s, e], dtype=np.int64)
                            for e in range(experts) for s in range(sources)] or [np.zeros([0], np.int64)])
 
 
-def run_dispatched(flat: paddle.Tensor, chosen: paddle.Tensor, weights: paddle.Tensor, experts: nn.Layer,
+def run_dispatched(flat: paddle.Tensor, chosen: paddle.Tensor, weights: paddle.Tensor, compute: Compute,
                    group: ExpertGroup, num_experts: int) -> tuple[paddle.Tensor, list[int]]:
     """(the MoE output for this rank's tokens `flat` [tokens, hidden], routed to `chosen` with
-    `weights` [tokens, k]; how many of its rows chose each expert). `experts` holds this rank's
-    experts in order. An expert no row of the group chose runs on a zero row whose output, times
-    zero, joins the result: its gradient is a zero, never missing."""
+    `weights` [tokens, k]; how many of its rows chose each expert). `compute(rows, counts)` runs this
+    rank's experts in order on rows sorted by expert (`run_experts`, or `run_experts_over_tp`). An
+    expert no row of the group chose runs on a zero row whose output, times zero, joins the result:
+    its gradient is a zero, never missing."""
     choice = chosen.reshape([-1])
     order = paddle.argsort(choice, stable=True)  # (token, choice) rows by expert
     token_of = order // chosen.shape[1]
@@ -44,24 +57,86 @@ def run_dispatched(flat: paddle.Tensor, chosen: paddle.Tensor, weights: paddle.T
     received = group.exchange(paddle.gather(flat, token_of), sent)
     mine = every[:, group.rank]
     by_expert = paddle.to_tensor(expert_order(mine))
-    outputs, idle = run_experts(paddle.gather(received, by_expert), mine.sum(axis=0).tolist(), experts)
+    outputs, idle = compute(paddle.gather(received, by_expert), mine.sum(axis=0).tolist())
     computed = paddle.scatter(paddle.zeros_like(received), by_expert, outputs) if outputs is not None else received
     returned = group.exchange(computed, sent.T)
     weighted = returned * paddle.gather(weights.reshape([-1]), order).unsqueeze(-1)
     return paddle.index_add(paddle.zeros_like(flat), token_of, 0, weighted) + idle, counts.tolist()
 
 
-def run_experts(rows: paddle.Tensor, counts: list[int], experts: nn.Layer) -> tuple[paddle.Tensor | None, paddle.Tensor]:
+def run_experts(rows: paddle.Tensor, counts: list[int], experts: nn.Layer,
+                apply: Callable[[nn.Layer, paddle.Tensor], paddle.Tensor] = nn.Layer.__call__,
+                ) -> tuple[paddle.Tensor | None, paddle.Tensor]:
     """(each expert's output on its rows, concatenated in expert order, or None when no row came; a
     zero scalar to add to the layer's output) for `rows` sorted by expert, `counts[e]` of them for
     the e-th of `experts`. One split, not a slice per expert: a slice's backward writes a zero tensor
     of the whole input, 64 of them per layer at 64 experts. An expert no row chose runs on one zero
-    row whose output, times zero, is the scalar: its gradient is a zero, never missing."""
+    row whose output, times zero, is the scalar: its gradient is a zero, never missing. `apply(expert,
+    rows)` computes an expert (its layer's call, or under SP its partial sums: `run_experts_over_tp`)."""
     slices = iter(paddle.split(rows, [count for count in counts if count])) if any(counts) else iter(())
     outputs, idle = [], paddle.zeros([], rows.dtype)
     for count, expert in zip(counts, experts.children()):
         if count:
-            outputs.append(expert(next(slices)))
+            outputs.append(apply(expert, next(slices)))
         else:
-            idle = idle + (expert(paddle.zeros([1, rows.shape[1]], rows.dtype)) * 0).sum()
+            idle = idle + (apply(expert, paddle.zeros([1, rows.shape[1]], rows.dtype)) * 0).sum()
     return (paddle.concat(outputs) if outputs else None), idle
+
+
+def expert_partial_sum(expert: nn.Layer, rows: paddle.Tensor) -> paddle.Tensor:
+    """A gated expert (`blocks.mlp.GatedMLPLayer`, its projections split over tp as fleet's column
+    and row linears split them) on `rows` every tp rank holds, without their collectives: this rank's
+    share of the intermediate, then its partial sum of the output (the output bias left out: added
+    once the partial sums are)."""
+    gate, up, down = (getattr(expert, name) for name in expert.declared.names)
+    inner = expert.gated(F.linear(rows, gate.weight, gate.bias), F.linear(rows, up.weight, up.bias))
+    return F.linear(inner, down.weight)
+
+
+def _output_bias(expert: nn.Layer) -> paddle.Tensor | None:
+    return getattr(expert, expert.declared.names[2]).bias
+
+
+def run_experts_over_tp(rows: paddle.Tensor, counts: list[int], experts: nn.Layer,
+                        shared: tuple[nn.Layer, paddle.Tensor] | None = None,
+                        ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor | None]:
+    """`run_experts` under sequence parallelism, where each tp rank brings its own rows (`counts` of
+    each of this rank's experts, sorted by expert) and, for the shared expert (`shared`: its layer and
+    this rank's tokens), its own positions: both gathered from every tp rank in one all-gather (the
+    rows padded to the most any rank holds; backward: the input gradients reduce-scattered, each
+    rank's share of the intermediate having given a part of them), each expert's partial sums on its
+    rows, the shared expert's on the whole sequence, and each rank's own rows' and positions' sums
+    back in one reduce-scatter (backward: every rank gets the gradient of every row, which its share of
+    the projections needs), output biases added. (this rank's rows' outputs [rows, hidden], the idle
+    experts' zero term, its positions' shared-expert output or None). One collective pair per layer,
+    and every tp rank runs the same ones in the same order whatever it holds: the backward of a
+    collective left off one rank's graph would wait forever on the others."""
+    group = tp_layers.tp_group()
+    held = paddle.to_tensor(np.asarray(counts, np.int64))
+    every = [paddle.zeros_like(held) for _ in range(group.nranks)]
+    dist.all_gather(every, held, group=group)
+    every = np.stack([count.numpy() for count in every])  # [tp rank, expert]
+    most, own = int(every.sum(axis=1).max()), rows.shape[0]
+    tokens = shared[1] if shared is not None else rows[:0]
+    stride = most + tokens.shape[0]  # a rank's block: its rows padded to `most`, then its positions
+    block = paddle.concat([rows, paddle.zeros([most - own, rows.shape[1]], rows.dtype), tokens])
+    gathered = sp_utils.AllGatherOp.apply(block.contiguous())  # [tp x stride, hidden]
+    by_expert = paddle.to_tensor(expert_order(every, stride))
+    outputs, idle = run_experts(paddle.gather(gathered, by_expert), every.sum(axis=0).tolist(), experts,
+                                expert_partial_sum)
+    summed = paddle.zeros_like(gathered)
+    if outputs is not None:
+        summed = paddle.scatter(summed, by_expert, outputs)
+    if shared is not None:
+        positions = paddle.to_tensor(np.concatenate([np.arange(t * stride + most, (t + 1) * stride)
+                                                     for t in range(group.nranks)]))
+        summed = paddle.scatter(summed, positions, expert_partial_sum(shared[0], paddle.gather(gathered, positions)))
+    mine = sp_utils.ReduceScatterOp.apply(summed)
+    routed, shared_out = mine[:own], (mine[most:] if shared is not None else None)
+    biases = [_output_bias(expert) for expert in experts.children()]
+    if biases[0] is not None:  # through one gather, so every bias has a gradient (a zero where no row chose it)
+        expert_of_row = paddle.to_tensor(np.repeat(np.arange(len(counts)), counts).astype(np.int64))
+        routed = routed + paddle.gather(paddle.stack(biases), expert_of_row)
+    if shared is not None and _output_bias(shared[0]) is not None:
+        shared_out = shared_out + _output_bias(shared[0])
+    return routed, idle, shared_out

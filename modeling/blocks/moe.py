@@ -29,12 +29,15 @@ import paddle.nn.functional as F
 from paddle.autograd import PyLayer
 from paddle.distributed.fleet.utils import sequence_parallel_utils as sp_utils
 
+from modeling import tp_gradients, tp_layers
 from modeling.autocast import full_precision
 from modeling.blocks.mlp import GatedMLP
 from modeling.blocks.parts import Block, Declared, Part
 from modeling.blocks.router import Router, Routing
 from modeling.execution import Execution, recomputing
-from modeling.expert_parallel import run_dispatched, run_experts
+from modeling.expert_parallel import run_dispatched, run_experts, run_experts_over_tp
+from modeling.sequence_parallel import sequence_shards
+from modeling.token_parts import token_parts
 from modeling.tp_plan import TensorPlan
 from paddle_pp.runtime.experts import mark_experts
 
@@ -116,14 +119,32 @@ class MoE(Declared):
 
 
 class SparseMoE(Block):
-    """Router, experts and the shared expert of a `MoE` declaration."""
+    """Router, experts and the shared expert of a `MoE` declaration.
+
+    Under sequence parallelism each tp rank routes and dispatches its own positions (Megatron's way):
+    its rows travel to their experts' ranks, the rows each tp rank received are gathered over tp once
+    for the experts (whose projections are split over tp as without SP), and each tp rank gets its
+    rows' summed outputs back by one reduce-scatter (`run_experts_over_tp`), so a rank sends 1/tp of
+    the rows it would send for the gathered sequence; the shared expert's tokens ride in the same
+    all-gather and reduce-scatter (one collective pair per layer). The router (and the shared
+    expert's gate) then sees this rank's positions only: its gradient is summed over tp like a
+    norm's, and the routing statistics are pooled over the tp ranks (`modeling.token_parts`)."""
 
     def __init__(self, config, run: Execution, declared: MoE):
-        """Its linears are plain tp ones even under sequence parallelism: the block gathers the
-        sequence first (see `forward`)."""
+        """Its linears are plain tp ones even under sequence parallelism: the block moves their rows."""
         super().__init__(config, replace(run, sequence_parallel=False), declared)
         self.sequence_first = run.sequence_first
         self.layer_index = declared.index  # its decoder layer's, for the metrics
+        self.parts = token_parts(tp_layers.tp_group() if run.sequence_first else None, run.ring)
+        if run.sequence_first:
+            tp_gradients.mark(self.router_layer, run)
+            if declared.shared is not None and declared.shared_gate:
+                tp_gradients.mark(getattr(self, f"{declared.names[1]}_gate"), run)
+            shared = [getattr(self, declared.names[1])] if declared.shared is not None else []
+            for expert in [*self.experts.children(), *shared]:  # a bias after the sum: added to this rank's rows
+                down = getattr(expert, expert.declared.names[2])
+                if down.bias is not None:
+                    sp_utils.mark_as_sequence_parallel_parameter(down.bias)
 
     @property
     def router_layer(self):
@@ -139,24 +160,27 @@ class SparseMoE(Block):
         return scores, chosen, weights.astype(flat.dtype)
 
     def forward(self, hidden):
-        """Under sequence parallelism every tp rank gathers the whole sequence (backward: keeps its
-        positions' gradient, each rank computing the whole one), routes and computes it as plain tp
-        does (the experts' row linears all-reduce), then keeps its own positions (backward: gathers
-        the gradient). Dense layers reduce-scatter instead of all-reducing: MoE layers under SP move
-        a sequence's activations once more, for routing whole tokens without a second exchange."""
-        if self.sequence_first:
-            return sp_utils.ScatterOp.apply(self._forward(sp_utils.GatherOp.apply(hidden)))
-        return self._forward(hidden)
-
-    def _forward(self, hidden):
+        """The layer on this rank's tokens (under SP its positions, [seq / tp, batch, hidden])."""
         declared = self.declared
         flat = hidden.reshape([-1, declared.hidden])
         scores, chosen, weights = self.route(flat)
-        out, counts = (self._local(flat, chosen, weights) if self.run.experts is None
-                       else run_dispatched(flat, chosen, weights, self.experts, self.run.experts,
-                                           declared.experts.count))
-        if declared.shared is not None:
-            shared = getattr(self, declared.names[1])(flat)
+        shared_layer = getattr(self, declared.names[1]) if declared.shared is not None else None
+        shared_out = None
+
+        def compute(rows: paddle.Tensor, counts: list[int]) -> tuple[paddle.Tensor | None, paddle.Tensor]:
+            """This rank's experts on `rows` sorted by expert (`counts` each); under SP with the other tp
+            ranks' rows and the shared expert in the same collectives (`run_experts_over_tp`)."""
+            nonlocal shared_out
+            if not self.sequence_first:
+                return run_experts(rows, counts, self.experts)
+            outputs, idle, shared_out = run_experts_over_tp(
+                rows, counts, self.experts, (shared_layer, flat) if shared_layer is not None else None)
+            return outputs, idle
+
+        out, counts = (self._local(flat, chosen, weights, compute) if self.run.experts is None
+                       else run_dispatched(flat, chosen, weights, compute, self.run.experts, declared.experts.count))
+        if shared_layer is not None:
+            shared = shared_out if self.sequence_first else shared_layer(flat)
             if declared.shared_gate:
                 shared = F.sigmoid(getattr(self, f"{declared.names[1]}_gate")(flat)) * shared
             out = out + shared
@@ -165,12 +189,12 @@ class SparseMoE(Block):
         counting = self.training and not recomputing()  # a recomputed forward routed the same tokens already
         if learning or counting:
             counts = paddle.to_tensor(counts, "int64")
-            if self.run.ring is not None:  # this rank routed its part of each sequence: the whole sequences' counts
-                counts = self.run.ring.all_reduce(counts)
+            if self.parts is not None:  # this rank routed its part of each sequence: the whole sequences' counts
+                counts = self.parts.all_reduce(counts)
             sequences = hidden.shape[1 if self.sequence_first else 0]
             with full_precision():
                 aux = declared.routing.aux_loss(self._by_sequence(scores, hidden), counts, sequences,
-                                                self._by_sequence(chosen, hidden), self.run.ring)
+                                                self._by_sequence(chosen, hidden), self.parts)
                 aux = aux * declared.routing.aux_coef
             if counting:
                 self.run.router_stats.record(self.layer_index, aux, counts,
@@ -180,14 +204,14 @@ class SparseMoE(Block):
         return out
 
     def _by_sequence(self, scores: paddle.Tensor, hidden: paddle.Tensor) -> paddle.Tensor:
-        """Per-token rows (scores, chosen experts) with each sequence's tokens together (under SP the
-        gathered tokens are sequence-major)."""
+        """Per-token rows (scores, chosen experts) with each sequence's tokens together (under SP a
+        rank's positions are sequence-major)."""
         if not self.sequence_first:
             return scores
         seq, batch = hidden.shape[:2]
         return scores.reshape([seq, batch, -1]).transpose([1, 0, 2]).reshape([seq * batch, -1])
 
-    def _local(self, flat, chosen, weights) -> tuple[paddle.Tensor, list[int]]:
+    def _local(self, flat, chosen, weights, compute) -> tuple[paddle.Tensor, list[int]]:
         """Every expert on this rank, on its rows, in one pass: the (token, choice) rows sorted by
         expert once, their counts read once (one host synchronisation per layer, however many experts),
         each expert run on its slice, the weighted outputs added back to their tokens in expert order.
@@ -196,7 +220,7 @@ class SparseMoE(Block):
         order = paddle.argsort(choice, stable=True)
         token_of = order // chosen.shape[1]
         counts = np.bincount(choice.numpy(), minlength=self.declared.experts.count).tolist()
-        outputs, idle = run_experts(paddle.gather(flat, token_of), counts, self.experts)
+        outputs, idle = compute(paddle.gather(flat, token_of), counts)
         weighted = outputs * paddle.gather(weights.reshape([-1]), order).unsqueeze(-1)
         return paddle.index_add(paddle.zeros_like(flat), token_of, 0, weighted) + idle, counts
 
@@ -212,11 +236,12 @@ def is_sparse(c, index: int) -> bool:
 
 def moe_saved_bytes(moe: MoE, run: Execution, tokens: int, dtype_bytes: int) -> dict[str, int]:
     """What an MoE block keeps for backward with balanced routing (each expert gets tokens x k / E):
-    the router's input and fp32 probabilities, each expert's gated-MLP activations on its tokens, the
-    gathered rows and the weighted outputs (the planner's model; not measured)."""
-    routed = tokens * moe.top_k
+    the router's input and fp32 probabilities (of this rank's positions under SP), each expert's
+    gated-MLP activations on its tokens (every tp rank's rows under SP), the gathered rows and the
+    weighted outputs (the planner's model; not measured)."""
+    routed, local = tokens * moe.top_k, tokens // sequence_shards(run.tp, run.sequence_parallel)
     expert = moe.experts.expert.saved_bytes(run, routed, dtype_bytes)
-    saved = {"gate": tokens * moe.hidden * dtype_bytes + tokens * moe.experts.count * 4,
+    saved = {"gate": local * moe.hidden * dtype_bytes + local * moe.experts.count * 4,
              "experts": sum(expert.values()) + 2 * routed * moe.hidden * dtype_bytes}
     if moe.shared is not None:
         shared = moe.shared.saved_bytes(run, tokens, dtype_bytes)

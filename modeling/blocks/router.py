@@ -118,14 +118,14 @@ class Routing:
         return paddle.stack(gaps).min() if gaps else paddle.full([], float("inf"))
 
     def aux_loss(self, scores: paddle.Tensor, counts: paddle.Tensor, sequences: int,
-                 chosen: paddle.Tensor, ring=None) -> paddle.Tensor:
+                 chosen: paddle.Tensor, parts=None) -> paddle.Tensor:
         """The balancing statistic (1 at balanced routing) over one micro-batch of `sequences` equal
         sequences: scores [tokens, E] fp32, counts [E] (the whole sequences', pooled) and `chosen`
-        [tokens, k] the experts chosen. Under context parallelism (`ring`) this rank holds part of
-        each sequence: its sums are pooled over the ring (`Ring.pooled`), so the statistic is the
-        whole sequences' and each token's scores get their single-card gradient."""
+        [tokens, k] the experts chosen. When this rank holds a part of each sequence (`parts`, a
+        `modeling.token_parts.TokenParts`: under SP or cp) its sums are pooled over the parts, so the
+        statistic is the whole sequences' and each token's scores get their single-card gradient."""
         tokens, experts = scores.shape
-        pooled, parts = (lambda x: x, 1) if ring is None else (ring.pooled, ring.degree)
+        pooled, parts = (lambda x: x, 1) if parts is None else (parts.pooled, parts.degree)
         if self.aux == SWITCH:
             share = counts.astype("float32") / float(tokens * parts * self.top_k)
             return experts * (share * pooled(scores.sum(axis=0)) / float(tokens * parts)).sum()

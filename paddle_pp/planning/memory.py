@@ -13,6 +13,7 @@ import numpy as np
 from modeling.attention_core.ring import ring_traffic_bytes
 from modeling.execution import GRANULARITIES, Execution, choose_execution
 from modeling.registry import execution_for, family_of, plan_of, validate_layout
+from modeling.sequence_parallel import sequence_shards
 from modeling.tp_plan import layer_stage
 from paddle_pp.runtime.flags import flag
 from paddle_pp.runtime.layout import Layout
@@ -142,7 +143,7 @@ def dispatch_bytes_per_step(config, layout: Layout, workload: Workload, compute_
     sends its tokens' k rows out and back in forward, their gradients in backward, and again in a
     recomputed forward; balanced routing keeps 1/ep of the rows on their own rank, the worst case none.
     The multi-token prediction layers count on the last stage.
-    Under sequence parallelism every tp rank exchanges the whole sequence's rows (`SparseMoE`). Which
+    Under sequence parallelism each tp rank exchanges its own positions' rows (`SparseMoE`). Which
     layers are MoE is each layer's declaration (DeepSeek's and GLM's dense first layers, ERNIE's range)."""
     from modeling.blocks.moe import MoE
 
@@ -154,6 +155,7 @@ def dispatch_bytes_per_step(config, layout: Layout, workload: Workload, compute_
             per_stage[layer_stage(index, config.num_hidden_layers, layout.pp, layout.vpp)] += 1
     per_stage[-1] += sum(isinstance(layer.feed_forward, MoE) for _, layer in config.prediction_layers())
     exchanges = 4 + (2 if workload.recompute else 0)
-    rows = workload.per_device_train_batch_size * workload.max_seq_length * config.num_experts_per_tok
+    rows = (workload.per_device_train_batch_size * workload.max_seq_length * config.num_experts_per_tok
+            // sequence_shards(layout.tp, layout.sequence_parallel))
     worst = max(per_stage) * workload.gradient_accumulation_steps * exchanges * rows * config.hidden_size * compute_bytes
     return worst * (layout.ep - 1) // layout.ep, worst

@@ -40,7 +40,7 @@ class StepRouting:
 def step_routing(stats: RouterStats, config, topo: Topology) -> StepRouting | None:
     """What every rank's MoE layers routed since the last call, summed over the pipeline stages (each
     holds its own layers) and the data and sharding ranks (each routed its own samples); None for a
-    dense model. A collective over pp, dp, sharding and cp: every rank calls it once per step."""
+    dense model. A collective over pp, dp, sharding, cp and (under SP) tp: every rank calls it once per step."""
     if not getattr(config, "num_experts", 0):
         return None
     aux, load, margin = stats.take()
@@ -55,8 +55,11 @@ def step_routing(stats: RouterStats, config, topo: Topology) -> StepRouting | No
         if size > 1:
             dist.all_reduce(table, group=getattr(topo, group))
             dist.all_reduce(least, op=dist.ReduceOp.MIN, group=getattr(topo, group))
-    if topo.ring is not None:  # the loads are pooled over cp already (each layer's), the margins are each rank's
+    # the loads are pooled over the ranks sharing each sequence already (each layer's), the margins are each rank's
+    if topo.ring is not None:
         dist.all_reduce(least, op=dist.ReduceOp.MIN, group=topo.ring.group)
+    if topo.layout.sequence_parallel and topo.layout.tp > 1:
+        dist.all_reduce(least, op=dist.ReduceOp.MIN, group=topo.tp_group)
     return StepRouting(table.numpy(), float(least))
 
 
