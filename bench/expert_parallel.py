@@ -1,10 +1,10 @@
-"""Expert parallelism on this CPU: one MoE model trained at ep1, ep2 and ep4 side by side (the same 4
-processes and global batch), the bytes the token exchange moves against the planner's formula, and
-the planner's answer for Qwen3-30B-A3B on 64 GPUs.
+"""Expert parallelism on this CPU: one MoE model trained at ep1, ep2 and ep4, and at tp2 x ep2 with and
+without sequence parallelism, side by side (the same 4 processes and global batch), the bytes the token
+exchange moves against the planner's formula, and the planner's answer for Qwen3-30B-A3B on 64 GPUs.
 
 1. run_pretrain.py on a small Qwen3-MoE (hidden 128, 2 layers, 8 experts, top-2, expert width 128) from
-   a config-only folder, 4 processes (dp4), --steps steps of 16 sequences of --max_seq_length tokens,
-   under ep1, ep2 and ep4. Per run: tokens/s of the steps after the first, each rank's peak of
+   a config-only folder, 4 processes, --steps steps of 16 sequences of --max_seq_length tokens, under
+   each of `LAYOUTS` (--layouts picks some). Per run: tokens/s of the steps after the first, each rank's peak of
    Paddle's host allocator against the planner's weights + gradients + states, and per rank and
    step the rows its exchanges address to other ranks (what an all-to-all sends: bytes counted in
    `ExpertGroup.exchange_rows`) against `dispatch_bytes_per_step` (balanced routing; worst case),
@@ -45,6 +45,10 @@ MODEL = {"model_type": "qwen3_moe", "vocab_size": 4096, "hidden_size": 128, "int
          "router_aux_loss_coef": 0.001, "max_position_embeddings": 4096, "tie_word_embeddings": False}
 QWEN3_30B_A3B = REPO / "bench" / "configs" / "qwen3_30b_a3b.json"
 PROCESSES, GLOBAL_BATCH = 4, 16
+# name -> layout flags of the 4 processes (dp fills the rest); under SP each tp rank dispatches its own positions
+LAYOUTS = {"ep1": (), "ep2": ("--expert_parallel_degree", "2"), "ep4": ("--expert_parallel_degree", "4"),
+           "tp2 x ep2": ("--tensor_parallel_degree", "2", "--expert_parallel_degree", "2"),
+           "tp2 x ep2 + SP": ("--tensor_parallel_degree", "2", "--expert_parallel_degree", "2", "--sequence_parallel")}
 
 
 def rank_worker(argv: list[str]) -> int:
@@ -77,10 +81,10 @@ def rank_worker(argv: list[str]) -> int:
     return cli.main(argv, None, report)
 
 
-def trainer_runs(seq: int, steps: int, degrees: list[int]) -> dict:
+def trainer_runs(seq: int, steps: int, names: list[str]) -> dict:
+    from paddle_pp.training.arguments import parse_args
+
     config = config_from_dict(dict(MODEL, max_position_embeddings=seq))
-    accumulate = GLOBAL_BATCH // PROCESSES
-    workload = Workload(per_device_train_batch_size=1, max_seq_length=seq, gradient_accumulation_steps=accumulate)
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
@@ -90,11 +94,13 @@ def trainer_runs(seq: int, steps: int, degrees: list[int]) -> dict:
                  "--continue_training", "false", "--max_seq_length", str(seq), "--per_device_train_batch_size", "1",
                  "--global_batch_size", str(GLOBAL_BATCH), "--max_steps", str(steps), "--warmup_steps", "1",
                  "--do_eval", "false", "--disable_progress_bar"]
-        for ep in degrees:
-            results = launch(Path(__file__), PROCESSES, ["--rank_worker", *flags, "--expert_parallel_degree", str(ep),
-                                                         "--data_cache", f"{tmp}/cache", "--output_dir", f"{tmp}/ep{ep}"],
-                             work_dir=Path(tmp) / f"job{ep}", timeout=7200)
-            layout = Layout(world_size=PROCESSES, expert_parallel_degree=ep)
+        for index, name in enumerate(names):
+            results = launch(Path(__file__), PROCESSES, ["--rank_worker", *flags, *LAYOUTS[name], "--data_cache",
+                                                         f"{tmp}/cache", "--output_dir", f"{tmp}/run{index}"],
+                             work_dir=Path(tmp) / f"job{index}", timeout=7200)
+            layout = Layout.from_args(parse_args(list(LAYOUTS[name])).layout, world_size=PROCESSES, device="cpu")
+            workload = Workload(per_device_train_batch_size=1, max_seq_length=seq,
+                                gradient_accumulation_steps=GLOBAL_BATCH // (layout.dp * layout.sharding_degree))
             balanced, worst = dispatch_bytes_per_step(config, layout, workload)
             share = plan_layout(config, layout)[0]
             row = {"tokens_per_sec": statistics.median(results[0]["tokens_per_sec"][1:]),
@@ -103,13 +109,13 @@ def trainer_runs(seq: int, steps: int, degrees: list[int]) -> dict:
                    "all_to_all_bytes_per_step": [r["all_to_all_bytes_per_step"] for r in results],
                    "gathered_bytes_per_step": [r["gathered_bytes_per_step"] for r in results],
                    "formula_balanced_bytes": balanced, "formula_worst_bytes": worst}
-            out[f"ep{ep}"] = row
-            print(f"ep{ep}: {row['tokens_per_sec']:.0f} tokens/s, peak {row['peak_host_bytes_worst_rank'] / 2**20:.0f} "
+            out[name] = row
+            print(f"{name}: {row['tokens_per_sec']:.0f} tokens/s, peak {row['peak_host_bytes_worst_rank'] / 2**20:.0f} "
                   f"MiB per rank (planner: weights+grads+states {row['planned_weights_grads_states_bytes'] / 2**20:.1f} "
                   f"MiB), all-to-all {max(row['all_to_all_bytes_per_step']) / 2**20:.2f} MiB/step on the busiest rank "
                   f"(formula {balanced / 2**20:.2f} balanced, {worst / 2**20:.2f} worst), padded all_gather "
                   f"{max(row['gathered_bytes_per_step']) / 2**20:.2f} MiB", flush=True)
-    base = out[f"ep{degrees[0]}"]
+    base = out[names[0]]
     for row in out.values():
         row["speed_ratio"] = row["tokens_per_sec"] / base["tokens_per_sec"]
     return out
@@ -158,11 +164,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max_seq_length", type=int, default=256)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--degrees", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
     args = parser.parse_args()
     out = {**machine(), "measured": time.strftime("%Y-%m-%d"), "model": MODEL, "max_seq_length": args.max_seq_length,
            "processes": PROCESSES, "global_batch": GLOBAL_BATCH, "planner": planner(),
-           "runs": trainer_runs(args.max_seq_length, args.steps, args.degrees)}
+           "runs": trainer_runs(args.max_seq_length, args.steps, args.layouts)}
     (REPO / "bench" / "results" / "expert_parallel.json").write_text(json.dumps(out, indent=1))
 
 
