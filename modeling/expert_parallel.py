@@ -116,7 +116,7 @@ def run_experts_over_tp(rows: paddle.Tensor, counts: list[int], experts: nn.Laye
     every = [paddle.zeros_like(held) for _ in range(group.nranks)]
     dist.all_gather(every, held, group=group)
     every = np.stack([count.numpy() for count in every])  # [tp rank, expert]
-    most, own = int(every.sum(axis=1).max()), rows.shape[0]
+    most, own = max(int(every.sum(axis=1).max()), 1), rows.shape[0]  # never an empty gather: one zero row at least
     tokens = shared[1] if shared is not None else rows[:0]
     stride = most + tokens.shape[0]  # a rank's block: its rows padded to `most`, then its positions
     block = paddle.concat([rows, paddle.zeros([most - own, rows.shape[1]], rows.dtype), tokens])
