@@ -31,43 +31,53 @@ def save_items(plan: ModelPlan, layout: Layout, compute_bytes: int = 4) -> list[
     the sharding rank Paddle's stage1 or stage2 optimizer gives it, in every dp and cp replica (under
     stage3 every sharding rank holds a slice, so every replica can write it); a buffer (an MoE
     router's correction bias) is written with the model only and is not in the optimizer's
-    partition. The tensors of a
-    (stage, expert rank) are its placement's (`Placement.held_at`); Paddle partitions a rank's own
-    parameters over sharding, so each expert rank's partition is over its own (the same shapes on
-    every one), and an expert's tensors are held by the dp ranks of its expert rank only."""
+    partition. The tensors of a (stage, expert rank) are its placement's (`Placement.held_at`),
+    held by the data ranks of that expert rank (`Layout.expert_rank`). Paddle partitions a rank's
+    own parameters over sharding, so when ep divides dp each expert rank's partition is over its own
+    (the same shapes on every one); with experts across sharding ranks the partition is over the
+    dense parameters and each rank updates its own experts (`runtime.expert_sharding`)."""
     states = OPTIMIZER_STATES + ((MASTER_WEIGHT,) if compute_bytes < 4 else ())
     mesh = plan.mesh(layout.pp, layout.vpp, layout.ep, layout.tp)
-    holders: dict[str, set] = defaultdict(set)  # one entry per tensor, however many (stage, expert rank) hold it
+    holding: dict[str, set] = defaultdict(set)  # (stage, dp, sharding) of every rank holding the tensor
+    updating: dict[str, set] = defaultdict(set)  # the same for its optimizer states
     for stage, expert_rank in mesh.positions():
         held = plan.held_at(stage, expert_rank, mesh)
-        names = [name for name in held if not plan[name].buffer]  # what the optimizer partitions
-        owners = (stage2_owners if layout.sharding_stage == "stage2" else sharding_owners)(
-            [plan[name].local_numel(mesh) for name in names], layout.sharding_degree)
-        dps = [dp for dp in range(layout.dp) if layout.expert_rank(dp) == expert_rank]
-        for name, owner in [*zip(names, owners), *((name, 0) for name in held if plan[name].buffer)]:
-            holders[name] |= {(stage, dp, owner) for dp in dps}
-    return [item for name, held in holders.items() for item in _tensor_items(plan, name, layout, sorted(held), states)]
+        own = {name for name in held if layout.experts_across_sharding and plan[name].placement.expert is not None}
+        partitioned = [name for name in held if not plan[name].buffer and name not in own]
+        owners = dict(zip(partitioned, (stage2_owners if layout.sharding_stage == "stage2" else sharding_owners)(
+            [plan[name].local_numel(mesh) for name in partitioned], layout.sharding_degree)))
+        ranks = [(dp, s) for dp in range(layout.dp) for s in range(layout.sharding_degree)
+                 if layout.expert_rank(dp, s) == expert_rank]
+        for name in held:
+            holding[name] |= {(stage, dp, s) for dp, s in ranks}
+            if not plan[name].buffer:
+                updating[name] |= {(stage, dp, owners.get(name, s)) for dp, s in ranks}
+    return [item for name in holding
+            for item in _tensor_items(plan, name, layout, holding[name], updating[name], states)]
 
 
-def _tensor_items(plan: ModelPlan, name: str, layout: Layout, holders: list[tuple[int, int, int]],
+def _tensor_items(plan: ModelPlan, name: str, layout: Layout, holding: set, updating: set,
                   states: tuple[str, ...]) -> list[WriteItem]:
-    """A parameter's write items: held by the replicas of its (stage, dp rank, sharding owner) `holders`."""
+    """A parameter's write items: its weights held by the (stage, dp, sharding) ranks `holding` (in
+    every cp replica), its states by `updating` (by `holding` under stage3, which slices them all)."""
     row, numel = plan[name], int(np.prod(plan[name].shape))
     split = row.placement.tp is not None and layout.tp > 1
     # stage3 slices every parameter over the segment size, which the planner does not know: all are counted
     gathered = gathered_bytes(numel * 4, split, layout.tp,
                               layout.sharding_degree if layout.sharding_stage == "stage3" else 1)
-    holding = tuple(sorted({(stage, layout.weight_replica(dp, s, cp)) for stage, dp, _ in holders
-                            for cp in range(layout.cp) for s in range(layout.sharding_degree)}))
-    updating = holding if layout.sharding_stage == "stage3" else \
-        tuple(sorted({(stage, layout.weight_replica(dp, owner, cp)) for stage, dp, owner in holders
-                      for cp in range(layout.cp)}))
+
+    def slots(ranks: set) -> tuple:
+        return tuple(sorted({(stage, layout.weight_replica(dp, s, cp)) for stage, dp, s in ranks
+                             for cp in range(layout.cp)}))
+
+    held = slots(holding)
     if row.buffer:  # saved with the model, never updated by the optimizer
-        return [WriteItem(MODEL, name, numel * 4, split, gathered, holding)]
-    return [WriteItem(MODEL, name, numel * 4, split, gathered, holding),
-            *(WriteItem(OPTIMIZER, f"{name}{STATE_SEPARATOR}{state}", numel * 4, split, gathered, updating)
+        return [WriteItem(MODEL, name, numel * 4, split, gathered, held)]
+    updated = held if layout.sharding_stage == "stage3" else slots(updating)
+    return [WriteItem(MODEL, name, numel * 4, split, gathered, held),
+            *(WriteItem(OPTIMIZER, f"{name}{STATE_SEPARATOR}{state}", numel * 4, split, gathered, updated)
               for state in states),
-            *(WriteItem(OPTIMIZER, f"{name}{STATE_SEPARATOR}{state}", 4, False, 0, updating)
+            *(WriteItem(OPTIMIZER, f"{name}{STATE_SEPARATOR}{state}", 4, False, 0, updated)
               for state in OPTIMIZER_SCALARS)]
 
 

@@ -12,7 +12,7 @@ expert-parallel rank (its expert's), and how tp cuts it. One rule answers every 
 (`Placement.held_at`, `Placement.local_shape`, on a `Mesh` of the axes' sizes): which tensors a
 rank builds and `check_built` holds it to, which ranks hold a tensor in the save planner, each
 sharding rank's partition, the planner's per-rank bytes. The data axes (dp, sharding, cp) place
-nothing: their ranks are replicas, except that a dp rank's expert rank is `Layout.expert_rank`. A
+nothing: their ranks are replicas, except that a data rank's expert rank is `Layout.expert_rank`. A
 save needs no placement of its own: it plans its writers from the holdings every rank reports.
 """
 
@@ -147,14 +147,35 @@ class ModelPlan(Mapping):
         return self.tensors[name].placement.stages(self.mesh(pp, vpp))
 
     def held_at(self, stage: int, expert_rank: int, mesh: Mesh) -> list[str]:
-        """Single-card names the ranks of (stage, expert rank) hold, in model order."""
-        return [name for name, row in self.tensors.items() if row.placement.held_at(stage, expert_rank, mesh)]
+        """Single-card names the ranks of (stage, expert rank) hold, in the order the built model lists
+        its parameters (what stage1's partition goes by): model order for the pipeline's layers, the
+        containers' order without pp (`in_container_order`)."""
+        names = [name for name, row in self.tensors.items() if row.placement.held_at(stage, expert_rank, mesh)]
+        return names if mesh.pp > 1 else in_container_order(names)
 
     @cached_property
     def num_experts(self) -> int:
         """Experts per MoE layer (0 for a dense model); every stage and holder question reads it."""
         experts = [row.placement.expert for row in self.tensors.values() if row.placement.expert is not None]
         return 1 + max(experts, default=-1)
+
+
+def in_container_order(names: list[str]) -> list[str]:
+    """`names` (in model order) as a Paddle layer built from them lists its parameters: each
+    container's contents together, containers in the order they were first added. A multi-token
+    prediction layer joins the decoder layers' list, which came before the final norm: its
+    parameters are listed before the norm's."""
+    first: dict[str, int] = {}
+    for index, name in enumerate(names):
+        parts = name.split(".")
+        for depth in range(1, len(parts) + 1):
+            first.setdefault(".".join(parts[:depth]), index)
+
+    def containers(name: str) -> list[int]:
+        parts = name.split(".")
+        return [first[".".join(parts[:depth])] for depth in range(1, len(parts) + 1)]
+
+    return sorted(names, key=containers)
 
 
 def split_axes(plan: Mapping[str, TensorPlan]) -> dict[str, int | None]:

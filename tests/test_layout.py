@@ -36,11 +36,11 @@ INVALID = [
     (["--sequence_parallel"], 2, "cpu", ["--sequence_parallel needs --tensor_parallel_degree >= 2"]),
     (["--sequence_parallel", "--tensor_parallel_degree", "2", "--sharding", "stage2", "--sharding_parallel_degree",
       "2"], 4, "cpu", ["--sequence_parallel with --sharding stage2", "--sharding stage1"]),
-    # experts are split over dp ranks (any sharding degree beside), never across sharding ranks or under stage2/3
+    # experts are split over the data ranks (dp x sharding), never under stage2/3
     (["--expert_parallel_degree", "4"], 2, "cpu", ["--expert_parallel_degree 4 does not divide the data-parallel "
-                                                   "degree 2"]),
-    (["--expert_parallel_degree", "2", "--sharding", "stage1", "--sharding_parallel_degree", "2"], 2, "cpu",
-     ["does not divide the data-parallel degree 1", "experts across sharding ranks are not implemented"]),
+                                                   "ranks 2 (dp 2 x sharding 1"]),
+    (["--expert_parallel_degree", "4", "--sharding", "stage1", "--sharding_parallel_degree", "2"], 6, "cpu",
+     ["--expert_parallel_degree 4 does not divide the data-parallel ranks 6 (dp 3 x sharding 2"]),
     (["--expert_parallel_degree", "2", "--sharding", "stage2", "--sharding_parallel_degree", "2"], 4, "cpu",
      ["--expert_parallel_degree 2 with --sharding stage2", "use --sharding stage1"]),
     (["--expert_parallel_degree", "2", "--context_parallel_degree", "2"], 8, "cpu",
@@ -101,6 +101,30 @@ def test_valid_layout_derives_data_parallel(flags, world, expected):
     layout = parse_layout(flags, world_size=world, device="cpu")
     for name, value in expected.items():
         assert getattr(layout, name) == value, name
+
+
+@pytest.mark.parametrize("dp, sharding, ep, groups, replicas", [
+    # ep divides dp: ep dp ranks of one sharding rank; the sharding peers hold the same experts
+    (4, 2, 2, [[(0, 0), (1, 0)], [(0, 1), (1, 1)], [(2, 0), (3, 0)], [(2, 1), (3, 1)]],
+     [[(0, 0), (0, 1), (2, 0), (2, 1)], [(1, 0), (1, 1), (3, 0), (3, 1)]]),
+    # DeepSeek-V3's kind: the group spans the sharding ranks; each expert on one rank
+    (2, 2, 4, [[(0, 0), (0, 1), (1, 0), (1, 1)]], [[(0, 0)], [(0, 1)], [(1, 0)], [(1, 1)]]),
+    # ZeRO-1 over every data rank, ep inside it: replicas are sharding peers
+    (1, 4, 2, [[(0, 0), (0, 1)], [(0, 2), (0, 3)]], [[(0, 0), (0, 2)], [(0, 1), (0, 3)]]),
+])
+def test_expert_groups_take_consecutive_data_ranks_and_every_expert_once(dp, sharding, ep, groups, replicas):
+    """The (dp, sharding) ranks of each expert group (ordered by expert rank) and of each expert
+    rank's replicas; each group holds every expert rank once."""
+    layout = parse_layout(["--expert_parallel_degree", str(ep), "--sharding", "stage1", "--sharding_parallel_degree",
+                           str(sharding)], world_size=dp * sharding, device="cpu")
+    assert layout.experts_across_sharding == (dp % ep != 0)
+    by_group, by_expert = {}, {}
+    for rank in [(d, s) for d in range(dp) for s in range(sharding)]:
+        group, expert = layout.expert_position(*rank)
+        by_group.setdefault(group, {})[expert] = rank
+        by_expert.setdefault(expert, []).append(rank)
+    assert [[members[e] for e in range(ep)] for _, members in sorted(by_group.items())] == groups
+    assert [ranks for _, ranks in sorted(by_expert.items())] == replicas
 
 
 def test_hybrid_configs_follow_topo_order():

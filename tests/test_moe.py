@@ -339,14 +339,17 @@ def moe_runs(moe_folders):
     return {"single": single, "ep2_tp2_pp2_sp": hybrid,
             "ep2_stage1": Run("deepseek_ep2_stage1", 4, start + EP2 + MICRO1 + (
                 "--sharding_parallel_degree", "2", "--sharding", "stage1", "--recompute", "--save_steps", "20")),
+            "ep4_stage1": Run("deepseek_ep4_stage1", 4, start + EP4 + MICRO1 + (
+                "--sharding_parallel_degree", "2", "--sharding", "stage1", "--save_steps", "20")),
             "stage2": Run("deepseek_dp2_stage2", 4, start + MICRO1 + ("--sharding_parallel_degree", "2", "--sharding",
                                                              "stage2", "--recompute", "--save_steps", "20")),
-            "resumed_ep4": Run("deepseek_resumed_ep4", 4, start + EP4, resume_from=hybrid),
+            "resumed_ep4": Run("deepseek_resumed_ep4_stage1", 4, start + EP4 + (
+                "--sharding_parallel_degree", "2", "--sharding", "stage1"), resume_from=hybrid),
             "resumed_single": Run("deepseek_resumed_single", 1, start, resume_from=hybrid)}
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", ["ep2_tp2_pp2_sp", "ep2_stage1", "stage2"])
+@pytest.mark.parametrize("layout", ["ep2_tp2_pp2_sp", "ep2_stage1", "ep4_stage1", "stage2"])
 def test_a_deepseek_v3_shaped_model_trains_like_single_card(layout, moe_runs, pretrain_run, moe_folders):
     """Losses, evaluation, grad norms, aux losses, multi-token prediction losses and final weights (the
     correction biases, moved every step by the balancing rule, and the prediction layer on the last
@@ -382,12 +385,15 @@ def test_a_deepseek_checkpoint_resumes_across_expert_parallel_sizes_on_the_singl
 
 
 @pytest.mark.multiproc
-def test_an_expert_parallel_save_is_written_by_every_rank_as_the_planner_predicts(moe_runs, pretrain_run):
-    """Each expert's tensors come from one of the ranks holding it (the planner's writer for each),
-    every rank writes a share, and the checkpoint verifies."""
-    run = moe_runs["ep2_tp2_pp2_sp"]
+@pytest.mark.parametrize("layout, step", [("ep2_tp2_pp2_sp", RESUME_STEP), ("ep4_stage1", 20)])
+def test_an_expert_parallel_save_is_written_by_every_rank_as_the_planner_predicts(layout, step, moe_runs,
+                                                                                 pretrain_run):
+    """Each expert's tensors come from one of the ranks holding it (the planner's writer for each;
+    with experts across sharding ranks, its AdamW states from the rank updating it, outside stage1's
+    partition), every rank writes a share, and the checkpoint verifies."""
+    run = moe_runs[layout]
     _, out = pretrain_run(run)
-    folder = out / f"checkpoint-{RESUME_STEP}"
+    folder = out / f"checkpoint-{step}"
     written, writer = written_by_rank(folder)
     assert sorted(written) == list(range(run.nproc))
     assert writer == planned_writers(folder, run.flags, run.nproc)

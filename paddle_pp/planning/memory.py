@@ -114,7 +114,8 @@ def ring_bytes_per_step(config, layout: Layout, workload: Workload, compute_byte
 def plan_layout(config, layout: Layout, compute_bytes: int = 4, workload: Workload | None = None) -> list[RankShare]:
     """Per (stage, tp rank): parameters and bytes of weights, grads and AdamW states (plus fp32
     master weights when compute is narrower than fp32), as ZeRO partitions them over the sharding
-    degree: states from stage1, gradients from stage2, weights from stage3 (whose parameters under
+    degree: states from stage1 (experts across sharding ranks keep theirs whole on their own rank:
+    `runtime.expert_sharding`), gradients from stage2, weights from stage3 (whose parameters under
     `--stage3_segment_size`, the norm weights, stay whole: left out here); with a `workload`, the
     decoder layers' activations too (`decoder_activation_bytes`). Raises the layout's own errors
     when invalid."""
@@ -124,15 +125,20 @@ def plan_layout(config, layout: Layout, compute_bytes: int = 4, workload: Worklo
     plan = plan_of(config)
     mesh = plan.mesh(layout.pp, layout.vpp, layout.ep, layout.tp)
     counts = np.zeros([layout.pp, layout.tp], dtype=np.int64)
+    whole = np.zeros([layout.pp, layout.tp], dtype=np.int64)  # elements whose states stage1 does not shard
     for stage in range(layout.pp):  # expert rank 0's share: every expert rank holds as many experts alike
-        counts[stage] += sum(plan[name].local_numel(mesh) for name in plan.held_at(stage, 0, mesh)
-                             if not plan[name].buffer)  # a router's correction bias: no grad, no states
+        for name in plan.held_at(stage, 0, mesh):
+            if not plan[name].buffer:  # a router's correction bias: no grad, no states
+                counts[stage] += plan[name].local_numel(mesh)
+                if layout.experts_across_sharding and plan[name].placement.expert is not None:
+                    whole[stage] += plan[name].local_numel(mesh)  # updated on its own rank (expert_sharding)
     state_bytes = ADAM_STATE_BYTES + (4 if compute_bytes < 4 else 0)
     shard = layout.sharding_degree
     grad_shards = shard if layout.group_sharded_level else 1  # stage2 and stage3
     weight_shards = shard if layout.sharding_stage == "stage3" else 1
     return [RankShare(stage, tp, int(n), -(-int(n) * compute_bytes // weight_shards),
-                      -(-int(n) * compute_bytes // grad_shards), -(-int(n) * state_bytes // shard),
+                      -(-int(n) * compute_bytes // grad_shards),
+                      -(-int(n - whole[stage, tp]) * state_bytes // shard) + int(whole[stage, tp]) * state_bytes,
                       decoder_activation_bytes(config, layout, workload, stage, compute_bytes) if workload else 0)
             for (stage, tp), n in np.ndenumerate(counts)]
 

@@ -1,13 +1,19 @@
 """Expert parallelism: the groups it needs, the token exchange, and the experts' own gradient reduction.
 
-`Layout.ep` dp ranks of one (stage, tp rank, sharding rank) form an expert group: each holds 1/ep of
-every MoE layer's experts, and tokens travel to the rank of the expert they chose and back. The
-ranks holding the same experts (every ep-th dp rank: dp / ep of them) are the experts' data
-replicas. So an expert's gradient on its rank already sums the contributions of the whole expert
-group's tokens (they came back through the exchange's backward); it is summed over the replicas and
-divided by dp, as fleet divides the dense gradients (dividing by the replicas alone instead would
-amplify the experts' gradients ep times). Under tp every tp rank exchanges the same tokens within
-its own expert group (experts stay split over tp), so the tp layers' own all-reduces need nothing new.
+`Layout.ep` data ranks of one (stage, tp rank) form an expert group (`Layout.expert_position`): each
+holds 1/ep of every MoE layer's experts, and tokens travel to the rank of the expert they chose and
+back. The ranks holding the same experts are the experts' data replicas. So an expert's gradient on
+its rank already sums the contributions of the whole expert group's tokens (they came back through
+the exchange's backward); it is summed over the replicas stage1's sharding reduction has not
+covered and divided so that, with what that reduction divided first, it is averaged over dp x
+sharding as fleet averages the dense gradients (dividing by the replicas alone instead would
+amplify the experts' gradients ep times). When ep divides dp, a group is ep dp ranks of one
+sharding rank and its sharding peers hold the same experts: stage1 reduces them over the sharding
+group (dividing by its size) like any parameter, then they are summed over the dp ranks of the same
+expert rank and sharding rank, divided by dp. Otherwise the groups run across the
+sharding ranks, stage1 leaves the experts to their own ranks (`runtime.expert_sharding`), and the
+replicas (dp x sharding / ep ranks) divide by dp x sharding themselves. Under tp every tp rank
+exchanges its own rows within its own expert group (experts stay split over tp).
 
 On GPU the exchange is Paddle's `alltoall_single` with per-rank counts; gloo has no all-to-all, so
 on CPU the backend builds it from a padded all_gather (`backends.cpu.exchange_rows`).
@@ -15,6 +21,7 @@ on CPU the backend builds it from a padded all_gather (`backends.cpu.exchange_ro
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +31,7 @@ import paddle.distributed as dist
 from paddle.autograd import PyLayer
 from paddle.distributed.fleet.utils.hybrid_parallel_util import fused_allreduce_gradients_with_group
 
-from paddle_pp.runtime.layout import Layout
+from paddle_pp.runtime.layout import Layout, LayoutError
 
 EXPERT_MARK = "no_sync"  # Paddle's own mark: fleet's parameter broadcasts and DataParallel's reducer skip these
 
@@ -34,8 +41,8 @@ class ExpertGroup:
     degree: int
     rank: int  # this rank's place in its expert group (which experts it holds)
     group: Any  # the expert group's ranks (the exchange)
-    replicas: Any  # the ranks holding the same experts (None when there is one: dp == ep)
-    dp: int  # the data-parallel degree the gradients are averaged over
+    replicas: Any  # the ranks its experts' gradients are summed over (None: this rank alone); see the module's doc
+    divisor: int  # what the sum over the replicas is divided by (see the module's doc)
     device: str
 
     def local(self, num_experts: int) -> range:
@@ -64,14 +71,14 @@ class ExpertGroup:
         return received
 
     def reduce_gradients(self, params: list) -> None:
-        """Sum the experts' gradients over their replicas and divide by dp (see the module's doc)."""
+        """Sum the experts' gradients over their replicas and divide by `divisor` (see the module's doc)."""
         if self.replicas is not None:
-            fused_allreduce_gradients_with_group(params, self.replicas, scale=1.0 / self.dp)
+            fused_allreduce_gradients_with_group(params, self.replicas, scale=1.0 / self.divisor)
             return
         for param in params:
             grad = param.main_grad if getattr(param, "main_grad", None) is not None else param.grad
             if grad is not None:
-                grad.scale_(1.0 / self.dp)
+                grad.scale_(1.0 / self.divisor)
 
 
 class _Exchange(PyLayer):
@@ -103,17 +110,31 @@ def is_expert(param) -> bool:
 
 
 def build_expert_group(hcg: Any, layout: Layout) -> ExpertGroup:
-    """This rank's expert group (ep consecutive dp ranks) and replica group (the dp ranks of its
-    `Layout.expert_rank`); every rank creates every group, in one order."""
-    me, ep = hcg.get_global_rank(), layout.ep
+    """This rank's expert group and replica group (`Layout.expert_position` of each data rank of its
+    (stage, tp rank)); every rank creates every group, in one order. A group's ranks are sorted, as
+    Paddle sorts them, so a rank's place in it must be its expert rank: checked."""
+    topo, me = hcg.topology(), hcg.get_global_rank()
+    data_ranks: dict[tuple, dict[tuple[int, int], tuple[int, int]]] = defaultdict(dict)
+    for rank in range(topo.world_size()):  # (stage, cp, tp): {(group, expert rank): (rank, sharding rank)}
+        at = topo.get_coord(rank)
+        data_ranks[(at.pipe, at.sep, at.model)][layout.expert_position(at.data, at.sharding)] = (rank, at.sharding)
     mine: dict[str, Any] = {}
-    for dp_ranks in hcg.topology().get_comm_list("data"):
-        blocks = [dp_ranks[i:i + ep] for i in range(0, len(dp_ranks), ep)]
-        replica_sets = [[rank for dp, rank in enumerate(dp_ranks) if layout.expert_rank(dp) == e] for e in range(ep)]
-        for kind, sets in (("group", blocks), ("replicas", replica_sets)):
-            for ranks in sets:
+    for positions in data_ranks.values():
+        groups, replicas = defaultdict(list), defaultdict(list)
+        for (group, expert_rank), (rank, sharding) in sorted(positions.items()):
+            groups[group].append(rank)
+            # the replicas sum what stage1's sharding reduction has not: one sharding rank's, unless across
+            replicas[expert_rank, 0 if layout.experts_across_sharding else sharding].append(rank)
+        if any(ranks != sorted(ranks) for ranks in groups.values()):
+            raise LayoutError(f"--hybrid_parallel_topo_order {layout.hybrid_parallel_topo_order}: an expert "
+                              "group's ranks are not in expert order; use pp_first or sharding_first.")
+        for kind, sets in (("group", groups), ("replicas", replicas)):
+            for ranks in sets.values():
                 group = dist.new_group(ranks) if len(ranks) > 1 else None
                 if me in ranks:
                     mine[kind] = group
-    return ExpertGroup(ep, layout.expert_rank(hcg.get_data_parallel_rank()), mine["group"], mine["replicas"],
-                       layout.dp, layout.device)
+    shared_by_sharding = 1 if layout.experts_across_sharding else layout.sharding_degree
+    return ExpertGroup(degree=layout.ep, rank=layout.expert_rank(hcg.get_data_parallel_rank(),
+                                                             hcg.get_sharding_parallel_rank()),
+                       group=mine["group"], replicas=mine["replicas"],
+                       divisor=layout.data_replicas // shared_by_sharding, device=layout.device)

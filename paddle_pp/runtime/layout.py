@@ -131,19 +131,20 @@ class Layout:
             )
 
     def _check_experts(self, stage: str) -> None:
-        """Expert parallelism takes its ranks from dp (see `ep`): each expert group is ep dp ranks of one
-        (stage, tp rank, sharding rank), so the sharding peers of a rank hold the same experts and
-        stage1's partition of the optimizer states (identical parameter lists across the sharding
-        group) holds; experts spread over sharding ranks, and stage2/3's hooks, are not implemented."""
+        """Expert parallelism takes its ranks from the data ranks (see `ep`, `expert_position`). When ep
+        divides dp, each expert group is ep dp ranks of one sharding rank: sharding peers hold the same
+        experts and stage1 partitions their states with the rest. Otherwise the groups run across the
+        sharding ranks (ep must divide dp x sharding), and stage1 keeps each rank's experts out of its
+        partition (`runtime.expert_sharding`). Stage2/3's hooks reduce every gradient over the whole
+        sharding group: not wired for experts."""
         ep = self.ep
         if ep == 1:
             return
-        if self.dp % ep:
-            across = (f" (experts across sharding ranks are not implemented: with --sharding_parallel_degree "
-                      f"{self.sharding_degree} use dp ranks for them)") if self.sharding_degree > 1 else ""
+        if self.data_replicas % ep:
             raise LayoutError(
-                f"--expert_parallel_degree {ep} does not divide the data-parallel degree {self.dp} (world / (tp x pp x "
-                f"sharding x cp)){across}; choose an ep that divides {self.dp}, or launch more processes.")
+                f"--expert_parallel_degree {ep} does not divide the data-parallel ranks {self.data_replicas} (dp "
+                f"{self.dp} x sharding {self.sharding_degree}: world / (tp x pp x cp)); choose an ep that divides "
+                f"{self.data_replicas}, or launch more processes.")
         if stage in GROUP_SHARDED_LEVELS:
             raise LayoutError(
                 f"--expert_parallel_degree {ep} with --sharding {stage}: the experts' own gradient reduction is not "
@@ -189,14 +190,29 @@ class Layout:
 
     @property
     def ep(self) -> int:
-        """Expert-parallel degree: the experts of each MoE layer are split over ep dp ranks (an expert
-        group), which exchange tokens; the ranks holding the same experts (dp / ep of them) are the
-        experts' data replicas."""
+        """Expert-parallel degree: the experts of each MoE layer are split over ep data ranks (an expert
+        group), which exchange tokens; the ranks holding the same experts (dp x sharding / ep of them)
+        are the experts' data replicas."""
         return self.expert_parallel_degree
 
-    def expert_rank(self, dp_rank: int) -> int:
-        """Which 1/ep of the experts a dp rank holds."""
-        return dp_rank % self.ep
+    @property
+    def experts_across_sharding(self) -> bool:
+        """Whether an expert group spans sharding ranks (ep does not divide dp), so that sharding peers
+        hold different experts: stage1 then updates each rank's experts on that rank, outside its
+        partition (DeepSeek-V3's layout: ep64 inside a ZeRO-1 data group of 128)."""
+        return self.ep > 1 and self.dp % self.ep != 0
+
+    def expert_position(self, dp_rank: int, sharding_rank: int) -> tuple[int, int]:
+        """(which expert group, which 1/ep of the experts) a data rank holds. When ep divides dp, the
+        groups are ep consecutive dp ranks of one sharding rank; otherwise ep consecutive data ranks
+        counted sharding-fastest (`Topology.data_replica_index`)."""
+        if not self.experts_across_sharding:
+            return (dp_rank // self.ep) * self.sharding_degree + sharding_rank, dp_rank % self.ep
+        return divmod(dp_rank * self.sharding_degree + sharding_rank, self.ep)
+
+    def expert_rank(self, dp_rank: int, sharding_rank: int) -> int:
+        """Which 1/ep of the experts a data rank holds."""
+        return self.expert_position(dp_rank, sharding_rank)[1]
 
     @property
     def sharding_degree(self) -> int:
@@ -351,8 +367,9 @@ class LayoutArguments:
         1, "ranks each sequence is cut over (ring attention; each rank holds 2 of 2 x cp chunks): for sequences "
         "longer than one rank holds; the sequence length must divide by 2 x cp (x tp with --sequence_parallel)")
     expert_parallel_degree: int = flag(
-        1, "ranks each MoE layer's experts are split over, taken from the data-parallel ranks (must divide dp); "
-        "tokens travel to their experts' ranks and back")
+        1, "ranks each MoE layer's experts are split over, taken from the data-parallel ranks (must divide dp x "
+        "sharding; when it does not divide dp, each rank's experts stay whole in stage1's partition); tokens travel "
+        "to their experts' ranks and back")
     sep_parallel_degree: int = flag(1, "PaddleNLP's segment parallelism (all-to-all of heads and sequence): not "
                                        "implemented; use --context_parallel_degree")
     hybrid_parallel_topo_order: str = flag(

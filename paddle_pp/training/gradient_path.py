@@ -9,15 +9,19 @@ internals replaced on the way (each listed with its upstream call in docs/paddle
    a. the gradients each tp rank computes only a part of (SP's norms, per-head q/k norms:
       `modeling.tp_gradients`) summed over tp, in one fused all-reduce;
    b. the dense gradients over the sharding then the dp group, as upstream;
-   c. the experts' gradients over the sharding group (its ranks hold the same experts), then over
-      their replicas only (`ExpertGroup.reduce_gradients`): upstream would mix different experts.
+   c. the experts' gradients over the sharding group when its ranks hold the same experts (ep
+      divides dp), then over their replicas only (`ExpertGroup.reduce_gradients`): upstream would
+      mix different experts. Across sharding ranks each rank updates its own experts
+      (`runtime.expert_sharding`), so the replicas' sum is all they get.
    Stage2/3 reduce inside Paddle's group-sharded wrapper; neither (a) nor (c) arises there (refused).
 3. Clipping (`_clip_reporting`): the global norm counts every expert of the expert group once
-   (fleet's `HybridParallelClipGrad._comm_and_clip`, or the clip's own sum), stage3 clips with
+   (fleet's `HybridParallelClipGrad._comm_and_clip`, or the clip's own sum; with experts across
+   sharding ranks only sharding rank 0 adds them, as the hybrid clip sums over that group), stage3 clips with
    `grad_norm.ShardedParamsClip` instead of Paddle's `GroupShardedClipGrad`, and the norm the clip
    used is kept for the report (`HybridParallelClipGrad._global_norm`).
 4. Recording (`--save_gradients`, `Optimizer._apply_optimize`): a copy of what the update applies.
-5. The update; after it, stage2/3 with tp broadcast the replicated tensors (`replicated_sync`).
+5. The update (with experts across sharding ranks, stage1's updates each rank's own experts:
+   `runtime.expert_sharding`); after it, stage2/3 with tp broadcast the replicated tensors (`replicated_sync`).
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ def _sync_gradients(optimizer: Any, model: paddle.nn.Layer, topo: Topology) -> N
             return
         experts = [p for p in parameter_list if is_expert(p)]
         upstream([p for p in parameter_list if not is_expert(p)])
-        if optimizer._sharding_enable:
+        if optimizer._sharding_enable and not topo.layout.experts_across_sharding:
             optimizer._inner_opt.reduce_gradients(experts, topo.hcg)
             experts = optimizer._inner_opt.filter_parameters(experts, topo.hcg)
         topo.experts.reduce_gradients(experts)
@@ -91,9 +95,11 @@ def _clip_reporting(optimizer: Any, clip: ReportingGlobalNormClip, model: paddle
             clip._squared_norm = lambda clipped: squares_with_every_expert(clipped, group).sum()
         else:
             upstream = hybrid._comm_and_clip
+            # the hybrid clip sums over the sharding group; experts across it are counted on its first rank
+            once = not topo.layout.experts_across_sharding or topo.sharding_rank == 0
 
             def with_every_expert(params_grads, _dist_squares, _not_dist_squares):
-                squares = squares_with_every_expert(params_grads, group)
+                squares = squares_with_every_expert(params_grads, group, once)
                 return upstream(params_grads, squares[0], squares[1])
 
             hybrid._comm_and_clip = with_every_expert
