@@ -1,6 +1,7 @@
-"""Expert parallelism on this CPU: one MoE model trained at ep1, ep2 and ep4, and at tp2 x ep2 with and
-without sequence parallelism, side by side (the same 4 processes and global batch), the bytes the token
-exchange moves against the planner's formula, and the planner's answer for Qwen3-30B-A3B on 64 GPUs.
+"""Expert parallelism on this CPU: one MoE model trained at ep1, ep2 and ep4, at tp2 x ep2 with and
+without sequence parallelism, at cp2 x ep2 and at sharding2 (stage1) x ep4, side by side (the same 4
+processes and global batch), the bytes the token exchange moves against the planner's formula, and
+the planner's answer for Qwen3-30B-A3B on 64 GPUs.
 
 1. run_pretrain.py on a small Qwen3-MoE (hidden 128, 2 layers, 8 experts, top-2, expert width 128) from
    a config-only folder, 4 processes, --steps steps of 16 sequences of --max_seq_length tokens, under
@@ -45,10 +46,13 @@ MODEL = {"model_type": "qwen3_moe", "vocab_size": 4096, "hidden_size": 128, "int
          "router_aux_loss_coef": 0.001, "max_position_embeddings": 4096, "tie_word_embeddings": False}
 QWEN3_30B_A3B = REPO / "bench" / "configs" / "qwen3_30b_a3b.json"
 PROCESSES, GLOBAL_BATCH = 4, 16
-# name -> layout flags of the 4 processes (dp fills the rest); under SP each tp rank dispatches its own positions
+# name -> layout flags of the 4 processes (dp fills the rest); under SP each tp rank dispatches its own positions,
+# under cp each cp rank its own part of the sequences; sharding2 x ep4 spreads the experts across the sharding ranks
 LAYOUTS = {"ep1": (), "ep2": ("--expert_parallel_degree", "2"), "ep4": ("--expert_parallel_degree", "4"),
            "tp2 x ep2": ("--tensor_parallel_degree", "2", "--expert_parallel_degree", "2"),
-           "tp2 x ep2 + SP": ("--tensor_parallel_degree", "2", "--expert_parallel_degree", "2", "--sequence_parallel")}
+           "tp2 x ep2 + SP": ("--tensor_parallel_degree", "2", "--expert_parallel_degree", "2", "--sequence_parallel"),
+           "cp2 x ep2": ("--context_parallel_degree", "2", "--expert_parallel_degree", "2"),
+           "sharding2 x ep4": ("--sharding", "stage1", "--sharding_parallel_degree", "2", "--expert_parallel_degree", "4")}
 
 
 def rank_worker(argv: list[str]) -> int:
@@ -127,6 +131,8 @@ PLANNED = {  # 64 ranks: name -> Layout keywords
     "pp4 x dp8 x sharding2 (stage1), ep8": dict(pipeline_parallel_degree=4, sharding_parallel_degree=2,
                                                  sharding="stage1", expert_parallel_degree=8),
     "pp4 x dp16, ep16": dict(pipeline_parallel_degree=4, expert_parallel_degree=16),
+    "pp4 x sharding16 (stage1), ep16 across the sharding ranks": dict(
+        pipeline_parallel_degree=4, sharding_parallel_degree=16, sharding="stage1", expert_parallel_degree=16),
     "tp2 x pp4 x dp8, ep8": dict(tensor_parallel_degree=2, pipeline_parallel_degree=4, expert_parallel_degree=8),
     "tp2 x pp4 x dp8 + SP, ep8": dict(tensor_parallel_degree=2, pipeline_parallel_degree=4, expert_parallel_degree=8,
                                       sequence_parallel=True),

@@ -11,9 +11,10 @@ import numpy as np
 
 from checkpoint.format import MODEL, OPTIMIZER, STATE_SEPARATOR
 from checkpoint.optimizer_state import MASTER_WEIGHT
-from checkpoint.writers import Slot, WriteItem, WritePlan, gathered_bytes, sharding_owners, stage2_owners
+from checkpoint.writers import Slot, WriteItem, WritePlan, gathered_bytes
 from modeling.tp_plan import ModelPlan
 from paddle_pp.runtime.layout import Layout
+from paddle_pp.runtime.partitions import sharding_owners, stage2_owners
 
 
 def tensor_stages(plan: ModelPlan, name: str, layout: Layout) -> list[int]:
@@ -35,31 +36,35 @@ def save_items(plan: ModelPlan, layout: Layout, compute_bytes: int = 4) -> list[
     held by the data ranks of that expert rank (`Layout.expert_rank`). Paddle partitions a rank's
     own parameters over sharding, so when ep divides dp each expert rank's partition is over its own
     (the same shapes on every one); with experts across sharding ranks the partition is over the
-    dense parameters and each rank updates its own experts (`runtime.expert_sharding`)."""
+    dense parameters and the experts' over their replicas (`runtime.expert_sharding`)."""
     states = OPTIMIZER_STATES + ((MASTER_WEIGHT,) if compute_bytes < 4 else ())
     mesh = plan.mesh(layout.pp, layout.vpp, layout.ep, layout.tp)
-    holding: dict[str, set] = defaultdict(set)  # (stage, dp, sharding) of every rank holding the tensor
+    holding: dict[str, set] = defaultdict(set)  # (stage, dp, sharding, cp) of every rank holding the tensor
     updating: dict[str, set] = defaultdict(set)  # the same for its optimizer states
     for stage, expert_rank in mesh.positions():
         held = plan.held_at(stage, expert_rank, mesh)
-        own = {name for name in held if layout.experts_across_sharding and plan[name].placement.expert is not None}
+        own = [name for name in held if layout.experts_across_sharding and plan[name].placement.expert is not None]
         partitioned = [name for name in held if not plan[name].buffer and name not in own]
         owners = dict(zip(partitioned, (stage2_owners if layout.sharding_stage == "stage2" else sharding_owners)(
             [plan[name].local_numel(mesh) for name in partitioned], layout.sharding_degree)))
-        ranks = [(dp, s) for dp in range(layout.dp) for s in range(layout.sharding_degree)
-                 if layout.expert_rank(dp, s) == expert_rank]
+        # in global rank order, which is the replicas' group order (dp, then sharding, then cp)
+        ranks = [(dp, s, cp) for dp in range(layout.dp) for s in range(layout.sharding_degree)
+                 for cp in range(layout.cp) if layout.expert_rank(dp, s) == expert_rank]
+        replica = dict(zip(own, sharding_owners([plan[name].local_numel(mesh) for name in own], len(ranks))))
         for name in held:
-            holding[name] |= {(stage, dp, s) for dp, s in ranks}
-            if not plan[name].buffer:
-                updating[name] |= {(stage, dp, owners.get(name, s)) for dp, s in ranks}
+            holding[name] |= {(stage, *rank) for rank in ranks}
+            if name in replica:
+                updating[name].add((stage, *ranks[replica[name]]))
+            elif not plan[name].buffer:
+                updating[name] |= {(stage, dp, owners[name], cp) for dp, _, cp in ranks}
     return [item for name in holding
             for item in _tensor_items(plan, name, layout, holding[name], updating[name], states)]
 
 
 def _tensor_items(plan: ModelPlan, name: str, layout: Layout, holding: set, updating: set,
                   states: tuple[str, ...]) -> list[WriteItem]:
-    """A parameter's write items: its weights held by the (stage, dp, sharding) ranks `holding` (in
-    every cp replica), its states by `updating` (by `holding` under stage3, which slices them all)."""
+    """A parameter's write items: its weights held by the (stage, dp, sharding, cp) ranks `holding`,
+    its states by `updating` (by `holding` under stage3, which slices them all)."""
     row, numel = plan[name], int(np.prod(plan[name].shape))
     split = row.placement.tp is not None and layout.tp > 1
     # stage3 slices every parameter over the segment size, which the planner does not know: all are counted
@@ -67,8 +72,7 @@ def _tensor_items(plan: ModelPlan, name: str, layout: Layout, holding: set, upda
                               layout.sharding_degree if layout.sharding_stage == "stage3" else 1)
 
     def slots(ranks: set) -> tuple:
-        return tuple(sorted({(stage, layout.weight_replica(dp, s, cp)) for stage, dp, s in ranks
-                             for cp in range(layout.cp)}))
+        return tuple(sorted({(stage, layout.weight_replica(dp, s, cp)) for stage, dp, s, cp in ranks}))
 
     held = slots(holding)
     if row.buffer:  # saved with the model, never updated by the optimizer

@@ -16,7 +16,6 @@ rank computes the same one, and the planner computes it for a model that was nev
 
 from __future__ import annotations
 
-import heapq
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable
@@ -70,30 +69,6 @@ def gathered_bytes(nbytes: int, split: bool, tp: int, slices: int) -> int:
     it as `slices` flat slices (1: not sliced): the other slices of its piece."""
     piece = nbytes // tp if split else nbytes
     return piece * (slices - 1) // slices
-
-
-def sharding_owners(numels: list[int], sharding_degree: int) -> list[int]:
-    """The sharding rank that updates each parameter (given in model order), by the rule of Paddle's
-    DygraphShardingOptimizer._partition_parameters: largest first (stable), each to the rank
-    with the fewest elements so far. Used to plan saves of models that are not built."""
-    owners = [0] * len(numels)
-    heap = [(0, rank) for rank in range(sharding_degree)]
-    for index in sorted(range(len(numels)), key=lambda i: -numels[i]):
-        size, rank = heapq.heappop(heap)
-        owners[index] = rank
-        heapq.heappush(heap, (size + numels[index], rank))
-    return owners
-
-
-def stage2_owners(numels: list[int], sharding_degree: int) -> list[int]:
-    """The sharding rank that updates each parameter (in model order) under stage2, by the rule of
-    Paddle's GroupShardedOptimizerStage2._segment_params: in order, each to the rank with the fewest
-    elements so far (lowest rank on ties)."""
-    sizes, owners = [0] * sharding_degree, []
-    for numel in numels:
-        owners.append(sizes.index(min(sizes)))
-        sizes[owners[-1]] += numel
-    return owners
 
 
 def items_from_holdings(holdings: list[dict]) -> list[WriteItem]:

@@ -43,8 +43,6 @@ INVALID = [
      ["--expert_parallel_degree 4 does not divide the data-parallel ranks 6 (dp 3 x sharding 2"]),
     (["--expert_parallel_degree", "2", "--sharding", "stage2", "--sharding_parallel_degree", "2"], 4, "cpu",
      ["--expert_parallel_degree 2 with --sharding stage2", "use --sharding stage1"]),
-    (["--expert_parallel_degree", "2", "--context_parallel_degree", "2"], 8, "cpu",
-     ["--expert_parallel_degree 2 with --context_parallel_degree 2"]),
     (["--expert_parallel_degree", "0"], 2, "cpu", ["--expert_parallel_degree 0", "positive"]),
 ]
 

@@ -1,12 +1,12 @@
-"""Mixture-of-experts families as users bring them: folders saved by transformers 4.55 and 5.23
-(Qwen3-MoE written the transformers-5 way, Qwen2-MoE with a shared expert and a dense layer,
-Mixtral, OLMoE) give transformers' logits and, exported, load back into both; the per-layer aux
+"""Mixture-of-experts families as users bring them: folders saved by transformers 4.55 and 5.23 of
+every MoE family give transformers' logits and, exported, load back into both; the per-layer aux
 loss is transformers' own balancing statistic of each layer (divided by k) and exactly the
 coefficient at uniform routing; its gradient injected at the layer is the gradient of the loss plus
-the aux losses; Qwen2-MoE trains like single card with its experts split over ep2 under dp2 x tp2 x
-pp2 + SP and dp2 x sharding2 stage1 (with recompute), and under dp2 x sharding2 stage2 without ep;
-its ep2 checkpoint resumes under ep4 and, after a kill mid-save, on one card; the other families
-start under ep2 x tp2 x pp2 at transformers 5's loss (real processes, fp32).
+the aux losses; every family starts under ep2 x dp2 x tp2 x pp2 + SP at transformers 5's loss; a
+DeepSeek-V3-shaped model trains like single card under dp2 x tp2 x pp2 + SP x ep2, dp2 x sharding2
+stage1 with ep2 and with ep4 (experts across the sharding ranks), cp2 x sharding2 stage1 x ep2, and stage2
+without ep; its ep2 checkpoint resumes under ep4 across the sharding ranks and on one card, and
+after a kill mid-save on one card (real processes, fp32).
 
 Router weights are random and scaled (`hf_models.ROUTER_SCALE`), and every test checks a margin
 between the k-th and (k+1)-th router logit of every token it routes: a near-tie would let a 1e-7
@@ -329,9 +329,11 @@ def moe_runs(moe_folders):
     """A DeepSeek-V3-shaped model (latent attention with yarn, a dense first layer, then 8 experts in 2
     groups with sigmoid routing, correction biases and a shared expert; a multi-token prediction
     layer) from its transformers 5 folder: 20 steps on one card; under dp2 x tp2 x pp2 + SP with its experts over ep2, recomputing
-    whole layers (saving at step 10); under dp2 x sharding2 stage1 over ep2 with full recompute; under
-    dp2 x sharding2 stage2 without ep; and the ep2 step-10 checkpoint resumed under ep4 (dp4, two
-    experts per rank) and on one card."""
+    whole layers (saving at step 10); under dp2 x sharding2 stage1 over ep2 with full recompute, and
+    over ep4 (the expert group across the sharding ranks, each rank updating its own experts outside
+    stage1's partition); under cp2 x sharding2 stage1 over ep2 (each expert's states on one of its
+    two replicas, the cp peers); under dp2 x sharding2 stage2 without ep; and the ep2
+    step-10 checkpoint resumed under ep4 across the sharding ranks (two experts per rank) and on one card."""
     start = _start(MTP_KIND, moe_folders["transformers5"]) + DEEPSEEK
     single = Run("deepseek_single", 1, start + ("--save_steps", "20"))
     hybrid = Run("deepseek_ep2_tp2_pp2_sp", 8, start + DP2_TP2_PP2_SP + EP2 + (
@@ -341,6 +343,9 @@ def moe_runs(moe_folders):
                 "--sharding_parallel_degree", "2", "--sharding", "stage1", "--recompute", "--save_steps", "20")),
             "ep4_stage1": Run("deepseek_ep4_stage1", 4, start + EP4 + MICRO1 + (
                 "--sharding_parallel_degree", "2", "--sharding", "stage1", "--save_steps", "20")),
+            "ep2_cp2_stage1": Run("deepseek_ep2_cp2_stage1", 4, start + EP2 + (
+                "--context_parallel_degree", "2", "--sharding_parallel_degree", "2", "--sharding", "stage1",
+                "--save_steps", "20")),
             "stage2": Run("deepseek_dp2_stage2", 4, start + MICRO1 + ("--sharding_parallel_degree", "2", "--sharding",
                                                              "stage2", "--recompute", "--save_steps", "20")),
             "resumed_ep4": Run("deepseek_resumed_ep4_stage1", 4, start + EP4 + (
@@ -349,7 +354,7 @@ def moe_runs(moe_folders):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", ["ep2_tp2_pp2_sp", "ep2_stage1", "ep4_stage1", "stage2"])
+@pytest.mark.parametrize("layout", ["ep2_tp2_pp2_sp", "ep2_stage1", "ep4_stage1", "ep2_cp2_stage1", "stage2"])
 def test_a_deepseek_v3_shaped_model_trains_like_single_card(layout, moe_runs, pretrain_run, moe_folders):
     """Losses, evaluation, grad norms, aux losses, multi-token prediction losses and final weights (the
     correction biases, moved every step by the balancing rule, and the prediction layer on the last
@@ -385,12 +390,13 @@ def test_a_deepseek_checkpoint_resumes_across_expert_parallel_sizes_on_the_singl
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout, step", [("ep2_tp2_pp2_sp", RESUME_STEP), ("ep4_stage1", 20)])
+@pytest.mark.parametrize("layout, step", [("ep2_tp2_pp2_sp", RESUME_STEP), ("ep4_stage1", 20), ("ep2_cp2_stage1", 20)])
 def test_an_expert_parallel_save_is_written_by_every_rank_as_the_planner_predicts(layout, step, moe_runs,
                                                                                  pretrain_run):
     """Each expert's tensors come from one of the ranks holding it (the planner's writer for each;
-    with experts across sharding ranks, its AdamW states from the rank updating it, outside stage1's
-    partition), every rank writes a share, and the checkpoint verifies."""
+    with experts across sharding ranks, its AdamW states from the replica updating it, outside
+    stage1's partition, the cp peers among the replicas), every rank writes a share, and the
+    checkpoint verifies."""
     run = moe_runs[layout]
     _, out = pretrain_run(run)
     folder = out / f"checkpoint-{step}"

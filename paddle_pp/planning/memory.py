@@ -114,7 +114,7 @@ def ring_bytes_per_step(config, layout: Layout, workload: Workload, compute_byte
 def plan_layout(config, layout: Layout, compute_bytes: int = 4, workload: Workload | None = None) -> list[RankShare]:
     """Per (stage, tp rank): parameters and bytes of weights, grads and AdamW states (plus fp32
     master weights when compute is narrower than fp32), as ZeRO partitions them over the sharding
-    degree: states from stage1 (experts across sharding ranks keep theirs whole on their own rank:
+    degree: states from stage1 (experts across sharding ranks over their replicas instead:
     `runtime.expert_sharding`), gradients from stage2, weights from stage3 (whose parameters under
     `--stage3_segment_size`, the norm weights, stay whole: left out here); with a `workload`, the
     decoder layers' activations too (`decoder_activation_bytes`). Raises the layout's own errors
@@ -125,20 +125,22 @@ def plan_layout(config, layout: Layout, compute_bytes: int = 4, workload: Worklo
     plan = plan_of(config)
     mesh = plan.mesh(layout.pp, layout.vpp, layout.ep, layout.tp)
     counts = np.zeros([layout.pp, layout.tp], dtype=np.int64)
-    whole = np.zeros([layout.pp, layout.tp], dtype=np.int64)  # elements whose states stage1 does not shard
+    experts = np.zeros([layout.pp, layout.tp], dtype=np.int64)  # of which experts across sharding ranks
     for stage in range(layout.pp):  # expert rank 0's share: every expert rank holds as many experts alike
         for name in plan.held_at(stage, 0, mesh):
             if not plan[name].buffer:  # a router's correction bias: no grad, no states
                 counts[stage] += plan[name].local_numel(mesh)
                 if layout.experts_across_sharding and plan[name].placement.expert is not None:
-                    whole[stage] += plan[name].local_numel(mesh)  # updated on its own rank (expert_sharding)
+                    experts[stage] += plan[name].local_numel(mesh)
     state_bytes = ADAM_STATE_BYTES + (4 if compute_bytes < 4 else 0)
     shard = layout.sharding_degree
+    replicas = layout.data_replicas * layout.cp // layout.ep  # what experts across sharding are sharded over
     grad_shards = shard if layout.group_sharded_level else 1  # stage2 and stage3
     weight_shards = shard if layout.sharding_stage == "stage3" else 1
     return [RankShare(stage, tp, int(n), -(-int(n) * compute_bytes // weight_shards),
                       -(-int(n) * compute_bytes // grad_shards),
-                      -(-int(n - whole[stage, tp]) * state_bytes // shard) + int(whole[stage, tp]) * state_bytes,
+                      -(-int(n - experts[stage, tp]) * state_bytes // shard)
+                      - (-int(experts[stage, tp]) * state_bytes // replicas),
                       decoder_activation_bytes(config, layout, workload, stage, compute_bytes) if workload else 0)
             for (stage, tp), n in np.ndenumerate(counts)]
 
@@ -149,7 +151,8 @@ def dispatch_bytes_per_step(config, layout: Layout, workload: Workload, compute_
     sends its tokens' k rows out and back in forward, their gradients in backward, and again in a
     recomputed forward; balanced routing keeps 1/ep of the rows on their own rank, the worst case none.
     The multi-token prediction layers count on the last stage.
-    Under sequence parallelism each tp rank exchanges its own positions' rows (`SparseMoE`). Which
+    Under sequence parallelism each tp rank exchanges its own positions' rows (`SparseMoE`), under cp
+    each cp rank its own part of the sequences. Which
     layers are MoE is each layer's declaration (DeepSeek's and GLM's dense first layers, ERNIE's range)."""
     from modeling.blocks.moe import MoE
 
@@ -162,6 +165,6 @@ def dispatch_bytes_per_step(config, layout: Layout, workload: Workload, compute_
     per_stage[-1] += sum(isinstance(layer.feed_forward, MoE) for _, layer in config.prediction_layers())
     exchanges = 4 + (2 if workload.recompute else 0)
     rows = (workload.per_device_train_batch_size * workload.max_seq_length * config.num_experts_per_tok
-            // sequence_shards(layout.tp, layout.sequence_parallel))
+            // (layout.cp * sequence_shards(layout.tp, layout.sequence_parallel)))
     worst = max(per_stage) * workload.gradient_accumulation_steps * exchanges * rows * config.hidden_size * compute_bytes
     return worst * (layout.ep - 1) // layout.ep, worst

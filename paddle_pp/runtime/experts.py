@@ -110,29 +110,30 @@ def is_expert(param) -> bool:
 
 
 def build_expert_group(hcg: Any, layout: Layout) -> ExpertGroup:
-    """This rank's expert group and replica group (`Layout.expert_position` of each data rank of its
-    (stage, tp rank)); every rank creates every group, in one order. A group's ranks are sorted, as
-    Paddle sorts them, so a rank's place in it must be its expert rank: checked."""
+    """This rank's expert group (`Layout.expert_position` of the data ranks of its stage, cp rank and
+    tp rank) and the ranks its experts' gradients are summed over: the other data ranks of its expert
+    rank (of its own sharding rank unless experts run across sharding, whose reduction stage1 did
+    otherwise) in every cp rank, each having routed its own part of the sequences. Every rank creates
+    every group, in one order. A group's ranks are sorted, as Paddle sorts them, so a rank's place in
+    it must be its expert rank: checked."""
     topo, me = hcg.topology(), hcg.get_global_rank()
-    data_ranks: dict[tuple, dict[tuple[int, int], tuple[int, int]]] = defaultdict(dict)
-    for rank in range(topo.world_size()):  # (stage, cp, tp): {(group, expert rank): (rank, sharding rank)}
+    groups: dict[tuple, dict[int, int]] = defaultdict(dict)  # {(stage, cp, tp, group): {expert rank: rank}}
+    replicas: dict[tuple, list[int]] = defaultdict(list)
+    for rank in range(topo.world_size()):
         at = topo.get_coord(rank)
-        data_ranks[(at.pipe, at.sep, at.model)][layout.expert_position(at.data, at.sharding)] = (rank, at.sharding)
+        group, expert_rank = layout.expert_position(at.data, at.sharding)
+        groups[at.pipe, at.sep, at.model, group][expert_rank] = rank
+        replicas[at.pipe, at.model, expert_rank, 0 if layout.experts_across_sharding else at.sharding].append(rank)
+    ordered = [[members[e] for e in sorted(members)] for members in groups.values()]
+    if any(ranks != sorted(ranks) for ranks in ordered):
+        raise LayoutError(f"--hybrid_parallel_topo_order {layout.hybrid_parallel_topo_order}: an expert "
+                          "group's ranks are not in expert order; use pp_first or sharding_first.")
     mine: dict[str, Any] = {}
-    for positions in data_ranks.values():
-        groups, replicas = defaultdict(list), defaultdict(list)
-        for (group, expert_rank), (rank, sharding) in sorted(positions.items()):
-            groups[group].append(rank)
-            # the replicas sum what stage1's sharding reduction has not: one sharding rank's, unless across
-            replicas[expert_rank, 0 if layout.experts_across_sharding else sharding].append(rank)
-        if any(ranks != sorted(ranks) for ranks in groups.values()):
-            raise LayoutError(f"--hybrid_parallel_topo_order {layout.hybrid_parallel_topo_order}: an expert "
-                              "group's ranks are not in expert order; use pp_first or sharding_first.")
-        for kind, sets in (("group", groups), ("replicas", replicas)):
-            for ranks in sets.values():
-                group = dist.new_group(ranks) if len(ranks) > 1 else None
-                if me in ranks:
-                    mine[kind] = group
+    for kind, sets in (("group", ordered), ("replicas", list(replicas.values()))):
+        for ranks in sets:
+            made = dist.new_group(ranks) if len(ranks) > 1 else None
+            if me in ranks:
+                mine[kind] = made
     shared_by_sharding = 1 if layout.experts_across_sharding else layout.sharding_degree
     return ExpertGroup(degree=layout.ep, rank=layout.expert_rank(hcg.get_data_parallel_rank(),
                                                              hcg.get_sharding_parallel_rank()),

@@ -52,7 +52,7 @@ def wrap_for_layout(model: paddle.nn.Layer, optimizer: paddle.optimizer.Optimize
     if level is None:
         wrapped = wrap_optimizer(optimizer)
         if topo.layout.experts_across_sharding:
-            update_experts_where_they_are(wrapped)
+            update_experts_where_they_are(wrapped, topo.experts)
         return wrap_model(model, topo), wrapped
     from paddle.distributed.sharding import group_sharded_parallel
 

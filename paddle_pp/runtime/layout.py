@@ -135,7 +135,8 @@ class Layout:
         divides dp, each expert group is ep dp ranks of one sharding rank: sharding peers hold the same
         experts and stage1 partitions their states with the rest. Otherwise the groups run across the
         sharding ranks (ep must divide dp x sharding), and stage1 keeps each rank's experts out of its
-        partition (`runtime.expert_sharding`). Stage2/3's hooks reduce every gradient over the whole
+        partition (`runtime.expert_sharding`). Under cp each cp rank exchanges its own part of the
+        sequences within its own expert group. Stage2/3's hooks reduce every gradient over the whole
         sharding group: not wired for experts."""
         ep = self.ep
         if ep == 1:
@@ -149,9 +150,6 @@ class Layout:
             raise LayoutError(
                 f"--expert_parallel_degree {ep} with --sharding {stage}: the experts' own gradient reduction is not "
                 f"wired into {stage}'s sharded one (not implemented); use --sharding stage1, or no sharding.")
-        if self.cp > 1:
-            raise LayoutError(f"--expert_parallel_degree {ep} with --context_parallel_degree {self.cp}: not "
-                              "implemented; drop one of them.")
 
     def _check_positive(self) -> None:
         if self.world_size < 1:

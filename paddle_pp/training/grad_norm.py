@@ -90,13 +90,15 @@ def _squares_by_split(params_grads, experts: bool) -> paddle.Tensor:
     return paddle.stack([_sum_of_squares([g for p, g in counted if p.is_distributed == split]) for split in (True, False)])
 
 
-def squares_with_every_expert(params_grads, group, with_experts: bool = True) -> paddle.Tensor:
+def squares_with_every_expert(params_grads, groups: list, with_experts: bool = True) -> paddle.Tensor:
     """[tp-split, whole] squared norms of this rank's dense gradients plus every expert of its expert
-    group (summed over the group; left out when not `with_experts`: a rank whose sharding peers'
-    sum already counts them). Recomputed from the gradients rather than adding the other ranks'
+    group (summed over each of `groups` in turn: the expert group, then the replicas when they
+    share its experts' updates; left out when not `with_experts`: a rank whose sharding peers' sum
+    already counts them). Recomputed from the gradients rather than adding the other ranks'
     experts to a sum that holds this rank's: the result must be bit-identical on the data replicas,
     whose own experts differ, or their clipped updates drift apart."""
     experts = _squares_by_split(params_grads, experts=True)
-    dist.all_reduce(experts, group=group)
+    for group in groups:
+        dist.all_reduce(experts, group=group)
     dense = _squares_by_split(params_grads, experts=False)
     return dense + experts if with_experts else dense

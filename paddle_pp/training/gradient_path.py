@@ -11,17 +11,19 @@ internals replaced on the way (each listed with its upstream call in docs/paddle
    b. the dense gradients over the sharding then the dp group, as upstream;
    c. the experts' gradients over the sharding group when its ranks hold the same experts (ep
       divides dp), then over their replicas only (`ExpertGroup.reduce_gradients`): upstream would
-      mix different experts. Across sharding ranks each rank updates its own experts
+      mix different experts. Across sharding ranks stage1 leaves the experts alone
       (`runtime.expert_sharding`), so the replicas' sum is all they get.
    Stage2/3 reduce inside Paddle's group-sharded wrapper; neither (a) nor (c) arises there (refused).
 3. Clipping (`_clip_reporting`): the global norm counts every expert of the expert group once
    (fleet's `HybridParallelClipGrad._comm_and_clip`, or the clip's own sum; with experts across
-   sharding ranks only sharding rank 0 adds them, as the hybrid clip sums over that group), stage3 clips with
+   sharding ranks, each held by its updating replica only, summed over the replicas too and added
+   on sharding rank 0 only, as the hybrid clip sums over that group), stage3 clips with
    `grad_norm.ShardedParamsClip` instead of Paddle's `GroupShardedClipGrad`, and the norm the clip
    used is kept for the report (`HybridParallelClipGrad._global_norm`).
 4. Recording (`--save_gradients`, `Optimizer._apply_optimize`): a copy of what the update applies.
-5. The update (with experts across sharding ranks, stage1's updates each rank's own experts:
-   `runtime.expert_sharding`); after it, stage2/3 with tp broadcast the replicated tensors (`replicated_sync`).
+5. The update (with experts across sharding ranks, stage1's updates each expert on one of its
+   replicas and broadcasts it over them: `runtime.expert_sharding`); after it, stage2/3 with tp
+   broadcast the replicated tensors (`replicated_sync`).
 """
 
 from __future__ import annotations
@@ -90,16 +92,20 @@ def _clip_reporting(optimizer: Any, clip: ReportingGlobalNormClip, model: paddle
     hybrid = next((o._grad_clip for o in optimizer_chain(optimizer)
                    if isinstance(getattr(o, "_grad_clip", None), HybridParallelClipGrad)), None)
     if topo.experts is not None:
-        group = topo.experts.group
+        groups = [topo.experts.group]
         if hybrid is None:
-            clip._squared_norm = lambda clipped: squares_with_every_expert(clipped, group).sum()
+            clip._squared_norm = lambda clipped: squares_with_every_expert(clipped, groups).sum()
         else:
             upstream = hybrid._comm_and_clip
-            # the hybrid clip sums over the sharding group; experts across it are counted on its first rank
-            once = not topo.layout.experts_across_sharding or topo.sharding_rank == 0
+            # experts across sharding ranks: each updated by one replica (`expert_sharding`), and counted
+            # on sharding rank 0 only, as the hybrid clip sums over the sharding group
+            across = topo.layout.experts_across_sharding
+            if across and topo.experts.replicas is not None:
+                groups.append(topo.experts.replicas)
+            once = not across or topo.sharding_rank == 0
 
             def with_every_expert(params_grads, _dist_squares, _not_dist_squares):
-                squares = squares_with_every_expert(params_grads, group, once)
+                squares = squares_with_every_expert(params_grads, groups, once)
                 return upstream(params_grads, squares[0], squares[1])
 
             hybrid._comm_and_clip = with_every_expert

@@ -3,7 +3,8 @@ depths (Megatron logs it beside the language-model loss; the logged `loss` is th
 next-token loss plus lambda times this). The criterion records each micro-batch's depth losses
 (`Execution.prediction_losses`) on the last pipeline stage only; once per step they are summed with
 their count over the pipeline stages and the data and sharding ranks, so every rank reports the
-same global mean. Tensor-parallel ranks compute the same losses and are not summed.
+same global mean. Under cp each rank's losses are its part of its replica's: summed over the ring
+first. Tensor-parallel ranks compute the same losses and are not summed.
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ from paddle_pp.runtime.topology import Topology
 
 
 def prediction_metrics(recorded: list, config, topo: Topology) -> dict:
-    """{"mtp_loss": ...} for a model with prediction layers (a collective over pp, dp and sharding:
+    """{"mtp_loss": ...} for a model with prediction layers (a collective over cp, pp, dp and sharding:
     every rank calls it once per step), {} otherwise; `recorded` is emptied."""
     if not config.mtp_depth:
         return {}
-    total = paddle.to_tensor([sum(float(loss) for loss in recorded), len(recorded)], "float64")
+    losses = paddle.to_tensor(sum(float(loss) for loss in recorded), "float64")
+    if topo.ring is not None:  # each cp rank's loss is its part of the replica's (as `step.mean_over_replicas`)
+        losses = topo.ring.all_reduce(losses)
+    total = paddle.stack([losses, paddle.to_tensor(len(recorded), "float64")])
     recorded.clear()
     for group, size in (("pp_group", topo.layout.pp), ("dp_group", topo.layout.dp),
                         ("sharding_group", topo.layout.sharding_degree)):
