@@ -134,8 +134,8 @@ class Layout:
         """Expert parallelism takes its ranks from the data ranks (see `ep`, `expert_position`). When ep
         divides dp, each expert group is ep dp ranks of one sharding rank: sharding peers hold the same
         experts and stage1 partitions their states with the rest. Otherwise the groups run across the
-        sharding ranks (ep must divide dp x sharding), and stage1 keeps each rank's experts out of its
-        partition (`runtime.expert_sharding`). Under cp each cp rank exchanges its own part of the
+        sharding ranks (ep must divide dp x sharding), and stage1 partitions the experts over their
+        replicas instead of the sharding group (`runtime.expert_sharding`). Under cp each cp rank exchanges its own part of the
         sequences within its own expert group. Stage2/3's hooks reduce every gradient over the whole
         sharding group: not wired for experts."""
         ep = self.ep
@@ -196,8 +196,8 @@ class Layout:
     @property
     def experts_across_sharding(self) -> bool:
         """Whether an expert group spans sharding ranks (ep does not divide dp), so that sharding peers
-        hold different experts: stage1 then updates each rank's experts on that rank, outside its
-        partition (DeepSeek-V3's layout: ep64 inside a ZeRO-1 data group of 128)."""
+        hold different experts: stage1 then partitions the experts over their replicas, outside its
+        sharding partition (DeepSeek-V3's layout: ep64 inside a ZeRO-1 data group of 128)."""
         return self.ep > 1 and self.dp % self.ep != 0
 
     def expert_position(self, dp_rank: int, sharding_rank: int) -> tuple[int, int]:
@@ -366,7 +366,7 @@ class LayoutArguments:
         "longer than one rank holds; the sequence length must divide by 2 x cp (x tp with --sequence_parallel)")
     expert_parallel_degree: int = flag(
         1, "ranks each MoE layer's experts are split over, taken from the data-parallel ranks (must divide dp x "
-        "sharding; when it does not divide dp, each rank's experts stay whole in stage1's partition); tokens travel "
+        "sharding; when it does not divide dp, the expert groups run across the sharding ranks); tokens travel "
         "to their experts' ranks and back")
     sep_parallel_degree: int = flag(1, "PaddleNLP's segment parallelism (all-to-all of heads and sequence): not "
                                        "implemented; use --context_parallel_degree")
