@@ -429,6 +429,28 @@ def test_a_kill_during_an_expert_parallel_save_leaves_the_last_checkpoint_resuma
     np.testing.assert_allclose(resumed[0]["losses"], single["losses"][2:4], rtol=RESUME_RTOL)
 
 
+@pytest.fixture(scope="module")
+def switch_runs(moe_folders):
+    """Qwen2-MoE (softmax router with the Switch aux loss, a gated shared expert, a dense layer) from
+    its transformers 5 folder, one row per micro-batch: 20 steps on one card and under cp2 x dp2 x ep2."""
+    start = _start("qwen2_moe", moe_folders["transformers5"]) + MICRO1 + ("--save_steps", "20")
+    return {"single": Run("qwen2_moe_single", 1, start),
+            "cp2_ep2": Run("qwen2_moe_cp2_ep2", 4, start + EP2 + ("--context_parallel_degree", "2"))}
+
+
+@pytest.mark.multiproc
+def test_a_switch_routed_model_trains_like_single_card_with_its_sequences_cut_over_cp(switch_runs, pretrain_run):
+    """The Switch aux loss is a statistic of the whole micro-batch: under cp each rank routes half of
+    every sequence and the counts and mean scores are pooled over the ring before the product, so
+    the aux losses, losses, grad norms and final weights are one card's (1e-4), experts over ep2."""
+    single = history(pretrain_run, switch_runs["single"])
+    assert min(single["router_margins"]) > ROUTING_NOISE, "a token came within summation noise of a routing tie"
+    assert min(single["aux_losses"]) > 0
+    np.testing.assert_allclose(history(pretrain_run, switch_runs["cp2_ep2"])["aux_losses"], single["aux_losses"],
+                               rtol=PARITY_RTOL)
+    assert_trains_like(pretrain_run, switch_runs["cp2_ep2"], switch_runs["single"], PARITY_RTOL)
+
+
 EXPERT_COUNT_FIELD = {"qwen3_moe": "num_experts", "qwen2_moe": "num_experts", "mixtral": "num_local_experts",
                       "olmoe": "num_experts", "deepseek_v3": "n_routed_experts", "deepseek_v2": "n_routed_experts",
                       "glm4_moe": "n_routed_experts", "gpt_oss": "num_local_experts", "ernie4_5_moe": "moe_num_experts"}

@@ -125,10 +125,10 @@ class Routing:
         `modeling.token_parts.TokenParts`: under SP or cp) its sums are pooled over the parts, so the
         statistic is the whole sequences' and each token's scores get their single-card gradient."""
         tokens, experts = scores.shape
-        pooled, parts = (lambda x: x, 1) if parts is None else (parts.pooled, parts.degree)
+        pooled, cut = (lambda x: x, 1) if parts is None else (parts.pooled, parts.degree)  # cut: pieces per sequence
         if self.aux == SWITCH:
-            share = counts.astype("float32") / float(tokens * parts * self.top_k)
-            return experts * (share * pooled(scores.sum(axis=0)) / float(tokens * parts)).sum()
+            share = counts.astype("float32") / float(tokens * cut * self.top_k)
+            return experts * (share * pooled(scores.sum(axis=0)) / float(tokens * cut)).sum()
         normalised = scores / (scores.sum(axis=-1, keepdim=True) + 1e-20)
         per_sequence = normalised.reshape([sequences, tokens // sequences, experts])
         if self.aux_counts_routed:
@@ -136,7 +136,7 @@ class Routing:
         else:
             chosen = paddle.topk(per_sequence, self.top_k, axis=-1)[1]
         hits = F.one_hot(chosen, experts).sum(axis=2)  # [sequences, tokens, E]: 1 where chosen
-        length = float(tokens // sequences * parts)  # each whole sequence's tokens
+        length = float(tokens // sequences * cut)  # each whole sequence's tokens
         share = pooled(hits.sum(axis=1)) / length * experts / self.top_k  # f_i per sequence
         return (share * pooled(per_sequence.sum(axis=1)) / length).sum(-1).mean()
 
