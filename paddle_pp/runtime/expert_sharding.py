@@ -33,7 +33,7 @@ from paddle_pp.runtime.experts import ExpertGroup, is_expert
 from paddle_pp.runtime.partitions import sharding_owners
 
 
-def update_experts_where_they_are(optimizer: Any, experts: ExpertGroup) -> None:
+def shard_experts_over_replicas(optimizer: Any, experts: ExpertGroup) -> None:
     """On fleet's hybrid optimizer wrapping stage1's: see the module's doc."""
     sharding = optimizer._inner_opt
     if type(sharding) is not DygraphShardingOptimizer:
@@ -46,7 +46,7 @@ def update_experts_where_they_are(optimizer: Any, experts: ExpertGroup) -> None:
     sharding._parameter_list = every  # what the gradient sync and clear_grad go over
     sharding._param2rank = sharding._map_param_to_rank()
     replicas = experts.replicas
-    owners = expert_owners(held, replicas.nranks if replicas else 1)
+    owners = sharding_owners([int(np.prod(p.shape)) for p in held], replicas.nranks if replicas else 1)
     mine = replicas.rank if replicas else 0
     updated = sharding._rank2params[sharding._sharding_rank] + [p for p, o in zip(held, owners) if o == mine]
     sharding._set_inner_opt_attr("_parameter_list", updated)
@@ -66,11 +66,6 @@ def update_experts_where_they_are(optimizer: Any, experts: ExpertGroup) -> None:
                 task.wait()
 
     sharding.step = step
-
-
-def expert_owners(experts: list, replicas: int) -> list[int]:
-    """Which of the `replicas` ranks holding `experts` updates each (stage1's rule over the replicas)."""
-    return sharding_owners([int(np.prod(p.shape)) for p in experts], replicas)
 
 
 def _gradient(param) -> paddle.Tensor | None:

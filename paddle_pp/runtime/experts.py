@@ -12,8 +12,8 @@ sharding rank and its sharding peers hold the same experts: stage1 reduces them 
 group (dividing by its size) like any parameter, then they are summed over the dp ranks of the same
 expert rank and sharding rank, divided by dp. Otherwise the groups run across the
 sharding ranks, stage1 partitions the experts over their replicas instead of the sharding group
-(`runtime.expert_sharding`), and the replicas (dp x sharding / ep ranks) divide by dp x sharding
-themselves. Under tp every tp rank exchanges its own rows within its own expert group (experts stay
+(`runtime.expert_sharding`), and the replicas (dp x sharding x cp / ep ranks) divide by dp x
+sharding themselves. Under tp every tp rank exchanges its own rows within its own expert group (experts stay
 split over tp); under cp each cp rank its own part of the sequences, and the replicas include the
 cp ranks, as fleet sums the dense gradients over dp x cp.
 

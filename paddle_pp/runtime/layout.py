@@ -135,9 +135,9 @@ class Layout:
         divides dp, each expert group is ep dp ranks of one sharding rank: sharding peers hold the same
         experts and stage1 partitions their states with the rest. Otherwise the groups run across the
         sharding ranks (ep must divide dp x sharding), and stage1 partitions the experts over their
-        replicas instead of the sharding group (`runtime.expert_sharding`). Under cp each cp rank exchanges its own part of the
-        sequences within its own expert group. Stage2/3's hooks reduce every gradient over the whole
-        sharding group: not wired for experts."""
+        replicas instead of the sharding group (`runtime.expert_sharding`). Under cp each cp rank
+        exchanges its own part of the sequences within its own expert group. Stage2/3's hooks reduce
+        every gradient over the whole sharding group: not wired for experts."""
         ep = self.ep
         if ep == 1:
             return
@@ -189,8 +189,8 @@ class Layout:
     @property
     def ep(self) -> int:
         """Expert-parallel degree: the experts of each MoE layer are split over ep data ranks (an expert
-        group), which exchange tokens; the ranks holding the same experts (dp x sharding / ep of them)
-        are the experts' data replicas."""
+        group), which exchange tokens; the ranks holding the same experts (dp x sharding x cp / ep of
+        them) are the experts' data replicas."""
         return self.expert_parallel_degree
 
     @property

@@ -10,7 +10,8 @@ import heapq
 def sharding_owners(numels: list[int], sharding_degree: int) -> list[int]:
     """The sharding rank that updates each parameter (given in model order), by the rule of Paddle's
     DygraphShardingOptimizer._partition_parameters: largest first (stable), each to the rank
-    with the fewest elements so far. Used to plan saves of models that are not built."""
+    with the fewest elements so far. Plans saves of models that are not built, and partitions
+    experts across sharding ranks over their replicas at run time."""
     owners = [0] * len(numels)
     heap = [(0, rank) for rank in range(sharding_degree)]
     for index in sorted(range(len(numels)), key=lambda i: -numels[i]):
