@@ -2,7 +2,7 @@
 and what the planner says for PaddleNLP's recipe shapes before (dense) and after (flash).
 
 1. Core alone, forward + backward, one process per (core, length) so peaks do not mix: time and
-   peak allocator bytes (Paddle's CPU statistic, above the inputs) at 1k-16k tokens, [1, seq, 9
+   peak allocator bytes (Paddle's CPU statistic, above the inputs) at 512-16k tokens, [1, seq, 9
    heads (3 kv), 64] (SmolLM-135M's heads); the dense core is skipped where its peak by its own
    model (what it keeps, and the scores and probabilities its backward makes alongside: 3x) passes
    --max_gb, and the length is named; a run the kernel kills (out of memory) is recorded as such.
@@ -10,7 +10,10 @@ and what the planner says for PaddleNLP's recipe shapes before (dense) and after
    Llama-2-7B at tp2 x pp4 + SP and of PaddleNLP's llama recipe shape (Llama-3-8B, tp2, sharding
    stage2), 4096 tokens, micro-batch 1, with the dense core (before) and the flash core (after).
 3. run_pretrain.py at SmolLM-135M's shape, one process, tokens/s of the steps after the first with
-   each core at 1024 and 4096 tokens (the dense core skipped where its model passes --max_gb).
+   each core pinned (--attention_core) at 1024 and 4096 tokens (the dense core skipped where its
+   model passes --max_gb).
+The crossover of part 1 is the CPU's choice between the two (`CPU_DENSE_BELOW` in
+modeling/attention_core/__init__.py); the CPU model is recorded with the results.
 Writes bench/results/attention_cores.json.
 
   .venv/bin/python bench/attention_cores.py
@@ -34,9 +37,10 @@ from machine import machine  # noqa: E402
 
 from modeling.attention_core import CORES, Heads  # noqa: E402
 from modeling.registry import config_from_dict  # noqa: E402
-from paddle_pp.planning.memory import Workload, plan_layout  # noqa: E402
+from paddle_pp.planning.memory import plan_layout  # noqa: E402
 from paddle_pp.runtime.layout import Layout  # noqa: E402
 from paddle_pp.training.report import read_metrics  # noqa: E402
+from paddle_pp.training.run_plan import plan_for  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 SHAPE = Heads(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM)
@@ -106,9 +110,11 @@ def planner() -> dict:
     for name, (config, layout, accumulation) in cases.items():
         out[name] = {}
         for core, flash in (("dense", False), ("flash", True)):
-            workload = Workload(per_device_train_batch_size=1, max_seq_length=4096,
-                                gradient_accumulation_steps=accumulation, use_flash_attention=flash)
-            shares = plan_layout(config_from_dict(config), layout, 2, workload)
+            model = config_from_dict(config)
+            workload = plan_for(model, layout, "--bf16", "--per_device_train_batch_size", "1", "--max_seq_length",
+                                "4096", "--gradient_accumulation_steps", str(accumulation),
+                                f"--use_flash_attention={flash}").workload()
+            shares = plan_layout(model, layout, 2, workload)
             worst = max(shares, key=lambda share: share.total_bytes)
             out[name][core] = {"activations_gb": worst.activation_bytes / 1e9, "total_gb": worst.total_bytes / 1e9}
             print(f"{name}, {core}: worst rank {worst.activation_bytes / 1e9:.1f} GB of activations, "
@@ -120,7 +126,7 @@ def trainer_runs(lengths: list[int], steps: int, max_gb: float) -> dict:
     out: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for seq in lengths:
-            for core, flag in (("blockwise", "--use_flash_attention"), ("dense", "--no-use_flash_attention")):
+            for core in ("blockwise", "dense"):
                 kept = 30 * CORES[core].saved_bytes(1, seq, SHAPE, 4, False)
                 if kept > max_gb * 2**30:
                     out.setdefault(core, {})[seq] = {"skipped": f"its attention keeps {kept / 2**30:.1f} GiB over 30 "
@@ -128,7 +134,8 @@ def trainer_runs(lengths: list[int], steps: int, max_gb: float) -> dict:
                     print(f"trainer {core:>9} {seq:>5}: skipped, {out[core][seq]['skipped']}", flush=True)
                     continue
                 run = Path(tmp) / f"{core}_{seq}"
-                subprocess.run([sys.executable, str(REPO / "run_pretrain.py"), *SMOLLM_135M, flag, "--max_seq_length",
+                subprocess.run([sys.executable, str(REPO / "run_pretrain.py"), *SMOLLM_135M, "--attention_core", core,
+                                "--max_seq_length",
                                 str(seq), "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "1",
                                 "--max_steps", str(steps), "--warmup_steps", "1", "--eval_steps", "0", "--eval_iters",
                                 "1", "--disable_progress_bar", "--data_cache", f"{tmp}/cache", "--output_dir",
@@ -141,7 +148,7 @@ def trainer_runs(lengths: list[int], steps: int, max_gb: float) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--trainer_lengths", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--max_gb", type=float, default=12.0, help="skip a run whose model keeps more than this")

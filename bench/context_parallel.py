@@ -33,9 +33,10 @@ sys.path.insert(0, str(REPO))
 from machine import machine  # noqa: E402
 
 from modeling.registry import config_from_dict  # noqa: E402
-from paddle_pp.planning.memory import Workload, plan_layout, ring_bytes_per_step  # noqa: E402
+from paddle_pp.planning.memory import plan_layout, ring_bytes_per_step  # noqa: E402
 from paddle_pp.runtime.launch import launch  # noqa: E402
 from paddle_pp.runtime.layout import Layout  # noqa: E402
+from paddle_pp.training.run_plan import plan_for  # noqa: E402
 
 MODEL = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -82,9 +83,10 @@ def trainer_runs(seq: int, steps: int, degrees: list[int]) -> dict:
                                                   "--data_cache", f"{tmp}/cache", "--output_dir", f"{tmp}/cp{cp}"],
                              work_dir=Path(tmp) / f"job{cp}", timeout=7200)
             config = config_from_dict(dict(MODEL, vocab_size=4096, max_position_embeddings=seq))
-            formula = ring_bytes_per_step(config, Layout(world_size=cp, context_parallel_degree=cp),
-                                          Workload(per_device_train_batch_size=1, max_seq_length=seq,
-                                                   gradient_accumulation_steps=1))
+            layout = Layout(world_size=cp, context_parallel_degree=cp)
+            formula = ring_bytes_per_step(config, layout, plan_for(
+                config, layout, "--per_device_train_batch_size", "1", "--max_seq_length", str(seq),
+                "--gradient_accumulation_steps", "1").workload())
             out[f"cp{cp}"] = {"tokens_per_sec": statistics.median(results[0]["tokens_per_sec"][1:]),
                               "peak_host_bytes_worst_rank": max(r["peak_host_bytes"] for r in results),
                               "ring_bytes_per_step": max(r["ring_bytes_per_step"] for r in results),
@@ -107,8 +109,8 @@ def planner(degrees: tuple[int, ...] = (1, 2, 4, 8)) -> dict:
         sharding = 64 // (8 * cp)
         layout = Layout(world_size=64, tensor_parallel_degree=8, context_parallel_degree=cp, sequence_parallel=True,
                         sharding_parallel_degree=sharding, sharding="stage1" if sharding > 1 else "", device="gpu")
-        workload = Workload(per_device_train_batch_size=1, max_seq_length=seq, gradient_accumulation_steps=1,
-                            use_flash_attention=True, recompute=recompute)
+        workload = plan_for(config, layout, "--bf16", "--per_device_train_batch_size", "1", "--max_seq_length", str(seq),
+                            "--gradient_accumulation_steps", "1", f"--recompute={recompute}").workload()
         worst = max(plan_layout(config, layout, 2, workload), key=lambda share: share.total_bytes)
         row = {"layout": layout.describe(), "activations_gb": worst.activation_bytes / 1e9,
                "total_gb": worst.total_bytes / 1e9,

@@ -36,9 +36,10 @@ from machine import machine  # noqa: E402
 from checkpoint.save_plan import estimate_save, save_items  # noqa: E402
 from checkpoint.writers import assign_writers  # noqa: E402
 from modeling.registry import config_from_dict, plan_of  # noqa: E402
-from paddle_pp.planning.memory import Workload, dispatch_bytes_per_step, plan_layout  # noqa: E402
+from paddle_pp.planning.memory import dispatch_bytes_per_step, plan_layout  # noqa: E402
 from paddle_pp.runtime.launch import launch  # noqa: E402
 from paddle_pp.runtime.layout import Layout  # noqa: E402
+from paddle_pp.training.run_plan import plan_for  # noqa: E402
 
 MODEL = {"model_type": "qwen3_moe", "vocab_size": 4096, "hidden_size": 128, "intermediate_size": 256,
          "moe_intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -103,8 +104,8 @@ def trainer_runs(seq: int, steps: int, names: list[str]) -> dict:
                                                          f"{tmp}/cache", "--output_dir", f"{tmp}/run{index}"],
                              work_dir=Path(tmp) / f"job{index}", timeout=7200)
             layout = Layout.from_args(parse_args(list(LAYOUTS[name])).layout, world_size=PROCESSES, device="cpu")
-            workload = Workload(per_device_train_batch_size=1, max_seq_length=seq,
-                                gradient_accumulation_steps=GLOBAL_BATCH // (layout.dp * layout.sharding_degree))
+            workload = plan_for(config, layout, "--per_device_train_batch_size", "1", "--max_seq_length", str(seq),
+                                "--global_batch_size", str(GLOBAL_BATCH)).workload()
             balanced, worst = dispatch_bytes_per_step(config, layout, workload)
             share = plan_layout(config, layout)[0]
             row = {"tokens_per_sec": statistics.median(results[0]["tokens_per_sec"][1:]),
@@ -141,11 +142,11 @@ PLANNED = {  # 64 ranks: name -> Layout keywords
 
 def planner() -> dict:
     config = config_from_dict(json.loads(QWEN3_30B_A3B.read_text()))
-    workload = Workload(per_device_train_batch_size=1, max_seq_length=4096, gradient_accumulation_steps=16,
-                        recompute=True, use_flash_attention=True)
     out = {}
     for name, degrees in PLANNED.items():
         layout = Layout(world_size=64, device="gpu", **degrees)
+        workload = plan_for(config, layout, "--bf16", "--per_device_train_batch_size", "1", "--max_seq_length", "4096",
+                            "--gradient_accumulation_steps", "16", "--recompute").workload()
         worst = max(plan_layout(config, layout, 2, workload), key=lambda share: share.total_bytes)
         writes = assign_writers(save_items(plan_of(config), layout, 2), layout.tp)
         save = estimate_save(writes, layout.rank_slots(), disk_gbps=2.0, link_gbps=25.0)

@@ -71,9 +71,10 @@ def main() -> None:
         measure(args.worker_tp, args.batch, args.max_seq_length)
         return
     from modeling.registry import config_from_dict, execution_for, family_of
-    from paddle_pp.planning.memory import Workload, plan_layout
+    from paddle_pp.planning.memory import plan_layout
     from paddle_pp.runtime.launch import launch
     from paddle_pp.runtime.layout import Layout
+    from paddle_pp.training.run_plan import plan_for
 
     rows, out = [], {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -83,8 +84,8 @@ def main() -> None:
             layout = Layout(world_size=tp, tensor_parallel_degree=tp)
             for name, fields in CONFIGS.items():
                 config = config_from_dict(fields)
-                workload = Workload(per_device_train_batch_size=args.batch, max_seq_length=args.max_seq_length,
-                                    use_flash_attention=False)
+                workload = plan_for(config, layout, "--per_device_train_batch_size", str(args.batch),
+                                    "--max_seq_length", str(args.max_seq_length), "--no-use_flash_attention").workload()
                 shares = sorted(plan_layout(config, layout, workload=workload), key=lambda s: s.tp_rank)
                 run = execution_for(layout, 0)
                 planned_layer = sum(family_of(config).layer_saved_bytes(config, run, args.batch,

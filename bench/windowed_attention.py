@@ -29,8 +29,9 @@ from machine import machine  # noqa: E402
 
 from modeling.execution import Execution, choose_execution  # noqa: E402
 from modeling.registry import config_from_dict, execution_for, family_of  # noqa: E402
-from paddle_pp.planning.memory import Workload, plan_layout  # noqa: E402
+from paddle_pp.planning.memory import plan_layout  # noqa: E402
 from paddle_pp.runtime.layout import Layout  # noqa: E402
+from paddle_pp.training.run_plan import plan_for  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 64, 512
 CORE_RUN = """
@@ -100,8 +101,9 @@ def planner(seq_len: int) -> dict:
                 kind = config.attention_types()[index]
                 kept = family_of(config).layer_activations(config, run, 1, seq_len, 2, index=index).kept
                 per_layer[kind] = kept / 2**30
-            workload = Workload(per_device_train_batch_size=1, max_seq_length=seq_len, gradient_accumulation_steps=8,
-                                use_flash_attention=flash)
+            workload = plan_for(config, layout, "--bf16", "--per_device_train_batch_size", "1", "--max_seq_length",
+                                str(seq_len), "--gradient_accumulation_steps", "8",
+                                f"--use_flash_attention={flash}").workload()
             worst = max(plan_layout(config, layout, 2, workload), key=lambda share: share.total_bytes)
             out[name][core] = {"layer_activations_gib": per_layer, "worst_rank_activations_gib":
                                worst.activation_bytes / 2**30, "worst_rank_total_gib": worst.total_bytes / 2**30}

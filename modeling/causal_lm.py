@@ -21,7 +21,7 @@ from modeling.blocks.parts import Embedding, Part, VocabEmbedding
 from modeling.documents import state, unpack
 from modeling.execution import Execution
 from modeling.loss import CausalLMCriterion
-from modeling.tp_plan import FIRST, FIRST_AND_LAST, LAST, TensorPlan, split_axes, tensor_parallel_mappings
+from modeling.tp_plan import FIRST, FIRST_AND_LAST, LAST, TensorPlan, tensor_parallel_mappings
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class CausalLMPretrainedModel(PretrainedModel):
 
     @classmethod
     def _get_tensor_parallel_mappings(cls, config, is_split: bool = True) -> dict:
-        return tensor_parallel_mappings(split_axes(cls.family.skeleton.tensors(config)), is_split,
+        return tensor_parallel_mappings(cls.family.tensor_plan(config).axes(), is_split,
                                         config.tensor_parallel_degree, config.tensor_parallel_rank)
 
     def _init_weights(self, layer):

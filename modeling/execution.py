@@ -17,7 +17,7 @@ import numpy as np
 import paddle
 from paddle.distributed.fleet.utils import recompute as fleet_recompute
 
-from modeling.attention_core import CORES, AttentionCore, choose_core
+from modeling.attention_core import CORES, AttentionCore, DenseCost, choose_core
 from modeling.attention_core.ring import Ring
 from modeling.attention_core.spec import CoreSpec
 from modeling.context_parallel import local_positions
@@ -136,14 +136,15 @@ class Execution:
 def choose_execution(use_flash_attention: bool = True, recompute: bool = False, granularity: str = "full",
                      use_reentrant: bool = False, fused_rope: bool = False, fused_rms_norm: bool = False,
                      device: str = "cpu", dtype: str | None = None, head_dim: int = 64,
-                     sm: tuple[int, int] | None = None) -> tuple[Execution, list[str]]:
+                     sm: tuple[int, int] | None = None,
+                     dense_cost: DenseCost | None = None, attention_core: str = "auto") -> tuple[Execution, list[str]]:
     """The run's attention core, recompute and kernels from PaddleNLP's flags of the same names, for
     `device` and the compute `dtype` (None: fp32), and notes on what was asked for and not taken.
     Fused kernels run on a GPU only (PaddleNLP switches fused rope off elsewhere with a warning; the
     others have no CPU kernel, or kill the process: fused_rms_norm on AVX2); SwiGLU is fused on GPU
     as in PaddleNLP's LLaMA. The granularity counts only with `recompute`, as in PaddleNLP."""
-    core, refusal = choose_core(use_flash_attention, device, dtype, head_dim, sm)
-    notes = [f"attention: {core.name} core (flash attention not used: {refusal})"] if refusal else []
+    core, reason = choose_core(use_flash_attention, device, dtype, head_dim, sm, dense_cost, attention_core)
+    notes = [f"attention: {core.name} core ({reason})"] if reason else []
     gpu = device == "gpu"
     for name, asked in (("--use_fused_rope", fused_rope), ("--use_fused_rms_norm", fused_rms_norm)):
         if asked and not gpu:

@@ -136,7 +136,7 @@ class ModelPlan(Mapping):
 
     def axes(self) -> dict[str, int | None]:
         """Each parameter's tp axis (None: whole on every tp rank)."""
-        return split_axes(self.tensors)
+        return {name: row.placement.tp for name, row in self.tensors.items()}
 
     def mesh(self, pp: int = 1, vpp: int = 1, ep: int = 1, tp: int = 1) -> Mesh:
         """The mesh of this model under those degrees."""
@@ -176,10 +176,6 @@ def in_container_order(names: list[str]) -> list[str]:
         return [first[".".join(parts[:depth])] for depth in range(1, len(parts) + 1)]
 
     return sorted(names, key=containers)
-
-
-def split_axes(plan: Mapping[str, TensorPlan]) -> dict[str, int | None]:
-    return {name: row.placement.tp for name, row in plan.items()}
 
 
 def local_shape(shape, axis: int | None, tp: int) -> tuple[int, ...]:

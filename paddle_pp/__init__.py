@@ -4,6 +4,8 @@
 then the unified checkpoint, build on it; `paddle_pp.training` and `paddle_pp.data` sit on top.
 """
 
+from paddle_pp.runtime.host_memory import keep_freed_memory
 from paddle_pp.runtime.startup import quiet_known_notes
 
 quiet_known_notes()
+keep_freed_memory()

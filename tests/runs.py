@@ -23,10 +23,12 @@ TRAINER = REPO / "tests" / "workers" / "pretrain_worker.py"  # run_pretrain.py w
 CORPUS, TOKENIZER = REPO / "data" / "jargon-4.4.7.txt", REPO / "data" / "tokenizer"
 # Micro-batches of 2: a step of 8 sequences is 4 micro-batches on one card, fewer collectives a step than
 # 8 of 1 (every tp all-reduce and pipeline hand-over is a gloo round trip, 3-4 ms on 2 shared cores).
+# The blockwise core pinned: what runs at 1,024 tokens and more on CPU, under cp, and where flash cannot
+# (at 32 tokens the CPU default is the dense core; `single_dense` compares the two).
 MODEL = ("--hidden_size", "64", "--intermediate_size", "128", "--num_hidden_layers", "4", "--num_attention_heads", "4",
          "--num_key_value_heads", "2", "--max_seq_length", "32", "--global_batch_size", "8",
          "--per_device_train_batch_size", "2", "--max_steps", "20", "--warmup_steps", "5", "--eval_steps", "10",
-         "--eval_iters", "1", "--disable_progress_bar")
+         "--eval_iters", "1", "--disable_progress_bar", "--attention_core", "blockwise")
 # Micro-batches of 1 where a data degree of 4 would leave each rank one micro-batch of 2 a step: the
 # pipeline and the sharded gradient paths keep accumulating over two.
 MICRO1 = ("--per_device_train_batch_size", "1")

@@ -20,7 +20,8 @@ from modeling.registry import LayoutModelError, plan_of_folder
 from paddle_pp.runtime.launch import LaunchError, launch
 from paddle_pp.runtime.layout import LayoutError
 from paddle_pp.training.arguments import parse_args
-from paddle_pp.training.trainer import Pretrainer, TrainingConfigError
+from paddle_pp.training.run_plan import TrainingConfigError
+from paddle_pp.training.trainer import Pretrainer
 
 from runs import (
     CP2_PP2,

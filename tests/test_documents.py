@@ -22,7 +22,7 @@ from modeling.llama import LlamaForCausalLM
 from paddle_pp.runtime.errors import UserError
 from paddle_pp.runtime.layout import Layout
 from paddle_pp.training.arguments import parse_args
-from paddle_pp.training.trainer import run_execution
+from paddle_pp.training.run_plan import run_execution
 
 import hf_models
 from parity import EVAL_RTOL, TRAIN_TOL, assert_matches, layout_runs, our_model, write_model_files

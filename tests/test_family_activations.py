@@ -19,9 +19,10 @@ from modeling.attention_core import CORES
 from modeling.documents import document_positions, state
 from modeling.execution import Execution, Recompute
 from modeling.registry import config_from_dict, family
-from paddle_pp.planning.memory import Workload, decoder_activation_bytes
+from paddle_pp.planning.memory import decoder_activation_bytes
 from paddle_pp.runtime.layout import Layout
 from paddle_pp.training.activations import held_bytes, rotary_constants, saved_activation_bytes
+from paddle_pp.training.run_plan import plan_for
 
 BATCH, SEQ = 2, 64
 BASE = dict(vocab_size=512, hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=6,
@@ -67,8 +68,8 @@ def test_each_layers_saved_bytes_equal_its_declarations_model(model_type, core, 
         hidden.stop_gradient = False
         measured = saved_activation_bytes(layer, lambda: layer(state(hidden, positions)), rotary_constants(layer, SEQ))
         assert measured == family(model_type).layer_saved_bytes(config, run, BATCH, SEQ, index=index), index
-    workload = Workload(per_device_train_batch_size=BATCH, max_seq_length=SEQ, use_flash_attention=core == "blockwise",
-                        use_global_causal_attn=not documents)
+    workload = plan_for(config, Layout(world_size=1), "--per_device_train_batch_size", str(BATCH), "--max_seq_length",
+                        str(SEQ), "--attention_core", core, f"--use_global_causal_attn={not documents}").workload()
     assert decoder_activation_bytes(config, Layout(world_size=1), workload, 0) == sum(
         family(model_type).layer_activations(config, run, BATCH, SEQ, index=i).kept for i in range(2))
 

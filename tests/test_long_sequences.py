@@ -11,9 +11,10 @@ import paddle
 from modeling.attention_core import CORES
 from modeling.execution import Execution
 from modeling.registry import config_from_dict, family_of
-from paddle_pp.planning.memory import Workload, decoder_activation_bytes
+from paddle_pp.planning.memory import decoder_activation_bytes
 from paddle_pp.runtime.layout import Layout
 from paddle_pp.training.activations import rotary_constants, saved_activation_bytes
+from paddle_pp.training.run_plan import plan_for
 
 LENGTHS = (2048, 4096, 8192, 16384)
 # one decoder layer of two heads sharing one kv head (head_dim 32): attention at 16k tokens is 2.7e8
@@ -36,9 +37,11 @@ def test_blockwise_layer_activations_grow_linearly_and_equal_the_planner():
         measured = saved_activation_bytes(layer, lambda: layer(hidden), rotary_constants(layer, seq))
         assert measured == family_of(config).layer_saved_bytes(config, run, 1, seq), seq
         kept.append(sum(measured.values()))
-        workload = Workload(per_device_train_batch_size=1, max_seq_length=seq, use_flash_attention=True)
+        workload = plan_for(config, Layout(world_size=1), "--per_device_train_batch_size", "1", "--max_seq_length",
+                            str(seq)).workload()
         assert decoder_activation_bytes(config, Layout(world_size=1), workload, 0) == kept[-1]
     assert [k / kept[0] for k in kept] == [1, 2, 4, 8], kept  # linear in the length, to the byte
-    dense = Workload(per_device_train_batch_size=1, max_seq_length=LENGTHS[-1], use_flash_attention=False)
+    dense = plan_for(config, Layout(world_size=1), "--per_device_train_batch_size", "1", "--max_seq_length",
+                     str(LENGTHS[-1]), "--no-use_flash_attention").workload()
     dense_bytes = decoder_activation_bytes(config, Layout(world_size=1), dense, 0)
     assert dense_bytes > 2 * 2**30 and dense_bytes > 30 * kept[-1]  # 2.6 GiB at only two heads; 38x

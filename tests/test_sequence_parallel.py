@@ -15,8 +15,9 @@ import pytest
 from modeling.attention_core import CORES
 from modeling.execution import Execution, Recompute
 from modeling.registry import config_from_dict, execution_for, family
-from paddle_pp.planning.memory import Workload, decoder_activation_bytes
+from paddle_pp.planning.memory import decoder_activation_bytes
 from paddle_pp.runtime.layout import Layout
+from paddle_pp.training.run_plan import plan_for
 
 from runs import (
     GPT,
@@ -111,8 +112,8 @@ def test_planner_activation_model_equals_the_measured_bytes(measured_activations
             for granularity, held in rank["held"][core].items():
                 kept = family(model_type).layer_activations(config, _execution(layout, core, granularity), BATCH, SEQ)
                 assert held == kept.kept - layer_input, f"{core}, {granularity}, tp rank {rank['tp_rank']}"
-        workload = Workload(per_device_train_batch_size=BATCH, max_seq_length=SEQ,
-                            use_flash_attention=core == "blockwise")
+        workload = plan_for(config, layout, "--per_device_train_batch_size", str(BATCH), "--max_seq_length", str(SEQ),
+                            "--attention_core", core).workload()
         assert decoder_activation_bytes(config, layout, workload, stage=0) == 2 * sum(expected.values())
 
 

@@ -22,7 +22,8 @@ import pytest
 from paddle_pp.training.arguments import parse_args
 from paddle_pp.training.loss_plot import nice_ticks, plot_loss
 from paddle_pp.training.precision import PrecisionError
-from paddle_pp.training.trainer import Pretrainer, TrainingConfigError
+from paddle_pp.training.run_plan import TrainingConfigError
+from paddle_pp.training.trainer import Pretrainer
 
 from runs import CP2_PP2, FOUR_D_SAVING, MODEL, REPO, SCRIPT, SINGLE, TP2_PP2_SAVING, Run
 
@@ -30,7 +31,7 @@ LOSS_RTOL = 1e-4
 RUNS = {run.tag: run for run in (
     SINGLE,
     TP2_PP2_SAVING,
-    Run("single_dense", 1, ("--no-use_flash_attention",)),
+    Run("single_dense", 1, ("--attention_core", "dense")),
     Run("pp4", 4, ("--pipeline_parallel_degree", "4")),
     CP2_PP2,
     Run("cp2pp2_two_nodes", 2, CP2_PP2.flags, nnodes=2),
@@ -55,9 +56,9 @@ def test_layout_loss_curve_matches_single_card(trained, name):
 
 @pytest.mark.multiproc
 def test_dense_and_blockwise_attention_cores_give_the_same_curve(trained):
-    """The default core on CPU (blockwise, --use_flash_attention) against the dense one
-    (--no-use_flash_attention) on one card: losses, evaluation and grad norms within 1e-5 (the
-    dense core under tp and pp: the model workers' layouts)."""
+    """The blockwise core (the CPU's from 1,024 tokens, pinned by the shared runs) against the dense
+    one (--attention_core dense, the CPU's default at these 32 tokens) on one card: losses,
+    evaluation and grad norms within 1e-5 (the dense core under tp and pp: the model workers' layouts)."""
     (blockwise, *_), _ = trained("single")
     (dense, *_), _ = trained("single_dense")
     for key in ("losses", "eval_loss", "grad_norms"):

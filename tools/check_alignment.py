@@ -12,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from paddle_pp.runtime.errors import UserError
 from paddle_pp.training.alignment import check_alignment, plot_alignment
 
 
@@ -25,7 +26,11 @@ def main(argv: list[str] | None = None) -> int:
                              "runs); a --bf16 checkpoint's runs differ by bf16 rounding, so pass e.g. 2e-2")
     parser.add_argument("--work_dir", type=Path, default=Path("output/alignment"))
     args, layout_flags = parser.parse_known_args(argv)
-    report = check_alignment(args.checkpoint, layout_flags, args.nproc, args.steps, args.work_dir, args.rtol)
+    try:
+        report = check_alignment(args.checkpoint, layout_flags, args.nproc, args.steps, args.work_dir, args.rtol)
+    except UserError as err:
+        print(f"check_alignment.py: error: {err}", file=sys.stderr)
+        return 2
     print(report.table())
     png = plot_alignment(report, args.work_dir / "alignment.png")
     verdict = "ALIGNED" if report.aligned else "NOT ALIGNED"

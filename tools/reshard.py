@@ -39,37 +39,42 @@ from paddle_pp.interop.pickled import ALLOW_UNSAFE_PICKLE_HELP
 from paddle_pp.interop.pretrained import our_config_of
 from paddle_pp.interop.transformers import export_paddlenlp_fused
 from paddle_pp.interop.transformers_layout import checkpoint_config
-from paddle_pp.planning.memory import Workload, dispatch_bytes_per_step, plan_layout, ring_bytes_per_step
+from paddle_pp.planning.memory import dispatch_bytes_per_step, plan_layout, ring_bytes_per_step
 from paddle_pp.runtime.errors import UserError
-from paddle_pp.runtime.flags import add_flags, read_flags
 from paddle_pp.runtime.layout import Layout, add_layout_args
+from paddle_pp.training.arguments import add_trainer_flags, arguments_of
+from paddle_pp.training.model_config import end_of_document
 from paddle_pp.training.report import tensor_progress
+from paddle_pp.training.run_plan import plan_run
 
 DATA_SUFFIXES = {".safetensors", ".pdparams", ".pdopt", ".distcp"}
 
 
-def _plan(args) -> int:
+def _plan(args, given: frozenset[str]) -> int:
+    folder = args.checkpoint if args.checkpoint else args.config.parent
     config = config_from_dict(checkpoint_config(args.checkpoint) if args.checkpoint else
                               our_config_of(json.loads(args.config.read_text()), args.config))
-    layout = Layout.from_args(args, world_size=args.world_size, device=args.device)
-    compute_bytes = 2 if args.bf16 else 4
-    workload = read_flags(Workload, args)
+    trainer_args = arguments_of(args, given)
+    run = plan_run(trainer_args, config, end_of_document(trainer_args, folder), args.world_size, args.device)
+    layout, compute_bytes, workload = run.layout, run.compute_bytes, run.workload()
     shares = plan_layout(config, layout, compute_bytes=compute_bytes, workload=workload)
     print(f"layout {layout.describe()} on {layout.world_size} ranks: valid")
+    for note in run.notes:
+        print(f"note: {note}")
     print(f"{'stage':>5} {'tp':>3} {'params':>12} {'weights MB':>11} {'grads MB':>9} {'optim MB':>9} "
           f"{'activations MB':>14} {'total MB':>9} {'load reads MB':>13}")
     for s in shares:
         print(f"{s.stage:>5} {s.tp_rank:>3} {s.parameters:>12,} {s.weight_bytes / 2**20:>11.1f} "
               f"{s.grad_bytes / 2**20:>9.1f} {s.optimizer_bytes / 2**20:>9.1f} {s.activation_bytes / 2**20:>14.1f} "
               f"{s.total_bytes / 2**20:>9.1f} {s.load_bytes / 2**20:>13.1f}")
+    granularity = run.execution.recompute.granularity
     print(f"(every dp/sharding/cp rank at a (stage, tp) holds and reads the same; activations: the decoder layers' at "
-          f"the step's peak for micro-batch {workload.per_device_train_batch_size} x {workload.max_seq_length} tokens"
-          f"{f', recompute {workload.recompute_granularity}' if workload.recompute else ''}, "
-          f"{workload.execution(layout, compute_bytes, config.head_dim).attention.name} attention core; embedding, "
-          "head and loss not included)")
+          f"the step's peak for micro-batch {workload.micro_batch} x {workload.seq_len} tokens"
+          f"{f', recompute {granularity}' if granularity else ''}, {run.execution.attention.name} attention core; "
+          "embedding, head and loss not included)")
     if layout.cp > 1:
         print(f"context parallel ring: each rank sends {ring_bytes_per_step(config, layout, workload, compute_bytes) / 2**20:.1f} "
-              f"MB per step ({layout.cp} ranks per sequence, {workload.max_seq_length // layout.cp} tokens each)")
+              f"MB per step ({layout.cp} ranks per sequence, {workload.seq_len // layout.cp} tokens each)")
     if layout.ep > 1:
         balanced, worst = dispatch_bytes_per_step(config, layout, workload, compute_bytes)
         print(f"expert dispatch: each rank sends {balanced / 2**20:.1f} MB per step with balanced routing, at most "
@@ -126,28 +131,30 @@ def _rewrite(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+SUBCOMMANDS = {"split": "write a per-rank pre-split copy for a layout", "join": "a pre-split copy back to unified",
+               "merge": "fleet per-rank .pdparams/.pdopt files to unified",
+               "paddleformers": "a PaddleFormers checkpoint (flex or unified) to unified",
+               "to-flex": "a unified checkpoint to PaddleFormers' flex format",
+               "rechunk": "change the shard size",
+               "weights": "a weights-only copy to hand a model on (optionally bfloat16/float16)"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """`plan` and the rewrites of `SUBCOMMANDS`."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    plan = add_layout_args(commands.add_parser("plan", help="validate a layout and size each rank"))
-    add_flags(plan, Workload, "activations (the trainer's flags)")
+    plan = add_trainer_flags(commands.add_parser("plan", help="validate a run (layout, model and the trainer's "
+                                                               "flags) and size each rank"))
     source = plan.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", type=Path)
     source.add_argument("--config", type=Path, help="a config.json with model_type")
     plan.add_argument("--world_size", type=int, required=True)
     plan.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
-    plan.add_argument("--bf16", action="store_true", help="size for bf16 compute with fp32 master weights")
     plan.add_argument("--disk_gbps", type=float, default=2.0, help="write bandwidth of one rank, GB/s")
     plan.add_argument("--link_gbps", type=float, default=25.0, help="receive bandwidth of a rank (stage3), GB/s")
     plan.add_argument("--fs_gbps", type=float, default=None, help="aggregate write bandwidth of a shared file system")
     plan.add_argument("--max_rows", type=int, default=64, help="print the per-rank save table up to this many ranks")
-    helps = {"split": "write a per-rank pre-split copy for a layout", "join": "a pre-split copy back to unified",
-             "merge": "fleet per-rank .pdparams/.pdopt files to unified",
-             "paddleformers": "a PaddleFormers checkpoint (flex or unified) to unified",
-             "to-flex": "a unified checkpoint to PaddleFormers' flex format",
-             "rechunk": "change the shard size",
-             "weights": "a weights-only copy to hand a model on (optionally bfloat16/float16)"}
-    for name, text in helps.items():
+    for name, text in SUBCOMMANDS.items():
         sub = commands.add_parser(name, help=text)
         sub.add_argument("source", type=Path)
         sub.add_argument("target", type=Path, help="a new folder (written as TARGET.partial, renamed when complete)")
@@ -166,12 +173,25 @@ def main(argv: list[str] | None = None) -> int:
         if name == "paddleformers":
             sub.add_argument("--model", type=Path, help="for a flex checkpoint: the folder the run started from, "
                                                         "its config.json and tokenizer (a flex checkpoint has neither)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return _plan(args) if args.command == "plan" else _rewrite(args)
+        return _plan(args, _given(parser, argv)) if args.command == "plan" else _rewrite(args)
     except (UserError, ValueError) as err:
         print(f"reshard.py: error: {err}", file=sys.stderr)
         return 1
+
+
+def _given(parser: argparse.ArgumentParser, argv: list[str] | None) -> frozenset[str]:
+    """The flags the command line sets, whatever their value (the trainer's rules read which were
+    given, not defaulted); the parser is spent after this."""
+    for action in parser._subparsers._group_actions[0].choices["plan"]._actions:
+        action.default = argparse.SUPPRESS
+    return frozenset(vars(parser.parse_args(argv)))
 
 
 if __name__ == "__main__":

@@ -11,8 +11,10 @@ Every core takes k and v with their own (kv) heads: grouped-query attention neve
 may have its own head size. A layer the run's core cannot compute (flash: a soft-cap, ALiBi, sinks,
 v unlike q/k) is served by the blockwise core (`AttentionCore.serving`), and the run says which.
 
-`choose_core`: `--use_flash_attention` (the default) takes flash where Paddle's kernel applies and
-blockwise elsewhere; `--no-use_flash_attention` takes dense.
+`choose_core`: `--use_flash_attention` (the default) takes flash where Paddle's kernel applies; on
+CPU the dense core below `CPU_DENSE_BELOW` tokens (measured the faster there) where what it keeps
+fits the rank's memory, blockwise elsewhere; `--no-use_flash_attention` takes dense, and
+`--attention_core blockwise|dense` pins a core on any device.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from modeling.attention_core.dense import dense_causal_attention
 from modeling.attention_core.flash import LSE_ROW_MULTIPLE, flash_causal_attention, flash_refusal, spec_refusal
 from modeling.attention_core.spec import PLAIN, CoreSpec
 from modeling.documents import Documents
+from paddle_pp.runtime.errors import UserError
 
 FP32_BYTES, SEED_OFFSET_BYTES = 4, 16
 
@@ -156,11 +159,62 @@ class FlashCore(AttentionCore):
 
 CORES = {core.name: core for core in (DenseCore(), BlockwiseCore(), FlashCore())}
 
+# On CPU the dense core is the faster below this many tokens per sequence, blockwise from it on
+# (bench/attention_cores.py, [1, seq, 9 heads (3 kv), 64], forward + backward, 2-core AMD EPYC:
+# 512 tokens 0.093 s against 0.121, 1,024 0.36 against 0.35, 2,048 1.57 against 1.18)
+CPU_DENSE_BELOW = 1024
+
+
+@dataclass(frozen=True)
+class DenseCost:
+    """What the dense core would keep on one rank beyond the blockwise core (every layer's
+    probabilities of one micro-batch, by the cores' own `saved_bytes`), and what the rank may spend
+    on that: the dense core is taken on CPU only where it is the faster and this fits."""
+
+    seq_len: int
+    extra_bytes: int
+    budget_bytes: int
+
+
+class AttentionCoreError(UserError, ValueError):
+    """Flags that ask for two different attention cores."""
+
+
+PINNED = ("auto", "blockwise", "dense")  # --attention_core
+
 
 def choose_core(use_flash_attention: bool, device: str, dtype: str | None, head_dim: int,
-                sm: tuple[int, int] | None = None) -> tuple[AttentionCore, str | None]:
-    """(the run's core, why flash was not taken although asked for, or None)."""
+                sm: tuple[int, int] | None = None, dense_cost: DenseCost | None = None,
+                pinned: str = "auto") -> tuple[AttentionCore, str | None]:
+    """(the run's core, why it is not the flash core although asked for or which flag pinned it, or None).
+
+    `--use_flash_attention` (the default) takes flash where Paddle's kernel applies; elsewhere, on
+    CPU, the faster of the other two where its memory fits (`dense_cost`; without one, blockwise);
+    `--no-use_flash_attention` takes dense. `--attention_core blockwise` or `dense` (`pinned`)
+    takes that core whatever the device."""
+    if pinned not in PINNED:
+        raise AttentionCoreError(f"--attention_core {pinned}: not one of {', '.join(PINNED)}")
+    if not use_flash_attention and pinned == "blockwise":
+        raise AttentionCoreError("--no-use_flash_attention asks for the dense core and --attention_core blockwise for "
+                                 "the blockwise one; drop one of them")
+    if pinned != "auto":
+        return CORES[pinned], f"--attention_core {pinned}"
     if not use_flash_attention:
         return CORES["dense"], None
     refusal = flash_refusal(device, dtype, head_dim, sm)
-    return (CORES["blockwise"], refusal) if refusal else (CORES["flash"], None)
+    if refusal is None:
+        return CORES["flash"], None
+    reason = f"flash attention not used: {refusal}"
+    if device != "cpu" or dense_cost is None or dense_cost.seq_len >= CPU_DENSE_BELOW:
+        return CORES["blockwise"], reason
+    kept = f"its probabilities keep {_gib(dense_cost.extra_bytes)} more per micro-batch"
+    budget = f"this rank's budget of {_gib(dense_cost.budget_bytes)}"
+    if dense_cost.extra_bytes <= dense_cost.budget_bytes:
+        return CORES["dense"], (f"{reason}; the dense core is the faster on CPU under {CPU_DENSE_BELOW} tokens and "
+                                f"{kept}, within {budget}")
+    return CORES["blockwise"], (f"{reason}; the dense core, the faster on CPU under {CPU_DENSE_BELOW} tokens, is "
+                                f"not taken: {kept}, over {budget}")
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB"

@@ -36,6 +36,7 @@ from modeling.attention_core.spec import PLAIN, CoreSpec
 from modeling.autocast import full_precision
 from modeling.documents import Documents
 from modeling.saved_tensors import kept
+from paddle_pp.runtime.normal_range import exp_normal, flush_subnormals_
 
 FP32 = "float32"
 DEFAULT_BLOCK = 512  # query and key positions per block: 512 x 512 fp32 scores per (batch, kv head, group)
@@ -176,12 +177,12 @@ def attend(q_rows: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, groups: in
             block_high = scores.max(-1, keepdim=True)
             new_high = block_high if high is None else paddle.maximum(high, block_high)
             finite_high = _finite(new_high) if unseen_rows else new_high
-            probs = paddle.exp(scores - finite_high)
+            probs = exp_normal(scores - finite_high)
             values = paddle.matmul(probs.astype(v.dtype), v[:, :, j0:j1]).astype(FP32)
             if high is None:
                 total, acc = probs.sum(-1, keepdim=True), values
             else:
-                rescale = paddle.exp(high - finite_high)
+                rescale = exp_normal(high - finite_high)
                 total, acc = total * rescale + probs.sum(-1, keepdim=True), acc * rescale + values
             high = new_high
         if unseen_rows:
@@ -219,13 +220,13 @@ def attend_backward(q_rows, k, v, out_rows, lse, dout_rows, groups: int, causal:
             rows = slice(i0 * groups, i1 * groups)
             q_block, dout_block = q_rows[:, :, rows], dout_rows[:, :, rows]
             scores, capped = blocks.scores(q_block, k_block, i0, i1, j0, j1)
-            probs = paddle.exp(scores - lse[:, :, rows])
+            probs = exp_normal(scores - lse[:, :, rows])
             dv_part = paddle.matmul(probs.astype(v.dtype), dout_block, transpose_x=True).astype(FP32)
             dprobs = paddle.matmul(dout_block, v_block, transpose_y=True).astype(FP32)
             dscores = probs * (dprobs - delta[:, :, rows])
             if capped is not None:
                 dscores = dscores * (1.0 - paddle.square(capped))
-            dscores = dscores.astype(q_rows.dtype)
+            dscores = flush_subnormals_(dscores).astype(q_rows.dtype)
             dq_part = paddle.matmul(dscores, k_block).astype(FP32)
             dk_part = paddle.matmul(dscores, q_block, transpose_x=True).astype(FP32)
             dq[n] = dq_part if dq[n] is None else dq[n] + dq_part
@@ -244,8 +245,8 @@ def attend_backward(q_rows, k, v, out_rows, lse, dout_rows, groups: int, causal:
 def with_sinks(out_rows: paddle.Tensor, lse: paddle.Tensor, sinks: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
     """(output, log-sum-exp) once each row's softmax also counts its head's sink logit (`sink_rows`
     layout): L = logaddexp(lse, sink), the output scaled by exp(lse - L)."""
-    total = paddle.maximum(lse, sinks) + paddle.log1p(paddle.exp(-paddle.abs(lse - sinks)))
-    return (out_rows.astype(FP32) * paddle.exp(lse - total)).astype(out_rows.dtype), total
+    total = paddle.maximum(lse, sinks) + paddle.log1p(exp_normal(-paddle.abs(lse - sinks)))
+    return (out_rows.astype(FP32) * exp_normal(lse - total)).astype(out_rows.dtype), total
 
 
 def sink_grad(out_rows, lse, dout_rows, sinks: paddle.Tensor, kv_heads: int) -> paddle.Tensor:
@@ -253,7 +254,7 @@ def sink_grad(out_rows, lse, dout_rows, sinks: paddle.Tensor, kv_heads: int) -> 
     exp(sink - L) x rowsum(dO * O), with L the log-sum-exp that counts the sink."""
     delta = (dout_rows.astype(FP32) * out_rows.astype(FP32)).sum(-1, keepdim=True)
     column = sink_rows(sinks, kv_heads, lse.shape[2] * kv_heads // sinks.shape[0])
-    per_row = -(paddle.exp(column - lse) * delta)  # [batch, kv_heads, seq x groups, 1]
+    per_row = flush_subnormals_(-(exp_normal(column - lse) * delta))  # [batch, kv_heads, seq x groups, 1]
     batch, groups = per_row.shape[0], sinks.shape[0] // kv_heads
     return per_row.reshape([batch, kv_heads, -1, groups]).sum(axis=[0, 2]).reshape([-1]).astype(sinks.dtype)
 

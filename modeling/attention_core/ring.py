@@ -37,6 +37,7 @@ from modeling.autocast import full_precision
 from modeling.context_parallel import local_positions
 from modeling.documents import Documents
 from modeling.saved_tensors import kept
+from paddle_pp.runtime.normal_range import exp_normal
 
 FP32_BYTES = 4
 
@@ -63,8 +64,8 @@ def _part(t, axis: int, start: int, stop: int | None = None):
 
 def _merge(out, lse, part_out, part_lse):
     """Two partial attentions of the same queries (fp32 outputs, their log-sum-exps) merged into one."""
-    new_lse = paddle.maximum(lse, part_lse) + paddle.log1p(paddle.exp(-paddle.abs(lse - part_lse)))
-    return out * paddle.exp(lse - new_lse) + part_out * paddle.exp(part_lse - new_lse), new_lse
+    new_lse = paddle.maximum(lse, part_lse) + paddle.log1p(exp_normal(-paddle.abs(lse - part_lse)))
+    return out * exp_normal(lse - new_lse) + part_out * exp_normal(part_lse - new_lse), new_lse
 
 
 def _merge_second_half(out, lse, part_out, part_lse, axis: int):

@@ -6,16 +6,15 @@ blocks' and attention cores' `saved_bytes`) for the run's attention core and rec
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
 from modeling.attention_core.ring import ring_traffic_bytes
-from modeling.execution import GRANULARITIES, Execution, choose_execution
+from modeling.execution import Execution
 from modeling.registry import execution_for, family_of, plan_of, validate_layout
 from modeling.sequence_parallel import sequence_shards
 from modeling.tp_plan import layer_stage
-from paddle_pp.runtime.flags import flag
 from paddle_pp.runtime.layout import Layout
 
 ADAM_STATE_BYTES = 8  # two fp32 moments per parameter
@@ -23,30 +22,18 @@ ADAM_STATE_BYTES = 8  # two fp32 moments per parameter
 
 @dataclass(frozen=True)
 class Workload:
-    """What a rank's activations depend on besides the layout (the trainer's flags of the same names)."""
+    """What a rank's activations depend on besides the layout: a run plan's micro-batch, tokens per
+    sequence, micro-batches per step and execution (`paddle_pp.training.run_plan.RunPlan.workload`:
+    the trainer's own decisions, so the planner cannot size another run than the one that would start)."""
 
-    per_device_train_batch_size: int = flag(4, "micro-batch size per data replica")
-    max_seq_length: int = flag(128, "tokens per training sample")
-    gradient_accumulation_steps: int = flag(2, "micro-batches per step (the pipeline's accumulate steps)")
-    recompute: bool = flag(False, "recompute activations in backward (what: --recompute_granularity)")
-    recompute_granularity: str = flag("full", "full (decoder layers), full_attn (attention blocks), core_attn "
-                                              "(attention cores)", choices=list(GRANULARITIES))
-    use_flash_attention: bool = flag(True, "flash (GPU, bf16, when its rules allow) or blockwise attention; "
-                                           "--no-use_flash_attention: the dense core")
-    use_global_causal_attn: bool = flag(True, "--no-use_global_causal_attn: attention per document (each layer "
-                                              "then keeps its rotary rows per token)")
-    reset_position_ids: bool = flag(False, "positions restart per document under global attention (each layer "
-                                           "then keeps its rotary rows per token)")
+    micro_batch: int
+    seq_len: int
+    accumulate_steps: int
+    execution: Execution
 
-    def execution(self, layout: Layout, compute_bytes: int, head_dim: int) -> Execution:
-        """The `Execution` a trainer with these flags would run on `layout` (any rank); which token ends
-        a document does not change what is kept."""
-        dtype = "bfloat16" if compute_bytes == 2 else None
-        choices, _ = choose_execution(self.use_flash_attention, self.recompute, self.recompute_granularity,
-                                      device=layout.device, dtype=dtype, head_dim=head_dim)
-        by_document = not self.use_global_causal_attn or self.reset_position_ids
-        return execution_for(layout, 0, replace(choices, documents=(0,) if by_document else None,
-                                                within_documents=not self.use_global_causal_attn))
+    @property
+    def recompute(self) -> bool:
+        return self.execution.recompute.granularity is not None
 
 
 @dataclass(frozen=True)
@@ -84,14 +71,14 @@ def decoder_activation_bytes(config, layout: Layout, workload: Workload, stage: 
     tokens. Layers may differ (a sliding or a full layer under the dense core, dense and MoE layers):
     each of the stage's layers counts its own, and the last stage its multi-token prediction layers.
     Embedding, head and loss are not included."""
-    run = workload.execution(layout, compute_bytes, config.head_dim)
-    batch, seq_len = workload.per_device_train_batch_size, workload.max_seq_length // layout.cp
+    run = execution_for(layout, 0, workload.execution)
+    batch, seq_len = workload.micro_batch, workload.seq_len // layout.cp
     layers = [family_of(config).layer_activations(config, run, batch, seq_len, compute_bytes, index)
               for index in range(config.num_hidden_layers)
               if layer_stage(index, config.num_hidden_layers, layout.pp, layout.vpp) == stage]
     if stage == layout.pp - 1:
         layers += [layer.activations(run, batch, seq_len, compute_bytes) for _, layer in config.prediction_layers()]
-    in_flight = 1.0 if layout.pp == 1 else min(layout.pp - stage, workload.gradient_accumulation_steps)
+    in_flight = 1.0 if layout.pp == 1 else min(layout.pp - stage, workload.accumulate_steps)
     if layout.vpp > 1:
         in_flight *= 1 + (layout.pp - 1) / (layout.pp * layout.vpp)
     return int(in_flight * sum(layer.kept for layer in layers)) + max(layer.rebuilt for layer in layers)
@@ -103,12 +90,12 @@ def ring_bytes_per_step(config, layout: Layout, workload: Workload, compute_byte
     runs its forward ring again)."""
     if layout.cp == 1:
         return 0
-    per_call = ring_traffic_bytes(workload.per_device_train_batch_size, workload.max_seq_length // layout.cp,
+    per_call = ring_traffic_bytes(workload.micro_batch, workload.seq_len // layout.cp,
                                   config.num_key_value_heads // layout.tp, config.head_dim, layout.cp, compute_bytes,
                                   forward_passes=2 if workload.recompute else 1)
     layers = max(Counter(layer_stage(index, config.num_hidden_layers, layout.pp, layout.vpp)
                          for index in range(config.num_hidden_layers)).values())  # the busiest stage's
-    return layers * workload.gradient_accumulation_steps * per_call
+    return layers * workload.accumulate_steps * per_call
 
 
 def plan_layout(config, layout: Layout, compute_bytes: int = 4, workload: Workload | None = None) -> list[RankShare]:
@@ -119,9 +106,9 @@ def plan_layout(config, layout: Layout, compute_bytes: int = 4, workload: Worklo
     `--stage3_segment_size`, the norm weights, stay whole: left out here); with a `workload`, the
     decoder layers' activations too (`decoder_activation_bytes`). Raises the layout's own errors
     when invalid."""
-    validate_layout(config, layout, workload.max_seq_length if workload else None)
+    validate_layout(config, layout, workload.seq_len if workload else None)
     if workload:
-        layout.check_sequence_length(workload.max_seq_length)
+        layout.check_sequence_length(workload.seq_len)
     plan = plan_of(config)
     mesh = plan.mesh(layout.pp, layout.vpp, layout.ep, layout.tp)
     counts = np.zeros([layout.pp, layout.tp], dtype=np.int64)
@@ -164,7 +151,7 @@ def dispatch_bytes_per_step(config, layout: Layout, workload: Workload, compute_
             per_stage[layer_stage(index, config.num_hidden_layers, layout.pp, layout.vpp)] += 1
     per_stage[-1] += sum(isinstance(layer.feed_forward, MoE) for _, layer in config.prediction_layers())
     exchanges = 4 + (2 if workload.recompute else 0)
-    rows = (workload.per_device_train_batch_size * workload.max_seq_length * config.num_experts_per_tok
+    rows = (workload.micro_batch * workload.seq_len * config.num_experts_per_tok
             // (layout.cp * sequence_shards(layout.tp, layout.sequence_parallel)))
-    worst = max(per_stage) * workload.gradient_accumulation_steps * exchanges * rows * config.hidden_size * compute_bytes
+    worst = max(per_stage) * workload.accumulate_steps * exchanges * rows * config.hidden_size * compute_bytes
     return worst * (layout.ep - 1) // layout.ep, worst

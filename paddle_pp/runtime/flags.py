@@ -52,3 +52,18 @@ def boolean_flags(parser: argparse.ArgumentParser) -> set[str]:
 def read_flags(group: type[T], namespace: argparse.Namespace) -> T:
     """The dataclass `group` filled from a parsed namespace (fields of other groups are ignored)."""
     return group(**{spec.name: getattr(namespace, spec.name) for spec in dataclasses.fields(group)})
+
+
+def flags_table(groups: dict[str, type]) -> str:
+    """A Markdown table of every flag of `groups` (title -> dataclass): name, default, help, by group,
+    in declaration order (docs/flags.md is this text; a test keeps it equal)."""
+    lines = []
+    for title, group in groups.items():
+        lines += [f"## {title}", "", "| flag | default | what it does |", "| --- | --- | --- |"]
+        for spec in dataclasses.fields(group):
+            default = spec.default if spec.default != "" else '""'
+            choices = f" (one of: {', '.join(map(str, spec.metadata['choices']))})" if "choices" in spec.metadata else ""
+            text = f"{spec.metadata['help']}{choices}".replace("|", "\\|")
+            lines.append(f"| `--{spec.name}` | `{default}` | {text} |")
+        lines.append("")
+    return "\n".join(lines)

@@ -234,11 +234,6 @@ class Layout:
         return self.dp * self.sharding_degree
 
     @property
-    def weight_replicas(self) -> int:
-        """How many ranks of a (stage, tp rank) hold the same weights: every dp, sharding and cp rank."""
-        return self.data_replicas * self.cp
-
-    @property
     def order(self) -> list[str]:
         return list(TOPO_ORDERS[self.hybrid_parallel_topo_order])
 
@@ -275,6 +270,18 @@ class Layout:
                 "data_parallel_degree": self.dp, "virtual_pp_degree": self.vpp,
                 "sharding": self.sharding_stage, "sequence_parallel": self.sequence_parallel,
                 "context_parallel_degree": self.cp, "expert_parallel_degree": self.ep}
+
+    def flags(self) -> list[str]:
+        """The command line's layout flags that give this layout (`from_args`' inverse)."""
+        values = {"tensor_parallel_degree": self.tp, "pipeline_parallel_degree": self.pp,
+                  "sharding_parallel_degree": self.sharding_degree, "virtual_pp_degree": self.vpp,
+                  "context_parallel_degree": self.cp, "expert_parallel_degree": self.ep}
+        out = [item for name, value in values.items() if value != 1 for item in (f"--{name}", str(value))]
+        out += ["--sharding", self.sharding_stage] if self.sharding_stage else []
+        out += ["--sequence_parallel"] if self.sequence_parallel else []
+        if self.hybrid_parallel_topo_order != "pp_first":
+            out += ["--hybrid_parallel_topo_order", self.hybrid_parallel_topo_order]
+        return out
 
     def describe(self) -> str:
         text = f"dp{self.dp} x sharding{self.sharding_degree} x tp{self.tp} x pp{self.pp}"

@@ -27,6 +27,9 @@ first, as the full package init orders them (data's collators import the transfo
 imports back into data), then the one asked. The package objects carry their real search paths, so
 every submodule is the installed file. Nothing is done if PaddleNLP is already imported.
 
+`GIVEN_MATH_THREADS` keeps OMP_NUM_THREADS as it was before Paddle's import, which sets it to 1
+when unset (`backends/cpu.py::set_math_threads` then uses the cores instead).
+
 `complete_paddlenlp` runs all three skipped inits, for the code that uses PaddleNLP's `Trainer` or its
 unified checkpoint (the benches that compare with them): those modules import each other (trainer,
 peft, prompt) and resolve only in the top init's order.
@@ -38,12 +41,15 @@ import contextlib
 import importlib
 import importlib.machinery
 import importlib.util
+import os
 import sys
 import types
 import warnings
 from collections.abc import Iterator
 
 KNOWN_NOTES = ("No ccache found", "Setuptools is replacing distutils")
+# OMP_NUM_THREADS as the user (or a launcher) set it, read before Paddle's import sets it to 1 when unset
+GIVEN_MATH_THREADS = os.environ.get("OMP_NUM_THREADS")
 
 
 def quiet_known_notes() -> None:

@@ -75,10 +75,6 @@ class Topology:
     def sharding_group(self) -> Any:
         return self.hcg.get_sharding_parallel_group()
 
-    @property
-    def cp_group(self) -> Any:
-        return self.hcg.get_sep_parallel_group()
-
     def coordinates(self) -> dict[str, int]:
         return {"dp": self.dp_rank, "sharding": self.sharding_rank, "tp": self.tp_rank, "pp": self.pp_rank,
                 "cp": self.cp_rank, "ep": self.experts.rank if self.experts else 0}

@@ -16,8 +16,13 @@ import numpy as np
 
 from checkpoint.format import GRADIENTS, MODEL, TRAINER_STATE_FILE, CheckpointError
 from checkpoint.unified_io import UnifiedReader
+from modeling.registry import load_config
 from paddle_pp.runtime.launch import launch
+from paddle_pp.runtime.layout import launched_device
+from paddle_pp.training.arguments import parse_args
+from paddle_pp.training.model_config import end_of_document
 from paddle_pp.training.report import read_metrics
+from paddle_pp.training.run_plan import plan_run
 
 RUN_SCRIPT = Path(__file__).resolve().parents[2] / "run_pretrain.py"
 # Both runs compute in full fp32, deterministically: on GPU, TF32 matmuls (cuBLAS's via the driver's
@@ -107,6 +112,13 @@ def run_deterministic(work_dir: Path, name: str, ranks: int, flags: list[str], t
     return out
 
 
+def _planned(checkpoint: Path, flags: list[str], ranks: int) -> None:
+    """The trainer's plan of a run of `flags` on `ranks` processes resuming `checkpoint` (raises its refusal)."""
+    args = parse_args(flags)
+    folder = Path(args.model.model_name_or_path) if args.model.model_name_or_path else None
+    plan_run(args, load_config(checkpoint), end_of_document(args, folder), ranks, launched_device())
+
+
 def _losses(out: Path) -> tuple[list[int], list[float]]:
     records = read_metrics(out / "metrics.jsonl")
     return [r["step"] for r in records], [r["loss"] for r in records]
@@ -119,8 +131,10 @@ def check_alignment(checkpoint: Path, layout_flags: list[str], nproc: int, steps
     start = json.loads((checkpoint / TRAINER_STATE_FILE).read_text())["step"]
     common = [*_replay_flags(checkpoint), "--resume_from_checkpoint", str(checkpoint), "--exit_after_steps",
               str(steps), "--save_steps", str(steps), "--logging_steps", "1", "--disable_progress_bar", "--save_gradients"]
-    outputs = {name: run_deterministic(work_dir, name, ranks, [*common, *flags], timeout)
-               for name, ranks, flags in (("single", 1, []), ("layout", nproc, layout_flags))}
+    runs = (("single", 1, []), ("layout", nproc, layout_flags))
+    for _, ranks, flags in runs:  # both refused here, before any launch, as their trainers would refuse them
+        _planned(checkpoint, [*common, *flags], ranks)
+    outputs = {name: run_deterministic(work_dir, name, ranks, [*common, *flags], timeout) for name, ranks, flags in runs}
     final = f"checkpoint-{start + steps}"
     single, layout = outputs["single"] / final, outputs["layout"] / final
     for saved in (single, layout):

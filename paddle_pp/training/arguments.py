@@ -12,9 +12,10 @@ from typing import Any, Sequence
 
 import yaml
 
+from modeling.attention_core import PINNED
 from modeling.execution import GRANULARITIES
 from modeling.registry import FAMILIES
-from paddle_pp.runtime.flags import add_flags, boolean_flags, flag, read_flags
+from paddle_pp.runtime.flags import add_flags, boolean_flags, flag, flags_table, read_flags
 from paddle_pp.runtime.layout import LayoutArguments, add_layout_args, launched_rank
 from paddle_pp.training.paddleformers_recipes import PADDLEFORMERS, is_paddleformers_recipe
 from paddle_pp.training.recipes import PADDLENLP, RecipeError, load_recipe, read_recipe
@@ -53,7 +54,12 @@ class ModelArguments:
                                          "each layer is one segment here, so only 1 (or 0, the same) is accepted")
     use_flash_attention: bool = flag(True, "memory-efficient attention: Paddle's flash kernel where it applies (GPU, "
                                            "bf16/fp16, head_dim <= 256 and a multiple of 8), the blockwise core "
-                                           "elsewhere; --no-use_flash_attention: the dense core (keeps every score)")
+                                           "elsewhere (on CPU the dense core under 1024 tokens where it fits, the "
+                                           "faster there); --no-use_flash_attention: the dense core (keeps every "
+                                           "score)")
+    attention_core: str = flag("auto", "pin the attention core on any device: blockwise (keeps O(seq)) or dense "
+                                       "(keeps every score); auto: as --use_flash_attention chooses",
+                               choices=list(PINNED))
     use_global_causal_attn: bool = flag(True, "one causal stream per packed sample (PaddleNLP's run_pretrain); "
                                               "--no-use_global_causal_attn: each token attends only inside its "
                                               "document (ended by the tokenizer's end-of-sequence token) and "
@@ -184,9 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("recipe", type=Path, nargs="?", default=None,
                         help="a PaddleNLP pretraining argument file (.json), as llm/run_pretrain.py takes, or a "
                              "PaddleFormers recipe (.yaml)")
-    for name, group in GROUPS.items():
-        add_flags(parser, group, name)
-    return add_layout_args(parser)
+    return add_trainer_flags(parser)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> PretrainArguments:
@@ -229,10 +233,20 @@ def parse_args(argv: Sequence[str] | None = None) -> PretrainArguments:
         if action.choices is not None and action.dest in from_file and from_file[action.dest] not in action.choices:
             parser.error(f"{action.dest}: {from_file[action.dest]!r} is not one of {sorted(action.choices)}")
     parser.set_defaults(**from_file)
-    namespace = parser.parse_args(argv)
+    return arguments_of(parser.parse_args(argv), frozenset(from_file) | _given_on_command_line(argv))
+
+
+def add_trainer_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The trainer's flags, every group (a tool that plans a run takes them as the trainer does)."""
+    for name, group in GROUPS.items():
+        add_flags(parser, group, name)
+    return add_layout_args(parser)
+
+
+def arguments_of(namespace: argparse.Namespace, given: frozenset[str]) -> PretrainArguments:
+    """The groups of a namespace `add_trainer_flags` parsed; `given`: the flags the user set."""
     return PretrainArguments(**{name: read_flags(group, namespace) for name, group in GROUPS.items()},
-                             layout=read_flags(LayoutArguments, namespace),
-                             given=frozenset(from_file) | _given_on_command_line(argv))
+                             layout=read_flags(LayoutArguments, namespace), given=given)
 
 
 def _given_on_command_line(argv: Sequence[str] | None) -> frozenset[str]:
@@ -241,3 +255,18 @@ def _given_on_command_line(argv: Sequence[str] | None) -> frozenset[str]:
     for action in quiet._actions:
         action.default = argparse.SUPPRESS
     return frozenset(vars(quiet.parse_args(argv)))
+
+
+FLAGS_DOC_HEAD = """# Flags of run_pretrain.py (and of tools/reshard.py plan)
+
+Written by `tools/flags_table.py` from the argument groups (`paddle_pp/training/arguments.py`,
+`paddle_pp/runtime/layout.py`); `tests/test_docs.py` fails when this file differs from them. Every flag
+overrides a `--config` YAML file or a PaddleNLP / PaddleFormers recipe; a boolean flag takes
+`--name`, `--name true|false` or `--no-name`.
+
+"""
+
+
+def flags_document() -> str:
+    """docs/flags.md: every flag of the trainer, by group."""
+    return FLAGS_DOC_HEAD + flags_table({**GROUPS, "layout": LayoutArguments})

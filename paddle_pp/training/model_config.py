@@ -9,10 +9,10 @@ from pathlib import Path
 from modeling.config import ModelConfigError
 from modeling.registry import config_from_dict, family
 from modeling.transformers_adapter import model_fields
-from paddle_pp.data.tokenizer import tokenizer_files
+from paddle_pp.data.tokenizer import load_text_tokenizer, tokenizer_files
 from paddle_pp.interop.pretrained import PretrainedFolder
 from paddle_pp.runtime.errors import UserError
-from paddle_pp.training.arguments import DataArguments, ModelArguments
+from paddle_pp.training.arguments import DataArguments, ModelArguments, PretrainArguments
 
 
 class ModelSourceError(UserError, ValueError):
@@ -35,11 +35,19 @@ def _flag_value(args: ModelArguments, flag: str, hidden_size: int, heads: int):
     return value
 
 
-def tokenizer_dir(data: DataArguments, pretrained: PretrainedFolder | None, given: frozenset[str]) -> Path:
+def tokenizer_dir(data: DataArguments, model_folder: Path | None, given: frozenset[str]) -> Path:
     """--tokenizer_dir when given; else the model folder's tokenizer when it has one; else the default."""
-    if pretrained is not None and "tokenizer_dir" not in given and tokenizer_files(pretrained.folder):
-        return pretrained.folder
+    if model_folder is not None and "tokenizer_dir" not in given and tokenizer_files(model_folder):
+        return model_folder
     return Path(data.tokenizer_dir)
+
+
+def end_of_document(args: PretrainArguments, model_folder: Path | None) -> int | None:
+    """The token that ends documents, from the tokenizer a run of `args` would read (the model
+    folder's, or --tokenizer_dir), read only when the flags ask for documents (a plan's input)."""
+    if args.model.use_global_causal_attn and not args.model.reset_position_ids:
+        return None
+    return load_text_tokenizer(tokenizer_dir(args.data, model_folder, args.given)).eos_id
 
 
 def model_config(args: ModelArguments, max_seq_length: int, tokenizer_vocab: int,

@@ -6,23 +6,16 @@ import math
 
 from paddle.optimizer.lr import LRScheduler
 
-from paddle_pp.runtime.errors import UserError
-
 DECAYS = {"cosine": lambda progress: 0.5 * (1 + math.cos(math.pi * progress)), "linear": lambda progress: 1 - progress}
-
-
-class ScheduleError(UserError, ValueError):
-    """Warmup and total steps that do not form a schedule."""
 
 
 class WarmupCosine(LRScheduler):
     """`last_epoch` counts optimizer steps, so `state_dict()` resumes the schedule exactly. `decay`
-    "linear" is PaddleNLP's default (`--lr_scheduler_type`), "cosine" ours."""
+    "linear" is PaddleNLP's default (`--lr_scheduler_type`), "cosine" ours. The run's plan keeps the
+    warmup within the steps (`run_plan.warmup_steps`)."""
 
     def __init__(self, learning_rate: float, warmup_steps: int, max_steps: int, min_learning_rate: float = 0.0,
                  decay: str = "cosine", warmup_from_zero: bool = False):
-        if not 0 <= warmup_steps <= max_steps:
-            raise ScheduleError(f"--warmup_steps {warmup_steps} must lie in [0, --max_steps {max_steps}]")
         self.warmup_steps, self.max_steps, self.min_learning_rate = warmup_steps, max_steps, min_learning_rate
         self.warmup_offset = 0 if warmup_from_zero else 1  # the first step's share of the peak: 0 or 1 / warmup
         self.decay = DECAYS[decay]

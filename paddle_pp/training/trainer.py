@@ -7,10 +7,8 @@ with the same message instead of hanging in a collective.
 
 from __future__ import annotations
 
-import math
 import sys
 import time
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -22,96 +20,31 @@ from checkpoint.load import check_compatible, load_checkpoint
 from checkpoint.save import PendingSave, save_checkpoint
 from checkpoint.single_card_state import init_single_card_weights
 from modeling.context_parallel import split_sequence
-from modeling.execution import Execution, choose_execution
-from modeling.registry import build_causal_lm, core_notes, plan_of, validate_layout
+from modeling.registry import build_causal_lm, plan_of
 from paddle_pp.data.sampler import SequentialBatches
 from paddle_pp.data.source import build_data, dataset_sizes, plan_data
 from paddle_pp.data.tokenizer import load_text_tokenizer
 from paddle_pp.interop.pretrained import load_pretrained, open_pretrained
 from paddle_pp.interop.transformers_layout import TransformersWeights, checkpoint_config, load_resumed
-from paddle_pp.runtime.errors import UserError
 from paddle_pp.runtime.fleet_wrappers import wrap_for_layout
-from paddle_pp.runtime.layout import Layout, launched_rank
+from paddle_pp.runtime.layout import launched_rank
 from paddle_pp.runtime.stage3 import SLICE_PREFIX
 from paddle_pp.runtime.topology import Topology, align_ranks, gather_objects, init_distributed, rank0_first
 from paddle_pp.training import gradient_path, precision
-from paddle_pp.training.arguments import DataArguments, ModelArguments, OptimizerArguments, PretrainArguments
+from paddle_pp.training.arguments import OptimizerArguments, PretrainArguments
 from paddle_pp.training.expert_balance import update_correction_biases
 from paddle_pp.training.grad_norm import ReportingGlobalNormClip
 from paddle_pp.training.loss_plot import plot_loss
-from paddle_pp.training.model_config import check_dropout, model_config, tokenizer_dir
+from paddle_pp.training.model_config import model_config, tokenizer_dir
 from paddle_pp.training.output_lock import acquire, release
 from paddle_pp.training.prediction_metrics import prediction_metrics
 from paddle_pp.training.replicated_sync import needs_replicated_sync, sync_replicated
 from paddle_pp.training.report import MetricsLog, VisualDLLog, read_metrics, training_bar
 from paddle_pp.training.router_metrics import router_metrics, step_routing
+from paddle_pp.training.run_plan import TrainingConfigError, plan_run
 from paddle_pp.training.schedule import WarmupCosine
 from paddle_pp.training.skips import merge, parse_intervals, skipped
 from paddle_pp.training.step import eval_loss, train_step
-
-
-class TrainingConfigError(UserError, ValueError):
-    """A pretraining request that cannot run as given."""
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    micro_batch: int
-    accumulate_steps: int
-    global_batch: int
-
-
-def plan_batches(args: DataArguments, layout: Layout) -> BatchPlan:
-    micro, replicas = args.per_device_train_batch_size, layout.data_replicas
-    if args.global_batch_size == 0:
-        return BatchPlan(micro, args.gradient_accumulation_steps, micro * args.gradient_accumulation_steps * replicas)
-    if args.global_batch_size % (micro * replicas):
-        raise TrainingConfigError(
-            f"--global_batch_size {args.global_batch_size} is not divisible by --per_device_train_batch_size "
-            f"{micro} x data replicas {replicas} (dp {layout.dp} x sharding {layout.sharding_degree}); "
-            f"use a multiple of {micro * replicas}")
-    return BatchPlan(micro, args.global_batch_size // (micro * replicas), args.global_batch_size)
-
-
-def warmup_steps(args: OptimizerArguments, given: frozenset[str]) -> int:
-    """PaddleNLP's rule (--warmup_steps when > 0, else --warmup_ratio x --max_steps), except that a
-    --warmup_ratio given without --warmup_steps is not hidden by our default --warmup_steps."""
-    if args.warmup_steps > 0 and not (args.warmup_ratio > 0 and "warmup_steps" not in given):
-        return args.warmup_steps
-    return math.ceil(args.warmup_ratio * args.max_steps)
-
-
-def run_execution(args: ModelArguments, layout: Layout, compute_dtype: str | None, head_dim: int,
-                  end_of_document: int | None) -> tuple[Execution, list[str]]:
-    """The run's attention core, recompute, fused kernels and document boundaries (the data's
-    `end_of_document` token under --no-use_global_causal_attn) from the model flags
-    (`choose_execution`), and notes on what was asked for and not taken on this device."""
-    by_document = "--no-use_global_causal_attn" if not args.use_global_causal_attn else \
-        "--reset_position_ids" if args.reset_position_ids else None
-    if by_document is not None and end_of_document is None:
-        raise TrainingConfigError(
-            f"{by_document}: the tokenizer has no end-of-sequence token to find where documents end; "
-            "use a tokenizer with one (the data must have been written with it after every document)")
-    if layout.cp > 1 and not args.use_flash_attention:
-        raise TrainingConfigError(
-            f"--context_parallel_degree {layout.cp} with --no-use_flash_attention: the dense attention core keeps no "
-            "log-sum-exp, which ring attention merges partial results by; drop --no-use_flash_attention (context "
-            "parallelism runs the blockwise kernel around the ring)")
-    if args.recompute and args.pp_recompute_interval > 1:
-        raise TrainingConfigError(
-            f"--pp_recompute_interval {args.pp_recompute_interval}: recompute runs one decoder layer per segment "
-            "here (PaddleNLP's 1, its default); segments of several layers are not implemented. Use "
-            "--pp_recompute_interval 1, or --recompute_granularity to recompute less")
-    sm = tuple(paddle.device.cuda.get_device_capability()) if layout.device == "gpu" else None
-    execution, notes = choose_execution(args.use_flash_attention, args.recompute, args.recompute_granularity,
-                                        args.recompute_use_reentrant, args.use_fused_rope, args.use_fused_rms_norm,
-                                        layout.device, compute_dtype, head_dim, sm)
-    if by_document is None:
-        return execution, notes
-    within = not args.use_global_causal_attn
-    notes.append(f"{'attention inside documents' if within else 'attention across documents'} ({by_document}): "
-                 f"each ends at token {end_of_document}, positions restart after it")
-    return replace(execution, documents=(end_of_document,), within_documents=within), notes
 
 
 def _build_optimizer(model, args: OptimizerArguments, schedule: WarmupCosine, clip: ReportingGlobalNormClip):
@@ -133,10 +66,6 @@ class Pretrainer:
         self.after_update = after_update
         self.routing = None  # the step's routing over the job (an MoE model's), read at each update
         data, optim = args.data, args.optim
-        self.layout = Layout.from_args(args.layout)
-        self.layout.check_sequence_length(data.max_seq_length)
-        self.batches = plan_batches(data, self.layout)
-        self.compute_dtype = precision.compute_dtype(optim.bf16, optim.fp16, optim.amp_master_grad, self.layout)
         # found before the output_dir lock: `latest` only ever moves forward, and a live writer fails the lock
         self.resume_dir = self._resume_folder()
         unclaimed = unclaimed_checkpoints(Path(args.output.output_dir)) if self.resume_dir is None else []
@@ -150,20 +79,15 @@ class Pretrainer:
         self.pretrained = open_pretrained(
             Path(source), weights=self.resume_dir is None and args.model.continue_training,
             allow_unsafe_pickle=args.model.allow_unsafe_pickle) if source else None
-        self.tokenizer = load_text_tokenizer(tokenizer_dir(data, self.pretrained, args.given))
+        self.tokenizer = load_text_tokenizer(
+            tokenizer_dir(data, self.pretrained.folder if self.pretrained else None, args.given))
         self.config = model_config(args.model, data.max_seq_length, self.tokenizer.vocab_size, self.pretrained,
                                    args.given)
-        check_dropout(args.model, self.config)
-        if self.compute_dtype == "float16" and getattr(self.config, "num_experts", 0):
-            raise TrainingConfigError("--fp16 with a mixture-of-experts model: the aux loss's gradient is injected at "
-                                      "each layer without the fp16 loss scale (not implemented); train with --bf16")
-        validate_layout(self.config, self.layout, data.max_seq_length)
-        self.execution, notes = run_execution(args.model, self.layout, self.compute_dtype, self.config.head_dim,
-                                              self.tokenizer.eos_id)
-        notes += core_notes(self.config, self.execution) + list(self.pretrained.notes if self.pretrained else ())
-        self.execution = replace(self.execution, accumulate_steps=self.batches.accumulate_steps)
+        self.run_plan = plan_run(args, self.config, self.tokenizer.eos_id)
+        self.layout, self.batches = self.run_plan.layout, self.run_plan.batches
+        self.compute_dtype, self.execution = self.run_plan.compute_dtype, self.run_plan.execution
         if launched_rank() == 0:
-            for note in (*self.layout.notes, *notes):
+            for note in (*self.run_plan.notes, *(self.pretrained.notes if self.pretrained else ())):
                 print(f"note: {note}", file=sys.stderr)
         if self.resume_dir is not None:
             check_compatible(self.resume_dir, self.config, self.layout, checkpoint_config(self.resume_dir))
@@ -173,12 +97,8 @@ class Pretrainer:
             data.max_seq_length, data.seed, dataset_sizes(self.batches.global_batch, optim.max_steps,
                                                           args.output.eval_steps, args.output.eval_iters),
             self.config.vocab_size)
-        self.schedule = WarmupCosine(optim.learning_rate, warmup_steps(optim, args.given), optim.max_steps,
+        self.schedule = WarmupCosine(optim.learning_rate, self.run_plan.warmup_steps, optim.max_steps,
                                      optim.min_learning_rate, optim.lr_scheduler_type, optim.warmup_from_zero)
-        if self.layout.vpp > 1 and self.batches.accumulate_steps < self.layout.pp:
-            raise TrainingConfigError(
-                f"--virtual_pp_degree needs at least --pipeline_parallel_degree {self.layout.pp} micro-batches per "
-                f"step; got {self.batches.accumulate_steps} (raise --gradient_accumulation_steps)")
         self.skip_intervals = parse_intervals(args.checkpoint.skip_data_intervals)
         self.lock = acquire(Path(args.output.output_dir)) if launched_rank() == 0 else None
         if self.lock is not None:
