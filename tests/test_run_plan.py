@@ -49,7 +49,7 @@ REFUSED = [
      "--attention_core dense: the dense attention core keeps no log-sum-exp"),
     ("llama8", 1, ("--attention_core", "blockwise", "--no-use_flash_attention"),
      "--no-use_flash_attention asks for the dense core and --attention_core blockwise"),
-    ("llama8", 3, ("--tensor_parallel_degree", "3"), "3"),
+    ("llama8", 3, ("--tensor_parallel_degree", "3"), "vocab_size=4096 is not divisible by --tensor_parallel_degree 3"),
     ("llama8", 2, ("--expert_parallel_degree", "2"), "which has no experts"),
     ("llama8", 2, ("--sharding_parallel_degree", "2"), "needs --sharding stage1"),
     ("llama8", 2, ("--context_parallel_degree", "2", "--max_seq_length", "66"), "is not divisible by 2 x"),
