@@ -13,7 +13,6 @@ the first two, per run; medians of --repeats alternating runs. Writes bench/resu
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -23,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from machine import machine  # noqa: E402
+from machine import machine, write_report  # noqa: E402
 
 from modeling.registry import config_from_dict, execution_for, family  # noqa: E402
 from paddle_pp.runtime.launch import launch  # noqa: E402
@@ -95,7 +94,7 @@ def main() -> None:
     out = {**machine(), "measured": time.strftime("%Y-%m-%d"), "shape": vars(args), "memory": memory,
            "norm_ratio": norm_ratio, "layer_ratio": layer_ratio, "tokens_per_sec": speed, "runs": runs,
            "speed_ratio": speed["tp2 + SP"] / speed["tp2"]}
-    (REPO / "bench" / "results" / "activation_memory.json").write_text(json.dumps(out, indent=1))
+    write_report(REPO / "bench" / "results" / "activation_memory.json", out)
 
 
 if __name__ == "__main__":

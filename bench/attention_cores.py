@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from machine import machine  # noqa: E402
+from machine import machine, write_report  # noqa: E402
 
 from modeling.attention_core import CORES, Heads  # noqa: E402
 from modeling.registry import config_from_dict  # noqa: E402
@@ -156,7 +156,7 @@ def main() -> None:
     out = {**machine(), "measured": time.strftime("%Y-%m-%d"), "core_shape": [1, "seq", HEADS, KV_HEADS, HEAD_DIM],
            "planner": planner(), "core_runs": core_runs(args.lengths, args.max_gb),
            "trainer": trainer_runs(args.trainer_lengths, args.steps, args.max_gb)}
-    (REPO / "bench" / "results" / "attention_cores.json").write_text(json.dumps(out, indent=1))
+    write_report(REPO / "bench" / "results" / "attention_cores.json", out)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from machine import machine
+from machine import machine, write_report
 
 from paddle_pp.runtime.launch import processes_naming
 
@@ -200,8 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         "control_layout": args.control, "control_largest_relative_difference": control_difference,
         "wall_time_s": time.monotonic() - began, "cycle_log": cycles,
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=1) + "\n")
+    write_report(args.output, report)
     print(json.dumps({k: v for k, v in report.items() if k != "cycle_log"}, indent=1))
     clean = (final_code == 0 and not report["steps_missing"] and not report["steps_differing"]
              and not report["failed_runs"] and not report["hung_launchers"] and not report["orphan_ranks"])

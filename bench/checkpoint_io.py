@@ -29,7 +29,6 @@ bench/results/checkpoint_io.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import shutil
@@ -42,7 +41,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from machine import machine
+from machine import machine, write_report
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -285,8 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         report["dp4_scaling"] = dp_scaling(report["layouts"]["single"], report["layouts"]["dp4"])
         print("dp4 / dp1 unified save throughput: {speedup:.2f}x; the disk allows {bound:.2f}x (bare files by 4 "
               "processes / by 1); {share:.2f} of the bound (medians)".format(**report["dp4_scaling"]))
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.output, report)
     shutil.rmtree(work, ignore_errors=True)
     return 0
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import sys
 import tempfile
@@ -30,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from machine import machine  # noqa: E402
+from machine import machine, write_report  # noqa: E402
 
 from modeling.registry import config_from_dict  # noqa: E402
 from paddle_pp.planning.memory import plan_layout, ring_bytes_per_step  # noqa: E402
@@ -132,7 +131,7 @@ def main() -> None:
     args = parser.parse_args()
     out = {**machine(), "measured": time.strftime("%Y-%m-%d"), "model": MODEL, "max_seq_length": args.max_seq_length,
            "planner": planner(), "runs": trainer_runs(args.max_seq_length, args.steps, args.degrees)}
-    (REPO / "bench" / "results" / "context_parallel.json").write_text(json.dumps(out, indent=1))
+    write_report(REPO / "bench" / "results" / "context_parallel.json", out)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 import paddle  # noqa: E402
 import paddle.nn.functional as F  # noqa: E402
-from machine import machine  # noqa: E402
+from machine import machine, write_report  # noqa: E402
 
 import paddle_pp.runtime.normal_range as normal_range  # noqa: E402
 from modeling.attention_core import CORES, blockwise  # noqa: E402
@@ -155,7 +155,7 @@ def freed_memory() -> dict:
 def main() -> None:
     out = {**machine(), "measured": time.strftime("%Y-%m-%d"), "op_families": op_families(),
            "blockwise_1024": blockwise_core(), "fresh_tensors_ms": freed_memory()}
-    (REPO / "bench" / "results" / "denormals.json").write_text(json.dumps(out, indent=1))
+    write_report(REPO / "bench" / "results" / "denormals.json", out)
 
 
 if __name__ == "__main__":

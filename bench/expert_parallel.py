@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from machine import machine  # noqa: E402
+from machine import machine, write_report  # noqa: E402
 
 from checkpoint.save_plan import estimate_save, save_items  # noqa: E402
 from checkpoint.writers import assign_writers  # noqa: E402
@@ -176,7 +176,7 @@ def main() -> None:
     out = {**machine(), "measured": time.strftime("%Y-%m-%d"), "model": MODEL, "max_seq_length": args.max_seq_length,
            "processes": PROCESSES, "global_batch": GLOBAL_BATCH, "planner": planner(),
            "runs": trainer_runs(args.max_seq_length, args.steps, args.layouts)}
-    (REPO / "bench" / "results" / "expert_parallel.json").write_text(json.dumps(out, indent=1))
+    write_report(REPO / "bench" / "results" / "expert_parallel.json", out)
 
 
 if __name__ == "__main__":

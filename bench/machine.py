@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 from pathlib import Path
@@ -18,3 +19,9 @@ def cpu_model() -> str:
 
 def machine() -> dict:
     return {"cpu": cpu_model(), "cores": len(os.sched_getaffinity(0))}
+
+
+def write_report(path: Path, report: dict) -> None:
+    """A benchmark's results as JSON at `path` (its folder made)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1, default=str) + "\n")

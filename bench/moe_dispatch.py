@@ -12,7 +12,6 @@ fp32, several token counts. Writes bench/results/moe_dispatch.json.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ import paddle
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from machine import machine  # noqa: E402
+from machine import machine, write_report  # noqa: E402
 
 from modeling.blocks.mlp import GatedMLP  # noqa: E402
 from modeling.blocks.moe import Experts, MoE  # noqa: E402
@@ -86,7 +85,7 @@ def main() -> None:
         print(tokens, rows[tokens], flush=True)
     out = {**machine(), "measured": time.strftime("%Y-%m-%d"), "experts": EXPERTS, "top_k": TOP_K, "hidden": HIDDEN,
            "expert_width": WIDTH, "rows": rows}
-    (REPO / "bench" / "results" / "moe_dispatch.json").write_text(json.dumps(out, indent=1))
+    write_report(REPO / "bench" / "results" / "moe_dispatch.json", out)
 
 
 if __name__ == "__main__":

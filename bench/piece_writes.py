@@ -20,7 +20,6 @@ Prints the median seconds of the slowest process and writes bench/results/piece_
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import multiprocessing as mp
 import os
@@ -31,7 +30,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from machine import machine
+from machine import machine, write_report
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -121,8 +120,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({report['cpu']}, {report['cores']} cores); median of {args.repeats}, slowest process:")
     for method, values in seconds.items():
         print(f"  {method:>20}: {statistics.median(values):6.3f} s  ({min(values):.3f}-{max(values):.3f})")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.output, report)
     return 0
 
 

@@ -1,11 +1,19 @@
-"""Per-stage busy and idle time of fleet's 1F1B schedule against the theory (p - 1) / (m + p - 1).
+"""Idle time per pipeline stage under each schedule fleet runs (1F1B, VPP, FThenB, DualPipeV), from
+the order each schedule's own class computes in, beside the measured step time.
 
-For pp in {2, 4} and m in {4, 8, 16} micro-batches, launches a LLaMA pipeline run (real processes,
-our trainer) and times, on every stage, each micro-batch's forward and backward compute inside the
-schedule. A step's pipeline time is its `forward_backward_pipeline` call; busy is the compute
-inside it; idle = 1 - busy / pipeline time (waiting on neighbours, p2p, and the fill and drain
-bubble). Theory assumes equal stages and free communication, so the bottleneck stage (least idle)
-is the one to compare. Writes bench/results/pipeline_bubble.json.
+For each schedule at pp4 (8 LLaMA layers: hidden 256, sequence 128) and each micro-batch count, a
+real launch (our trainer, one process per stage) records on every stage the sequence of forward,
+backward and weight-gradient computations Paddle's class runs in one step (after two of warm-up),
+with their times. The replay then schedules exactly those per-stage orders with unit costs (a whole
+stage's forward 1, backward 2, or 1 + 1 where DualPipeV defers the weight gradient), each waiting
+for its micro-batch on the neighbouring chunk and nothing else (free communication): idle per stage
+= 1 - busy / makespan, the schedule's own bubble, machine-independent. The theory beside it:
+(p - 1) / (m + p - 1) for 1F1B, (p - 1) / v / (m + (p - 1) / v) for VPP and FThenB (their fill and
+drain pass chunks of 1/v of a stage). The replay also
+counts each stage's peak of micro-batches alive (chunk forwards whose backward has not run, each its
+share of the stage), against the planner's `planning.schedules.in_flight`. Measured: idle = 1 -
+compute / `forward_backward_pipeline` time on this machine (4 processes on 2 shared cores oversubscribe it: communication and contention
+count as idle). Writes bench/results/pipeline_bubble.json.
 
   .venv/bin/python bench/pipeline_bubble.py
 """
@@ -13,8 +21,6 @@ is the one to compare. Writes bench/results/pipeline_bubble.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import tempfile
 import time
@@ -22,21 +28,44 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from machine import machine, write_report  # noqa: E402
 
-MEASURED_STEPS, WARMUP_STEPS = 3, 2
+MEASURED_STEPS, WARMUP_STEPS = 1, 2
+SCHEDULES = {  # name: (flags, micro-batch counts): fleet runs FThenB at exactly pp micro-batches
+    "1F1B": ((), (8, 16)),
+    "VPP": (("--virtual_pp_degree", "2"), (8, 16)),
+    "FThenB": (("--virtual_pp_degree", "2"), (4,)),
+    "DualPipeV": (("--pipeline_schedule", "DualPipeV"), (8, 16)),
+}
 
 
-def _timed(owner, method: str, log: list[float]) -> None:
+def _recorded(owner, method: str, log: list, kind: str, chunk_of) -> None:
+    """Wrap `owner.method` to append (kind, chunk, extra, start, end) for every call."""
     original = getattr(owner, method)
 
     def wrapper(*args, **kwargs):
         started = time.perf_counter()
+        chunk, extra = chunk_of(args, kwargs)
         try:
             return original(*args, **kwargs)
         finally:
-            log.append(time.perf_counter() - started)
+            log.append((kind, chunk, extra, started, time.perf_counter()))
 
     setattr(owner, method, wrapper)
+
+
+def _instrument(model, log: list) -> None:
+    from paddle.distributed.fleet.meta_parallel.zero_bubble_utils import WeightGradStore
+
+    if hasattr(model, "_forward_compute"):  # DualPipeVParallel: phase 0 and 1 are the V's two arms
+        _recorded(model, "_forward_compute", log, "F", lambda a, k: (a[0], None))
+        _recorded(model, "_backward_compute", log, "B",
+                  lambda a, k: (a[0], bool(a[1] if len(a) > 1 else k.get("enable_zb", False))))
+        queued = WeightGradStore.funcs_queue
+        _recorded(WeightGradStore, "pop", log, "W", lambda a, k: (None, len(queued.queue[0]) if queued.queue else 0))
+        return
+    _recorded(model, "_forward_step", log, "F", lambda a, k: (k.get("chunk_id", a[2] if len(a) > 2 else None), None))
+    _recorded(model, "_backward_step", log, "B", lambda a, k: (k.get("chunk_id", a[3] if len(a) > 3 else None), None))
 
 
 def worker(flags: list[str]) -> int:
@@ -46,34 +75,91 @@ def worker(flags: list[str]) -> int:
     from paddle_pp.training.trainer import Pretrainer
 
     trainer = Pretrainer(parse_args(flags))
-    compute, pipeline = [], []
-    _timed(trainer.model, "_forward_step", compute)
-    _timed(trainer.model, "_backward_step", compute)
-    _timed(trainer.model, "forward_backward_pipeline", pipeline)
+    log, pipeline = [], []
+    _instrument(trainer.model, log)
+    _recorded(trainer.model, "forward_backward_pipeline", pipeline, "step", lambda a, k: (None, None))
     for _ in range(WARMUP_STEPS):
         trainer.train_one_step()
-    compute.clear()
+    log.clear()
     pipeline.clear()
     for _ in range(MEASURED_STEPS):
         trainer.train_one_step()
-    busy, total = sum(compute), sum(pipeline)
-    write_result({"stage": trainer.topo.pp_rank, "busy_s": busy, "pipeline_s": total, "idle": 1 - busy / total})
+    step = sum(end - start for *_, start, end in pipeline)
+    busy = sum(end - start for kind, *_, start, end in log)
+    write_result({"stage": trainer.topo.pp_rank, "ops": [(kind, chunk, extra) for kind, chunk, extra, *_ in log],
+                  "busy_s": busy, "step_s": step, "idle": 1 - busy / step, "schedule": trainer.run_plan.schedule})
     return end_job(trainer.topo)
 
 
-def uneven_stage_theory(busy_s: list[float], micro_batches: int) -> float:
-    """The bottleneck stage's idle fraction under 1F1B with free communication when stages differ:
-    the step lasts m micro-batches of the slowest stage plus one of every other (fill and drain),
-    so idle = 1 - m t_b / (m t_b + sum of the others' t). Equal stages give (p-1)/(m+p-1)."""
-    per_micro = [busy / micro_batches for busy in busy_s]
-    slowest = max(per_micro)
-    return 1 - micro_batches * slowest / (micro_batches * slowest + sum(per_micro) - slowest)
+def global_chunk(schedule: str, stage: int, chunk, pp: int) -> int:
+    """The position of a stage's chunk along the model (what its micro-batch waits for)."""
+    if schedule == "DualPipeV":
+        return stage if chunk == 0 else 2 * pp - 1 - stage
+    return (chunk or 0) * pp + stage
+
+
+def replay(schedule: str, orders: list[list], pp: int, chunks_per_stage: int, split_allowed: bool = True) -> dict:
+    """Run each stage's recorded order with unit costs and free communication; per stage its idle
+    fraction and its peak of whole-stage micro-batches alive (chunk forwards without their backward,
+    each its share of the stage). `split_allowed` False: as if every backward computed its weight
+    gradients at once (the same order without DualPipeV's zero-bubble split)."""
+    split = split_allowed and any(kind == "W" and extra for kind, _, extra in (op for order in orders for op in order))
+    share = 1 / chunks_per_stage
+    tasks = []  # per stage: (kind, global chunk, micro-batch, cost)
+    for stage, order in enumerate(orders):
+        counts: dict = {}
+        deferred: list = []
+        listed = []
+        for kind, chunk, extra in order:
+            if kind == "W":
+                listed.append(("W", None, deferred.pop(0) if deferred and split else None, share if split else 0.0))
+                continue
+            g = global_chunk(schedule, stage, chunk, pp)
+            micro = counts.setdefault((kind, g), 0)
+            counts[(kind, g)] += 1
+            cost = share if kind == "F" else (share if split and extra else 2 * share)
+            if kind == "B" and split and extra:
+                deferred.append((g, micro))
+            listed.append((kind, g, micro, cost))
+        tasks.append(listed)
+    last = pp * chunks_per_stage - 1
+    done: dict = {}
+    clock, position, busy = [0.0] * pp, [0] * pp, [0.0] * pp
+    alive, peak = [0] * pp, [0] * pp  # chunk forwards whose backward has not run
+    progressed = True
+    while progressed:
+        progressed = False
+        for stage in range(pp):
+            while position[stage] < len(tasks[stage]):
+                kind, g, micro, cost = tasks[stage][position[stage]]
+                needs = [] if kind == "W" else [("F", g - 1, micro)] if kind == "F" and g > 0 else \
+                    [("B", g + 1, micro)] if kind == "B" and g < last else []
+                if any(need not in done for need in needs):
+                    break
+                start = max([clock[stage]] + [done[need] for need in needs])
+                clock[stage] = start + cost
+                busy[stage] += cost
+                if kind != "W":
+                    done[(kind, g, micro)] = clock[stage]
+                    alive[stage] += 1 if kind == "F" else -1
+                    peak[stage] = max(peak[stage], alive[stage])
+                position[stage] += 1
+                progressed = True
+    if any(position[stage] < len(tasks[stage]) for stage in range(pp)):
+        raise RuntimeError(f"{schedule}: the recorded orders wait on each other")
+    makespan = max(clock)
+    return {"idle": [1 - b / makespan for b in busy], "peak_alive": [p * share for p in peak], "weight_split": split}
+
+
+def theory(schedule: str, pp: int, vpp: int, micro: int) -> float | None:
+    bubble = {"1F1B": pp - 1, "FThenB": (pp - 1) / vpp, "VPP": (pp - 1) / vpp}.get(schedule)
+    return None if bubble is None else bubble / (micro + bubble)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--micro_batches", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--pp", type=int, default=4)
+    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
     parser.add_argument("--hidden_size", type=int, default=256)
     parser.add_argument("--num_hidden_layers", type=int, default=8)
     parser.add_argument("--max_seq_length", type=int, default=128)
@@ -83,35 +169,45 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker is not None:
         return worker(args.worker)
 
+    from paddle_pp.planning.schedules import in_flight
     from paddle_pp.runtime.launch import launch
 
-    work = Path(tempfile.mkdtemp(prefix="pipeline_bubble_"))
-    rows = []
-    for pp in args.pp:
-        for micro in args.micro_batches:
-            flags = ["--hidden_size", str(args.hidden_size), "--intermediate_size", str(args.hidden_size * 11 // 4),
-                     "--num_hidden_layers", str(args.num_hidden_layers), "--num_attention_heads",
-                     str(args.hidden_size // 64), "--max_seq_length", str(args.max_seq_length),
-                     "--pipeline_parallel_degree", str(pp), "--per_device_train_batch_size", "1",
-                     "--global_batch_size", str(micro), "--max_steps", "1000", "--warmup_steps", "1",
-                     "--data_cache", str(work / "data"), "--output_dir", str(work / f"pp{pp}_m{micro}"),
-                     "--disable_progress_bar"]
-            results = launch(Path(__file__), pp, ["--worker", *flags], work_dir=work / f"job_pp{pp}_m{micro}",
-                             timeout=600)
-            stages = sorted(results, key=lambda r: r["stage"])
-            theory = (pp - 1) / (micro + pp - 1)
-            uneven = uneven_stage_theory([r["busy_s"] for r in stages], micro)
-            measured = min(r["idle"] for r in stages)
-            rows.append({"pp": pp, "micro_batches": micro, "theory": theory, "bottleneck_idle": measured,
-                         "relative_error": (measured - theory) / theory, "theory_measured_stages": uneven,
-                         "stages": stages})
-            print(f"pp {pp} m {micro:>2}: theory {theory:.3f}  with measured stage times {uneven:.3f}  bottleneck "
-                  f"stage idle {measured:.3f} ({(measured - theory) / theory:+.0%})  per stage "
-                  f"{[round(r['idle'], 3) for r in stages]}", flush=True)
-    report = {"device": f"CPU, {os.cpu_count()} cores, one process per stage", "model": vars(args) | {"output": None},
+    work, pp, rows = Path(tempfile.mkdtemp(prefix="pipeline_bubble_")), args.pp, []
+    for name in args.schedules:
+        flags, counts = SCHEDULES[name]
+        vpp = 2 if "--virtual_pp_degree" in flags else 1
+        chunks_per_stage = 2 if name == "DualPipeV" else vpp
+        for micro in counts:
+            tag = f"{name}_m{micro}"
+            run = ["--hidden_size", str(args.hidden_size), "--intermediate_size", str(args.hidden_size * 11 // 4),
+                   "--num_hidden_layers", str(args.num_hidden_layers), "--num_attention_heads",
+                   str(args.hidden_size // 64), "--max_seq_length", str(args.max_seq_length),
+                   "--pipeline_parallel_degree", str(pp), *flags, "--per_device_train_batch_size", "1",
+                   "--global_batch_size", str(micro), "--max_steps", "1000", "--warmup_steps", "1", "--do_eval",
+                   "false", "--data_cache", str(work / "data"), "--output_dir", str(work / tag),
+                   "--disable_progress_bar"]
+            results = sorted(launch(Path(__file__), pp, ["--worker", *run], work_dir=work / f"job_{tag}", timeout=900),
+                             key=lambda r: r["stage"])
+            assert {r["schedule"] for r in results} == {name}, [r["schedule"] for r in results]
+            orders = [r["ops"] for r in results]
+            replayed = replay(name, orders, pp, chunks_per_stage)
+            unsplit = replay(name, orders, pp, chunks_per_stage, split_allowed=False)["idle"]
+            planned = [in_flight(name, pp, vpp, stage, micro) for stage in range(pp)]
+            row = {"schedule": name, "pp": pp, "micro_batches": micro, "theory": theory(name, pp, vpp, micro),
+                   "replayed_idle": replayed["idle"], "weight_split": replayed["weight_split"],
+                   "replayed_idle_without_split": unsplit, "orders": orders,
+                   "peak_alive": replayed["peak_alive"], "planner_in_flight": planned,
+                   "measured_idle": [r["idle"] for r in results], "step_s": max(r["step_s"] for r in results)}
+            rows.append(row)
+            shown = "-" if row["theory"] is None else f"{row['theory']:.3f}"
+            print(f"{name:>9} pp{pp} m{micro:>2}: theory {shown}  replayed idle "
+                  f"{[round(x, 3) for x in replayed['idle']]} (without a weight split "
+                  f"{max(unsplit):.3f})  measured idle "
+                  f"{[round(x, 3) for x in row['measured_idle']]}  step {row['step_s']:.2f} s  peak alive "
+                  f"{replayed['peak_alive']}  planner {planned}", flush=True)
+    report = {"machine": machine(), "model": vars(args) | {"output": None, "worker": None},
               "measured": time.strftime("%Y-%m-%d"), "rows": rows}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    write_report(args.output, report)
     return 0
 
 

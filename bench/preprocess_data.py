@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import machine
+from machine import machine, write_report
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS, TOKENIZER = REPO / "data" / "jargon-4.4.7.txt", REPO / "data" / "tokenizer"
@@ -155,8 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         full = results["runs"]["full"]
         results["speedup_workers2_vs_baseline"] = full["workers2"]["tokens_per_s"] / full["baseline"]["tokens_per_s"]
         results["speedup_workers2_vs_workers1"] = full["workers2"]["tokens_per_s"] / full["workers1"]["tokens_per_s"]
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(results, indent=1) + "\n")
+    write_report(args.output, results)
     print(json.dumps({k: v for k, v in results.items() if k != "runs"}, indent=1))
     return 0
 

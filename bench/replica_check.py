@@ -10,7 +10,6 @@ rank (name -> checksum), negligible next to the pass over the bytes measured her
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import tempfile
@@ -18,7 +17,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from machine import cpu_model
+from machine import cpu_model, write_report
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -68,8 +67,7 @@ def main(argv: list[str] | None = None) -> int:
               "check_s": checks, "save_with_check_s": saves,
               "median_check_fraction_of_save": statistics.median(checks) / statistics.median(saves),
               "check_gb_per_s": weight_bytes / statistics.median(checks) / 1e9}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=1) + "\n")
+    write_report(args.output, report)
     print(f"weights {weight_bytes / 1e9:.2f} GB: check {statistics.median(checks):.3f} s "
           f"({report['check_gb_per_s']:.2f} GB/s), save incl. check {statistics.median(saves):.3f} s; "
           f"check = {report['median_check_fraction_of_save']:.1%} of the save (medians of {args.repeats}); "

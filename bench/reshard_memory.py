@@ -26,6 +26,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from machine import write_report  # noqa: E402
 
 CHILD = """
 import json, os, sys, threading, time
@@ -175,8 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                   "measured": time.strftime("%Y-%m-%d"), "rows": rows}
         print(f"checkpoint {total / 1e9:.2f} GB, largest tensor {largest / 2**20:.0f} MiB, bound "
               f"{bound / 2**30:.2f} GiB")
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(report, indent=2) + "\n")
+        write_report(args.output, report)
     finally:
         if args.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)

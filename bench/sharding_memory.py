@@ -14,7 +14,6 @@ Activations are not part of either. Writes bench/results/sharding_memory.json.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from machine import machine  # noqa: E402
+from machine import machine, write_report  # noqa: E402
 
 from paddle_pp.runtime.launch import launch  # noqa: E402
 
@@ -70,7 +69,7 @@ def main() -> None:
                   f"{measured / formula:.3f}", flush=True)
     out = {**machine(), "measured": time.strftime("%Y-%m-%d"), "parameters": psi, "sharding": SHARDING,
            "model": model, "stages": rows}
-    (REPO / "bench" / "results" / "sharding_memory.json").write_text(json.dumps(out, indent=1))
+    write_report(REPO / "bench" / "results" / "sharding_memory.json", out)
 
 
 if __name__ == "__main__":

@@ -16,14 +16,13 @@ Writes bench/results/trainer_overhead.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from machine import cpu_model
+from machine import cpu_model, write_report
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -113,8 +112,7 @@ def main(argv: list[str] | None = None) -> int:
               "device": "CPU, 1 process", "tokens_per_s": rates, "median_tokens_per_s": medians,
               "ratio_trainer_over_hand_loop": ratio, "data_path_seconds": data_seconds,
               "data_path_share_of_step": data_share, "cpu": cpu_model(), "measured": time.strftime("%Y-%m-%d")}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.output, report)
     return 0
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from machine import machine  # noqa: E402
+from machine import machine, write_report  # noqa: E402
 
 FOLDER = REPO / ".venv" / "paddleformers"
 SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=10, num_attention_heads=9,
@@ -137,7 +137,7 @@ def main() -> None:
                   f"({out['lengths'][seq]['ours_vs_paddleformers']:.2f}x), with our process settings "
                   f"{medians['paddleformers_our_settings']:.2f} "
                   f"({out['lengths'][seq]['ours_vs_paddleformers_our_settings']:.2f}x)", flush=True)
-    (REPO / "bench" / "results" / "trainer_vs_paddleformers.json").write_text(json.dumps(out, indent=1))
+    write_report(REPO / "bench" / "results" / "trainer_vs_paddleformers.json", out)
 
 
 if __name__ == "__main__":

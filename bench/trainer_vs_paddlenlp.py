@@ -35,7 +35,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from machine import machine  # noqa: E402
+from machine import machine, write_report  # noqa: E402
 
 LAYOUTS = {"single": (1, 1), "tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}  # name -> (tp, pp)
 IMPLEMENTATIONS = ("ours", "paddlenlp")
@@ -232,8 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"machine": machine(), "model": _model_flags(args), "parameters": parameters(_shape(args)),
               "matmul_flops_per_s": peak, "model_flops_per_token": flops_per_token,
               "measured": time.strftime("%Y-%m-%d"), "layouts": rows}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.output, report)
     return 0
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from machine import machine  # noqa: E402
+from machine import machine, write_report  # noqa: E402
 
 from modeling.execution import Execution, choose_execution  # noqa: E402
 from modeling.registry import config_from_dict, execution_for, family_of  # noqa: E402
@@ -118,7 +118,7 @@ def main() -> None:
     args = parser.parse_args()
     out = {**machine(), "measured": time.strftime("%Y-%m-%d"), "core_shape": [1, "seq", HEADS, KV_HEADS, HEAD_DIM],
            "block": BLOCK, "planner_8k": planner(8192), "core_runs": core_runs(args.lengths, args.windows)}
-    (REPO / "bench" / "results" / "windowed_attention.json").write_text(json.dumps(out, indent=1))
+    write_report(REPO / "bench" / "results" / "windowed_attention.json", out)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ bench/results/write_stability.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -22,7 +21,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from machine import machine
+from machine import machine, write_report
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -79,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:>24}: median {statistics.median(totals):.2f} s, slowest/fastest {spread:.1f}x; "
               + ", ".join(f"{w:.2f}+{f:.2f}" for w, f in times) + " (write()+fsync s)")
     print(f"({report['machine']['cpu']}, {report['machine']['cores']} cores, {args.gb} GB per repeat)")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.output, report)
     return 0
 
 

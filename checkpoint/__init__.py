@@ -11,7 +11,7 @@ weights-only export), `split.py` (per-rank pre-split copies). `single_card_state
 in-memory single-card weights into a layout and back. Fleet's per-rank files and other frameworks'
 folders are read and written by `paddle_pp/interop`.
 
-This layer knows models only as plans (`modeling.tp_plan`: every tensor's shape, split and stage),
+This layer knows models only as plans (`modeling.placement`: every tensor's shape, split and stage),
 never a family.
 """
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from modeling.tp_plan import local_shape, single_card_shape, split_tensor
+from modeling.placement import local_shape, single_card_shape, split_tensor
 
 
 @dataclass(frozen=True)

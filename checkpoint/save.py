@@ -55,7 +55,7 @@ from checkpoint.save_tasks import (
 from checkpoint.shards import CHECKSUM, PieceWriter, ShardStream, TensorSpec
 from checkpoint.stage3 import FlatSlice, as_saved, held_piece, model_tensors
 from checkpoint.writers import WritePlan, assign_writers, items_from_holdings
-from modeling.tp_plan import ModelPlan
+from modeling.placement import ModelPlan
 from paddle_pp.runtime.stage3 import slice_param_name
 from paddle_pp.runtime.topology import Topology, gather_objects
 

@@ -12,14 +12,14 @@ import numpy as np
 from checkpoint.format import MODEL, OPTIMIZER, STATE_SEPARATOR
 from checkpoint.optimizer_state import MASTER_WEIGHT
 from checkpoint.writers import Slot, WriteItem, WritePlan, gathered_bytes
-from modeling.tp_plan import ModelPlan
+from modeling.placement import ModelPlan
 from paddle_pp.runtime.layout import Layout
 from paddle_pp.runtime.partitions import sharding_owners, stage2_owners
 
 
 def tensor_stages(plan: ModelPlan, name: str, layout: Layout) -> list[int]:
     """The pipeline stages holding tensor `name` of a checkpoint (an optimizer state goes with its parameter)."""
-    return plan.stages(name.split(STATE_SEPARATOR)[0], layout.pp, layout.vpp)
+    return plan.stages(name.split(STATE_SEPARATOR)[0], layout.pp, layout.vpp, layout.dualpipev)
 
 
 OPTIMIZER_STATES = ("moment1", "moment2")  # AdamW's fp32 moments, one of each per parameter
@@ -38,7 +38,7 @@ def save_items(plan: ModelPlan, layout: Layout, compute_bytes: int = 4) -> list[
     (the same shapes on every one); with experts across sharding ranks the partition is over the
     dense parameters and the experts' over their replicas (`runtime.expert_sharding`)."""
     states = OPTIMIZER_STATES + ((MASTER_WEIGHT,) if compute_bytes < 4 else ())
-    mesh = plan.mesh(layout.pp, layout.vpp, layout.ep, layout.tp)
+    mesh = plan.mesh(layout.pp, layout.vpp, layout.ep, layout.tp, layout.dualpipev)
     holding: dict[str, set] = defaultdict(set)  # (stage, dp, sharding, cp) of every rank holding the tensor
     updating: dict[str, set] = defaultdict(set)  # the same for its optimizer states
     for stage, expert_rank in mesh.positions():

@@ -13,7 +13,7 @@ from typing import Callable, Mapping
 import numpy as np
 import paddle.distributed as dist
 
-from modeling.tp_plan import NORMAL, ONES, ModelPlan, merge_tensors, single_card_shape, split_tensor
+from modeling.placement import NORMAL, ONES, ModelPlan, merge_tensors, single_card_shape, split_tensor
 from paddle_pp.runtime.topology import Topology, gather_objects
 
 

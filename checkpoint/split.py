@@ -22,7 +22,7 @@ from checkpoint.piece import Piece
 from checkpoint.save_plan import tensor_stages
 from checkpoint.shards import ShardReader, TensorSpec, write_shard
 from checkpoint.unified_io import UnifiedReader, reading, write_unified_kind
-from modeling.tp_plan import ModelPlan
+from modeling.placement import ModelPlan
 from paddle_pp.runtime.layout import Layout
 
 SPLIT_INDEX = "split.index.json"
@@ -58,11 +58,12 @@ def split_degrees(index: dict) -> tuple[int, int, int]:
 def check_split_layout(folder: Path, layout: Layout) -> None:
     """Before any process group exists: a pre-split checkpoint fits only its own tp, pp and vpp."""
     saved = split_degrees(read_split_index(folder))
-    if saved != (layout.tp, layout.pp, layout.vpp):
+    if saved != (layout.tp, layout.pp, layout.vpp) or layout.dualpipev:
+        v_shape = " (DualPipeV: its V places the stages otherwise)" if layout.dualpipev else ""
         raise CheckpointError(
             f"{folder} is pre-split for tp{saved[0]} pp{saved[1]} vpp{saved[2]}, this run is tp{layout.tp} "
-            f"pp{layout.pp} vpp{layout.vpp}: resume from the unified checkpoint it was split from, or split that "
-            "again for this layout (tools/reshard.py split)")
+            f"pp{layout.pp} vpp{layout.vpp}{v_shape}: resume from the unified checkpoint it was split from, or split "
+            "that again for this layout (tools/reshard.py split)")
 
 
 def split_layout(tp: int, pp: int, vpp: int) -> Layout:

@@ -15,7 +15,7 @@ from checkpoint.format import (
     weights_layout,
 )
 from checkpoint.shards import ShardReader, file_checksum, recorded_checksum
-from modeling.tp_plan import ModelPlan
+from modeling.placement import ModelPlan
 
 
 def verify_checkpoint(folder: Path, plan_of_folder: Callable[[Path], ModelPlan] | None = None,

@@ -21,7 +21,7 @@ from modeling.blocks.parts import Embedding, Part, VocabEmbedding
 from modeling.documents import state, unpack
 from modeling.execution import Execution
 from modeling.loss import CausalLMCriterion
-from modeling.tp_plan import FIRST, FIRST_AND_LAST, LAST, TensorPlan, tensor_parallel_mappings
+from modeling.placement import FIRST, FIRST_AND_LAST, LAST, TensorPlan, tensor_parallel_mappings
 
 
 @dataclass(frozen=True)

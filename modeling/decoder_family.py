@@ -9,7 +9,7 @@ from typing import Any, Callable
 from modeling.causal_lm import Skeleton
 from modeling.config_fields import any_value
 from modeling.family import ModelFamily
-from modeling.tp_plan import TensorPlan
+from modeling.placement import TensorPlan
 from modeling.transformers_adapter import Stored, TransformersAdapter
 
 HEAD = "lm_head.weight"

@@ -77,8 +77,17 @@ def positions_among(tensors) -> tuple[paddle.Tensor | None, tuple[paddle.Tensor,
     return (positions[0] if positions else None), tuple(tensor for tensor in tensors if tensor.is_floating_point())
 
 
+def as_state(value):
+    """A `state` from what a pipeline schedule hands a chunk: DualPipeV's passes a list always (one
+    tensor or several), 1F1B's a tensor or a tuple."""
+    if isinstance(value, list):
+        return value[0] if len(value) == 1 else tuple(value)
+    return value
+
+
 def unpack(value) -> tuple[paddle.Tensor, paddle.Tensor | None, tuple[paddle.Tensor, ...]]:
-    """(hidden states, document positions or None, carried tensors) of a `state`."""
+    """(hidden states, document positions or None, carried tensors) of a `state` (or of a schedule's list)."""
+    value = as_state(value)
     if not isinstance(value, tuple):
         return value, None, ()
     hidden, *rest = value

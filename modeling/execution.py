@@ -11,7 +11,7 @@ config in every block.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import paddle
@@ -92,6 +92,8 @@ class Execution:
     tp_rank: int = 0
     sequence_parallel: bool = False
     vpp: int = 1  # virtual pipeline chunks per stage (the stage split reads it)
+    dualpipev: bool = False  # DualPipeV's two chunks per stage in a V (the stage split reads it)
+    tp_group: Any = None  # tensor parallelism (tp > 1): the group the blocks' own tp collectives run over
     ring: Ring | None = None  # context parallelism: the cp ranks sharing each sequence
     experts: ExpertGroup | None = None  # expert parallelism: which experts this rank holds, and the exchange
     attention: AttentionCore = field(default_factory=lambda: CORES["dense"])

@@ -11,7 +11,7 @@ exchanged, however unbalanced the routing.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import paddle
@@ -20,7 +20,6 @@ import paddle.nn.functional as F
 from paddle import nn
 from paddle.distributed.fleet.utils import sequence_parallel_utils as sp_utils
 
-from modeling import tp_layers
 from paddle_pp.runtime.experts import ExpertGroup
 
 # runs this rank's experts on rows sorted by expert, `counts` each: (outputs in that order or None, the idle term)
@@ -97,7 +96,7 @@ def _output_bias(expert: nn.Layer) -> paddle.Tensor | None:
     return getattr(expert, expert.declared.names[2]).bias
 
 
-def run_experts_over_tp(rows: paddle.Tensor, counts: list[int], experts: nn.Layer,
+def run_experts_over_tp(rows: paddle.Tensor, counts: list[int], experts: nn.Layer, group: Any,
                         shared: tuple[nn.Layer, paddle.Tensor] | None = None,
                         ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor | None]:
     """`run_experts` under sequence parallelism, where each tp rank brings its own rows (`counts` of
@@ -111,7 +110,6 @@ def run_experts_over_tp(rows: paddle.Tensor, counts: list[int], experts: nn.Laye
     experts' zero term, its positions' shared-expert output or None). One collective pair per layer,
     and every tp rank runs the same ones in the same order whatever it holds: the backward of a
     collective left off one rank's graph would wait forever on the others."""
-    group = tp_layers.tp_group()
     held = paddle.to_tensor(np.asarray(counts, np.int64))
     every = [paddle.zeros_like(held) for _ in range(group.nranks)]
     dist.all_gather(every, held, group=group)

@@ -14,7 +14,7 @@ from modeling.blocks.decoder import LayerActivations
 from modeling.causal_lm import CausalLM, Skeleton
 from modeling.execution import Execution
 from modeling.pipeline import CausalLMPipe
-from modeling.tp_plan import ModelPlan, check_divisible
+from modeling.placement import ModelPlan, check_divisible
 from modeling.transformers_adapter import TransformersAdapter
 
 
@@ -88,7 +88,7 @@ class ModelFamily:
         shapes. Run on every rank of every job, so a declaration that drifts from the model code
         fails at start-up instead of saving a checkpoint that another layout reads wrong."""
         plan = self.tensor_plan(config)
-        mesh = plan.mesh(pp, run.vpp, run.experts.degree if run.experts else 1, run.tp)
+        mesh = plan.mesh(pp, run.vpp, run.experts.degree if run.experts else 1, run.tp, run.dualpipev)
         expected = set(plan.held_at(stage, run.experts.rank if run.experts else 0, mesh))
         held = {name: tuple(param.shape) for name, param in model.state_dict().items()}
         planned = {name: plan[name].placement.local_shape(plan[name].shape, mesh) for name in held if name in plan}

@@ -9,7 +9,7 @@ from paddle.distributed.fleet.layers.mpu import mp_layers
 
 from modeling.autocast import full_precision
 from modeling.context_parallel import ahead_in_sequence
-from modeling.documents import positions_among
+from modeling.documents import as_state, positions_among
 from modeling.execution import Execution
 
 IGNORE_INDEX = -100
@@ -35,6 +35,7 @@ class CausalLMCriterion(nn.Layer):
         self.prediction_losses = run.prediction_losses  # where each depth's loss goes for the metrics
 
     def forward(self, logits, labels):
+        logits = as_state(logits)
         if not isinstance(logits, tuple):
             return self.mean(logits, labels)
         main, *rest = logits

@@ -12,7 +12,7 @@ tensor. `gate_up_fused_proj` ([hidden, 2 x intermediate]) is all gate columns, t
 
 from __future__ import annotations
 
-from modeling.tp_plan import TensorPlan
+from modeling.placement import TensorPlan
 from modeling.transformers_adapter import Stored
 
 QKV, FFN = "fuse_attention_qkv", "fuse_attention_ffn"

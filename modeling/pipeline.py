@@ -26,7 +26,7 @@ from modeling.causal_lm import CausalLMPretrainedModel
 from modeling.documents import state, unpack
 from modeling.execution import Execution
 from modeling.loss import CausalLMCriterion
-from modeling.tp_plan import FIRST, FIRST_AND_LAST, chunk_starts
+from modeling.placement import FIRST, FIRST_AND_LAST, chunk_starts, pipeline_chunks
 from paddle_pp.runtime.errors import UserError
 
 DECODER_LAYERS = "DecoderLayer"  # fleet's segment pattern (a regex search): every decoder layer class's name has it
@@ -36,17 +36,17 @@ class PipelineSplitError(UserError, ValueError):
     """Decoder layers that cannot be spread over the requested pipeline chunks without loss."""
 
 
-def check_stage_split(num_layers: int, pp: int, vpp: int) -> None:
-    """Fail unless every (virtual) pipeline chunk gets a decoder layer, and, under the interleaved
-    schedule, an equal number: fleet's interleaved segmentation takes equal chunks only. Uneven
-    splits without vpp are spread by `chunk_starts`; no layer is ever dropped (some frameworks
-    silently dropped the remainder, Megatron#1304)."""
-    chunks = pp * vpp
+def check_stage_split(num_layers: int, pp: int, vpp: int, v_shape: bool = False) -> None:
+    """Fail unless every pipeline chunk (vpp per stage, or DualPipeV's two) gets a decoder layer,
+    and, under the interleaved schedule, an equal number: fleet's interleaved segmentation takes equal
+    chunks only. Other uneven splits are spread by `chunk_starts`; no layer is ever dropped (some
+    frameworks silently dropped the remainder, Megatron#1304)."""
+    chunks = pipeline_chunks(pp, vpp, v_shape)
     if num_layers < chunks:
+        per_stage = "DualPipeV's 2" if v_shape else f"--virtual_pp_degree {vpp}"
         raise PipelineSplitError(
-            f"num_hidden_layers={num_layers} is fewer than --pipeline_parallel_degree {pp} x --virtual_pp_degree "
-            f"{vpp} = {chunks} chunks, and every chunk needs a decoder layer; pick degrees whose product is at most "
-            f"{num_layers}.")
+            f"num_hidden_layers={num_layers} is fewer than --pipeline_parallel_degree {pp} x {per_stage} = {chunks} "
+            f"chunks, and every chunk needs a decoder layer; pick degrees whose product is at most {num_layers}.")
     if vpp > 1 and num_layers % chunks:
         raise PipelineSplitError(
             f"num_hidden_layers={num_layers} does not divide into --pipeline_parallel_degree {pp} x "
@@ -55,16 +55,17 @@ def check_stage_split(num_layers: int, pp: int, vpp: int) -> None:
             "without it).")
 
 
-def stage_segments(items: list, num_layers: int, pp: int, vpp: int) -> str | list[int]:
+def stage_segments(items: list, num_layers: int, pp: int, vpp: int, v_shape: bool = False) -> str | list[int]:
     """Fleet `seg_method` for the registered `items`: under vpp its equal split by decoder layers;
-    otherwise the first item of every stage, each stage starting at its first decoder layer as
-    `tp_plan.chunk_starts` places them (what every placement reads), the embedding on the first stage
-    and whatever follows the last decoder layer on the last."""
-    check_stage_split(num_layers, pp, vpp)
+    otherwise the first item of every chunk (a stage, or one arm of DualPipeV's V), each chunk
+    starting at its first decoder layer as `placement.chunk_starts` places them (what every placement
+    reads), the embedding in the first chunk and whatever follows the last decoder layer in the last."""
+    check_stage_split(num_layers, pp, vpp, v_shape)
     if vpp > 1:
         return f"layer:{DECODER_LAYERS}"
     decoders = [index for index, item in enumerate(items) if DECODER_LAYERS in item.layer_func.__name__]
-    return [0] + [decoders[start] for start in chunk_starts(num_layers, pp)[1:-1]] + [len(items)]
+    chunks = pipeline_chunks(pp, vpp, v_shape)
+    return [0] + [decoders[start] for start in chunk_starts(num_layers, chunks)[1:-1]] + [len(items)]
 
 
 def tie_shared_weights(pipe) -> None:
@@ -177,8 +178,10 @@ class CausalLMPipe(PipelinePretrainedModel, PipelineLayer):
             layers=self.get_sequential_layers(),
             loss_fn=loss_fn,
             topology=hcg.topology(),
-            seg_method=stage_segments(self.get_sequential_layers(), self.config.num_hidden_layers, pp, vpp),
+            seg_method=stage_segments(self.get_sequential_layers(), self.config.num_hidden_layers, pp, vpp,
+                                      self.run.dualpipev),
             num_virtual_pipeline_stages=vpp,
+            use_dualpipev=self.run.dualpipev,
         )
         self.apply(self._init_weights)
         tie_shared_weights(self)

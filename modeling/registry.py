@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from modeling.attention_core.ring import Ring, RingCore, context_parallel_refusal
 from modeling.deepseek import DEEPSEEK_V2, DEEPSEEK_V3
@@ -30,12 +30,12 @@ from modeling.olmo2 import OLMO2
 from modeling.olmoe import OLMOE
 from modeling.phi3 import PHI3
 from modeling.pipeline import check_stage_split
+from modeling.placement import ALWAYS, ModelPlan
 from modeling.qwen2 import QWEN2
 from modeling.qwen2_moe import QWEN2_MOE
 from modeling.qwen3 import QWEN3
 from modeling.qwen3_moe import QWEN3_MOE
 from modeling.smollm3 import SMOLLM3
-from modeling.tp_plan import ALWAYS, ModelPlan
 from paddle_pp.runtime.errors import UserError
 from paddle_pp.runtime.experts import ExpertGroup
 
@@ -115,7 +115,7 @@ def validate_layout(config, layout: Layout, seq_len: int | None = None) -> None:
         _check_context_parallel(config, layout, seq_len)
     family_of(config).check_tensor_parallel(config, layout.tp)
     if layout.pp > 1:
-        check_stage_split(config.num_hidden_layers, layout.pp, layout.vpp)
+        check_stage_split(config.num_hidden_layers, layout.pp, layout.vpp, layout.dualpipev)
     if getattr(config, "num_experts", 0):
         _check_moe_layout(config, layout)
     elif layout.ep > 1:
@@ -151,19 +151,15 @@ def _check_moe_layout(config, layout: Layout) -> None:
 
 
 def execution_for(layout: Layout, tp_rank: int, choices: Execution = Execution(), ring: Ring | None = None,
-                  experts: ExpertGroup | None = None) -> Execution:
+                  experts: ExpertGroup | None = None, tp_group: Any = None) -> Execution:
     """The run's `Execution` on a rank of `layout`: `choices` (attention core, recompute, kernels)
     with the layout's parallel degrees and this rank's place in them; under context parallelism its
-    attention goes around `ring` with the chosen core's kernel (the dense core cannot: it has no
-    log-sum-exp)."""
+    attention goes around `ring` with the chosen core's kernel (`plan_run` refused the dense core
+    there: it keeps no log-sum-exp)."""
     run = replace(choices, tp=layout.tp, tp_rank=tp_rank, sequence_parallel=layout.sequence_parallel,
-                  vpp=layout.vpp, experts=experts)
+                  vpp=layout.vpp, dualpipev=layout.dualpipev, experts=experts, tp_group=tp_group)
     if ring is None:
         return run
-    if run.attention.name == "dense":
-        raise LayoutModelError("--context_parallel_degree needs a core that merges partial attention by its "
-                               "log-sum-exp; the dense core (--no-use_flash_attention) has none. Drop "
-                               "--no-use_flash_attention (context parallelism then runs the blockwise kernel)")
     return replace(run, ring=ring, attention=RingCore(ring=ring, inner=run.attention))
 
 
@@ -184,7 +180,8 @@ def build_causal_lm(config, topo: Topology, choices: Execution = Execution()):
     """The model form the layout needs (`*ForCausalLMPipe` when pp > 1, else `*ForCausalLM` with
     TP inside) for the run's `choices`, checked against its family's declaration."""
     model_family = family_of(config)
-    run = execution_for(topo.layout, topo.tp_rank, choices, topo.ring, topo.experts)
+    run = execution_for(topo.layout, topo.tp_rank, choices, topo.ring, topo.experts,
+                        topo.tp_group if topo.layout.tp > 1 else None)
     model = model_family.pipe(config, run) if topo.layout.pp > 1 else model_family.causal_lm(config, run)
     model_family.check_built(model, config, run, topo.layout.pp, topo.pp_rank)
     return model

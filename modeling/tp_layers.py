@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import paddle
 from paddle import nn
-from paddle.distributed import fleet
 from paddle.distributed.fleet.layers.mpu import mp_layers
+from paddle.distributed.fleet.meta_parallel.zero_bubble_utils import SplitBWLinear
 from paddle.distributed.fleet.utils import sequence_parallel_utils as sp_utils
 
 from modeling.execution import Execution
@@ -29,7 +29,7 @@ def column_linear(run: Execution, in_features: int, out_features: int, bias: boo
         return GatheredColumnLinear(in_features, out_features, has_bias=bias, gather_output=False)
     if run.tp > 1:
         return mp_layers.ColumnParallelLinear(in_features, out_features, has_bias=bias, gather_output=False)
-    return nn.Linear(in_features, out_features, bias_attr=None if bias else False)
+    return whole_linear(run, in_features, out_features, bias)
 
 
 def row_linear(run: Execution, in_features: int, out_features: int, bias: bool = False) -> nn.Layer:
@@ -39,7 +39,16 @@ def row_linear(run: Execution, in_features: int, out_features: int, bias: bool =
         return sp_utils.RowSequenceParallelLinear(in_features, out_features, has_bias=bias, input_is_parallel=True)
     if run.tp > 1:
         return mp_layers.RowParallelLinear(in_features, out_features, has_bias=bias, input_is_parallel=True)
-    return nn.Linear(in_features, out_features, bias_attr=None if bias else False)
+    return whole_linear(run, in_features, out_features, bias)
+
+
+def whole_linear(run: Execution, in_features: int, out_features: int, bias: bool = False) -> nn.Layer:
+    """A linear held whole: Paddle's `nn.Linear`, or under DualPipeV its `SplitBWLinear` (the same
+    parameters), whose backward leaves the weight gradient to the schedule's weight pass, which
+    DualPipeV runs where a stage would otherwise wait (its zero-bubble split). Fleet's tensor-parallel
+    linears have no such split: under tp they compute both gradients at once."""
+    linear = SplitBWLinear if run.dualpipev else nn.Linear
+    return linear(in_features, out_features, bias_attr=None if bias else False)
 
 
 def vocab_embedding(run: Execution, num_embeddings: int, dim: int) -> nn.Layer:
@@ -49,14 +58,10 @@ def vocab_embedding(run: Execution, num_embeddings: int, dim: int) -> nn.Layer:
     return nn.Embedding(num_embeddings, dim)
 
 
-def tp_group():
-    """Fleet's tensor-parallel group of this process."""
-    return fleet.get_hybrid_communicate_group().get_model_parallel_group()
-
-
-def vocab_logits(hidden: paddle.Tensor, weight: paddle.Tensor, tp: int, transpose_y: bool) -> paddle.Tensor:
+def vocab_logits(hidden: paddle.Tensor, weight: paddle.Tensor, run: Execution, transpose_y: bool) -> paddle.Tensor:
     """Logits over this rank's vocabulary slice. Under TP the input is an identity whose backward
-    all-reduces, since every rank's slice of the vocabulary contributes to the hidden-state gradient."""
-    if tp > 1:
-        hidden = paddle.distributed.collective._c_identity(hidden, group=tp_group())
+    all-reduces over the run's tp group, since every rank's slice of the vocabulary contributes to the
+    hidden-state gradient."""
+    if run.tp > 1:
+        hidden = paddle.distributed.collective._c_identity(hidden, group=run.tp_group)
     return paddle.matmul(hidden, weight, transpose_y=transpose_y)

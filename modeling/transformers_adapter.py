@@ -16,7 +16,7 @@ from typing import Any, Callable
 import numpy as np
 
 from modeling.config_fields import HARMLESS, as_transformers4
-from modeling.tp_plan import TensorPlan
+from modeling.placement import TensorPlan
 
 RUN_FIELDS = ("self", "kwargs")  # a config class's __init__ arguments that are no model field
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from moe_cases import KINDS, PREDICTING
 
 from checkpoint.format import tokenizer_files
 from paddle_pp.runtime.launch import launch
@@ -108,3 +109,25 @@ def pretrain_run(tmp_path_factory, data_cache):
         return pretrain(launcher, data_cache, out, description.nproc, flags, description.tag, description.nnodes), out
 
     return run
+
+
+@pytest.fixture(scope="session")
+def moe_folders(tmp_path_factory, data_cache) -> dict:
+    """Each MoE kind saved by transformers 4.55 (this venv's) and 5.23 (one subprocess), with that
+    version's logits on IDS and loss on the first batch of a FOLDER_STEPS run beside it."""
+    rows = first_batch(data_cache, TOKENIZER, FOLDER_STEPS)
+    roots = {version: tmp_path_factory.mktemp(f"moe_{version}") for version in ("transformers4", "transformers5")}
+    hf_models.make_with_answers(roots["transformers4"], rows, IDS, KINDS)
+    np.save(roots["transformers5"] / "rows.npy", rows)
+    np.save(roots["transformers5"] / "ids.npy", IDS)
+    hf_models.transformers5("make", roots["transformers5"], roots["transformers5"] / "rows.npy",
+                            roots["transformers5"] / "ids.npy", *KINDS)
+    for root in roots.values():
+        for kind in KINDS:
+            for path in tokenizer_files(TOKENIZER):
+                shutil.copy(path, root / kind)
+    for predicting, (kind, depth) in PREDICTING.items():
+        shutil.copytree(roots["transformers5"] / kind, roots["transformers5"] / predicting)
+        hf_models.transformers5("with_prediction_layers", roots["transformers5"] / predicting, depth,
+                                roots["transformers5"] / "rows.npy", roots["transformers5"] / "ids.npy")
+    return roots

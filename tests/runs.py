@@ -69,6 +69,8 @@ GPT_CP2_PP2 = Run("gpt_cp2_pp2_recompute", 4, GPT + CP2 + PP2 + (
 FOUR_D_SAVING = Run("4d_saving", 16, TP2 + PP2 + SHARDING2 + MICRO1 + ("--save_steps", str(RESUME_STEP)))
 # tp2 x pp2 saving in the background at step 10: the trainer suite compares its 20 steps with single card
 # (so saving in the background changes nothing trained), the checkpoint suite resumes its step-10 save.
+DUALPIPEV = ("--pipeline_schedule", "DualPipeV")  # 4 micro-batches of 2 a step: 2 x pp, DualPipeV's least
+TP2_PP2_DUALPIPEV = Run("tp2pp2_dualpipev", 4, TP2 + PP2 + DUALPIPEV + ("--save_steps", str(RESUME_STEP)))
 TP2_PP2_SAVING = Run("tp2pp2_async_saving", 4, TP2 + PP2 + ("--async_save", "--save_steps", str(RESUME_STEP)))
 
 

@@ -25,6 +25,7 @@ from paddle_pp.runtime.launch import LaunchError
 
 from parity import assert_same_logits
 from runs import (
+    DUALPIPEV,
     FOUR_D_SAVING,
     GPT,
     GPT_CP2_PP2,
@@ -38,8 +39,10 @@ from runs import (
     SINGLE,
     SINGLE_GPT,
     TP2,
+    TP2_PP2_DUALPIPEV,
     TP2_PP2_SAVING,
     Run,
+    assert_trains_like,
     planned_writers,
     pretrain,
     written_by_rank,
@@ -51,13 +54,16 @@ LAYOUTS = {  # name: (nproc, flags)
     "4d": (FOUR_D_SAVING.nproc, FOUR_D_SAVING.flags),
     "tp2pp2": (TP2_PP2_SAVING.nproc, TP2_PP2_SAVING.flags),  # TP pieces written in place from host copies, in the background
     "dp2_sharding2": (4, SHARDING2),
-    "pp2": (2, PP2),
     "pp2_vpp2": (2, PP2 + ("--virtual_pp_degree", "2")),
     "dp2": (2, ()),
+    "tp2pp2_dualpipev": (TP2_PP2_DUALPIPEV.nproc, TP2 + PP2 + DUALPIPEV),
 }
 # single -> a multi-axis layout: tests/test_context_parallel.py (cp2 x pp2), tests/test_sequence_parallel.py;
-# more multi-axis -> single: tests/test_moe.py (experts over ep), tests/test_family_training.py
-MATRIX = [("4d", "single"), ("tp2pp2", "dp2_sharding2"), ("pp2", "pp2_vpp2")]
+# more multi-axis -> single: tests/test_moe_runs.py (experts over ep), tests/test_family_training.py
+# Across schedules: DualPipeV's V (the head on the first stage) saved and read by the interleaved
+# schedule, and a one-card save read into the V.
+MATRIX = [("4d", "single"), ("tp2pp2", "dp2_sharding2"), ("tp2pp2_dualpipev", "pp2_vpp2"),
+          ("single", "tp2pp2_dualpipev")]
 
 
 def full(model: str) -> Run:
@@ -68,7 +74,7 @@ def full(model: str) -> Run:
 def first(model: str, layout: str) -> Run:
     """10 steps under `layout` and a save; for LLaMA on one card, under 4D and tp2 x pp2, the trainer
     suite's 20-step runs, which save at step 10 too."""
-    shared = {"4d": FOUR_D_SAVING, "tp2pp2": TP2_PP2_SAVING, "single": SINGLE}
+    shared = {"4d": FOUR_D_SAVING, "tp2pp2": TP2_PP2_SAVING, "single": SINGLE, "tp2pp2_dualpipev": TP2_PP2_DUALPIPEV}
     if model == "llama" and layout in shared:
         return shared[layout]
     nproc, flags = LAYOUTS[layout]
@@ -91,6 +97,13 @@ def test_resume_under_another_layout_continues_the_single_card_run(pretrain_run,
 
 
 @pytest.mark.multiproc
+def test_dualpipev_trains_on_the_single_card_curve(pretrain_run):
+    """Paddle's DualPipeVParallel under tp2 x pp2, 20 steps with evaluations (its forward-only pass):
+    losses, evaluation, grad norms and final weights within 1e-4."""
+    assert_trains_like(pretrain_run, TP2_PP2_DUALPIPEV, SINGLE, rtol=1e-4)
+
+
+@pytest.mark.multiproc
 def test_tied_gpt_saved_from_pp2_resumes_on_one_card(pretrain_run):
     """The tied embedding and head, held by both stages of cp2 x pp2, are saved once and resume on one card."""
     (reference, *_), _ = pretrain_run(full("gpt"))
@@ -109,7 +122,7 @@ def test_same_layout_resume_is_bitwise_equal(pretrain_run):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", ["dp2", "4d"])  # tp pieces over data replicas: 4d, and tests/test_moe.py's ep2
+@pytest.mark.parametrize("layout", ["dp2", "4d"])  # tp pieces over data replicas: 4d, and tests/test_moe_runs.py's ep2
 def test_every_rank_writes_a_share_balanced_by_bytes_as_the_planner_predicts(pretrain_run, layout):
     _, out = pretrain_run(first("llama", layout))
     folder = out / f"checkpoint-{RESUME_STEP}"

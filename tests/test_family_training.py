@@ -61,7 +61,7 @@ SHORT_RUNS = [(kind, "transformers4") for kind in ("llama_tied", "llama3", "gpt2
 # transformers 5 folders of the kinds whose config or export differs in its own way (llama3 rope, linear rope with
 # biases, Qwen2's layer_types, Gemma's norms, GPT-2), started in the per-layer launch; plain and tied LLaMA, Mistral
 # and Qwen3 read and write the same fields (their 5.x folders' logits: tests/test_model_folders.py; a 5.x start with
-# q/k norms: tests/test_moe.py)
+# q/k norms: tests/test_moe_starts.py)
 FIVE = ["llama3", "llama_linear", "qwen2", "gemma", "gpt2"]
 
 

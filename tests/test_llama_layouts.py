@@ -27,7 +27,10 @@ LAYOUTS = {
     "dp2": (2, ()),
     "sharding2": (2, SHARDING2),
     "pp2_vpp2": (2, PP2 + ("--virtual_pp_degree", "2", "--accumulate_steps", "4")),
-    "pp3_uneven": (3, ("--pipeline_parallel_degree", "3")),  # 8 layers: 2, 3, 3 (tp_plan.chunk_starts)
+    "pp3_uneven": (3, ("--pipeline_parallel_degree", "3")),  # 8 layers: 2, 3, 3 (placement.chunk_starts)
+    # Paddle's DualPipeVParallel: 8 chunks of one layer in a V; stages 1 and 2 pass both ways
+    "pp4_dualpipev": (4, ("--pipeline_parallel_degree", "4", "--pipeline_schedule", "DualPipeV",
+                          "--accumulate_steps", "8")),
 }
 
 

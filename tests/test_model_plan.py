@@ -12,8 +12,8 @@ import paddle
 import pytest
 
 from modeling.family import PlanMismatchError
+from modeling.placement import COLUMN, ROW, TPPlanError, local_shape
 from modeling.registry import FAMILIES, UnknownModelError, config_from_dict
-from modeling.tp_plan import COLUMN, ROW, TPPlanError, local_shape
 
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
              max_position_embeddings=16)
@@ -166,7 +166,7 @@ def test_uneven_pipeline_stages_keep_every_layer_and_give_the_first_stage_the_fe
     every other stage needs the extra; every placement asks `layer_stage`, which agrees. Splits
     fleet cannot run are refused by name: a stage without a layer, uneven virtual chunks."""
     from modeling.pipeline import PipelineSplitError, check_stage_split
-    from modeling.tp_plan import chunk_starts, layer_stage
+    from modeling.placement import chunk_starts, layer_stage
 
     assert list(chunk_starts(61, 16)) == [0, 3] + list(range(7, 56, 4)) + [58, 61]  # DeepSeek-V3 / Kimi-K2 over pp16
     for layers, chunks in ((61, 16), (8, 3), (5, 4), (8, 2), (27, 4)):
@@ -180,3 +180,21 @@ def test_uneven_pipeline_stages_keep_every_layer_and_give_the_first_stage_the_fe
         check_stage_split(3, 4, 1)
     with pytest.raises(PipelineSplitError, match="does not divide into.*= 4 equal chunks.*drop --virtual_pp_degree"):
         check_stage_split(6, 2, 2)
+
+
+def test_dualpipev_places_two_chunks_per_stage_in_a_v_with_the_head_on_the_first():
+    """DualPipeV's V (fleet's `_segment_network_for_dualpipev`): 2 x pp chunks, stage s holding the s-th
+    and the (2 pp - 1 - s)-th, so the first stage holds the first and the last layers, the embedding and
+    what follows the decoder (the final norm, the head); the interleaved order is unchanged."""
+    from modeling.placement import LAST, Mesh, Placement, chunk_stage, layer_stage
+
+    assert [layer_stage(index, 8, 4, 1, v_shape=True) for index in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert [layer_stage(index, 8, 2, 2) for index in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    stages = [layer_stage(index, 61, 16, 1, v_shape=True) for index in range(61)]  # DeepSeek-V3 over pp16
+    assert sorted(set(stages)) == list(range(16)) and stages[0] == stages[-1] == 0
+    # 32 chunks of 1 or 2 layers, the first and the last two of 1: the first stage, which also holds the
+    # embedding and the head, gets the two thinnest
+    assert [stages.count(stage) for stage in range(16)] == [2, 3] + [4] * 14
+    assert [chunk_stage(chunk, 4, v_shape=True) for chunk in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert Placement(None, LAST).stages(Mesh(8, pp=4, v_shape=True)) == [0]
+    assert Placement(None, LAST).stages(Mesh(8, pp=4)) == [3]

@@ -142,6 +142,7 @@ def test_paddleformers_offline_recipe_reads_with_its_meaning(tmp_path, capsys):
             args.layout.expert_parallel_degree, args.layout.sequence_parallel) == (2, 2, 4, True)
     assert args.optim.moe_router_bias_update_rate == 0.0 and args.optim.amp_master_grad
     assert "tp_sync_param" in capsys.readouterr().err
+    assert _parse(tmp_path, FULL_OFFLINE_DATA + TP_PP_EP, use_dualpipev=True).layout.pipeline_schedule == "DualPipeV"
 
 
 @pytest.mark.parametrize("text, changes, words", [
@@ -158,8 +159,9 @@ def test_paddleformers_offline_recipe_reads_with_its_meaning(tmp_path, capsys):
     (FULL_OFFLINE_DATA, {"eval_iters": -1}, "do_eval without eval_iters"),
     (FULL_OFFLINE_DATA, {"a_new_field": 1}, "a_new_field=1 (a field paddle-pp does not know"),
     (FULL_OFFLINE_DATA, {"min_lr": 1e-6}, "linear schedule decays to 0 and never reads min_lr"),
+    (FULL_OFFLINE_DATA, {"best_unbalanced_scheduler": True}, "VPPFhenBInBalancedMemory is not wired"),
 ], ids=["online_data", "iterable", "sft", "lora", "o1", "o1_by_default", "two_spellings", "selective", "sep",
-        "attention", "eval_iters", "unknown", "min_lr_linear"])
+        "attention", "eval_iters", "unknown", "min_lr_linear", "best_unbalanced"])
 def test_what_a_paddleformers_recipe_asks_and_this_trainer_does_not_do_is_refused_by_name(tmp_path, capsys, text,
                                                                                        changes, words):
     with pytest.raises(SystemExit) as exit_info:

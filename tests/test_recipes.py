@@ -64,9 +64,15 @@ def test_a_recipe_takes_paddlenlps_defaults_names_what_changes_nothing_and_refus
                            ({"no_recompute_layers": [1]}, "no_recompute_layers=[1]"),
                            ({"fp16_opt_level": "O1"}, "fp16_opt_level='O1'"),
                            ({"tensor_parallel_config": "enable_mp_async_allreduce some_new_option"},
-                            "tensor_parallel_config option(s) some_new_option")):
+                            "tensor_parallel_config option(s) some_new_option"),
+                           ({"pipeline_parallel_config": "best_unbalanced_scheduler"},
+                            "pipeline_parallel_config option(s) best_unbalanced_scheduler")):
         with pytest.raises(RecipeError, match=re.escape(words)):
             read_recipe(_recipe(tmp_path, {"max_steps": 10, **refused}), KNOWN, set())
+    # the option that picks fleet's DualPipeV class is a schedule here
+    flags, _ = read_recipe(_recipe(tmp_path, {"max_steps": 10, "pipeline_parallel_config": "use_dualpipev "
+                                              "disable_partial_send_recv"}), KNOWN, set())
+    assert flags["pipeline_schedule"] == "DualPipeV"
     # context and expert parallelism are modelled; PaddleNLP's all-to-all segment parallelism is refused by the layout
     args = parse_args([str(_recipe(tmp_path, {"max_steps": 3, "context_parallel_degree": 2, "sep_parallel_degree": 2,
                                               "expert_parallel_degree": 2, "use_expert_parallel": True}))])

@@ -30,8 +30,18 @@ MODELS = {
     "gpt": dict(model_type="gpt", vocab_size=4096, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                 max_position_embeddings=256),
     "gemma2": dict(model_type="gemma2", num_hidden_layers=2, head_dim=16, sliding_window=8, **SHAPE),
+    "llama8_tied": dict(model_type="llama", num_hidden_layers=8, tie_word_embeddings=True, **SHAPE),
 }
 SEQ = ("--max_seq_length", "64")
+PP2, PP4 = ("--pipeline_parallel_degree", "2"), ("--pipeline_parallel_degree", "4")
+VPP2, DUALPIPEV = ("--virtual_pp_degree", "2"), ("--pipeline_schedule", "DualPipeV")
+
+
+def accumulate(steps: int) -> tuple[str, ...]:
+    return ("--gradient_accumulation_steps", str(steps))
+
+
+
 # (model, world size, flags, a fragment of the refusal both must print)
 REFUSED = [
     ("llama8", 4, ("--pipeline_parallel_degree", "4", "--virtual_pp_degree", "2", "--gradient_accumulation_steps",
@@ -55,6 +65,19 @@ REFUSED = [
     ("llama8", 2, ("--context_parallel_degree", "2", "--max_seq_length", "66"), "is not divisible by 2 x"),
     ("gemma2", 2, ("--context_parallel_degree", "2"), "ring attention does not compute"),
     ("llama8", 2, ("--sequence_parallel",), "--sequence_parallel needs --tensor_parallel_degree >= 2"),
+    # the pipeline schedules (planning/schedules.py, Layout._check_schedule)
+    ("llama8", 4, PP4 + VPP2 + accumulate(6), "FThenB asserts a multiple of --pipeline_parallel_degree 4"),
+    ("llama8", 2, PP2 + VPP2 + accumulate(2) + ("--pipeline_schedule", "VPP"),
+     "--pipeline_schedule VPP runs with at least 2 x --pipeline_parallel_degree = 4 micro-batches"),
+    ("llama8", 2, PP2 + ("--pipeline_schedule", "VPP"),
+     "interleaves virtual stages: it needs --virtual_pp_degree >= 2"),
+    ("llama8", 1, ("--pipeline_schedule", "1F1B"), "--pipeline_schedule 1F1B needs --pipeline_parallel_degree >= 2"),
+    ("llama8", 2, PP2 + DUALPIPEV + accumulate(2),
+     "--pipeline_schedule DualPipeV needs at least 2 x --pipeline_parallel_degree = 4 micro-batches"),
+    ("llama8", 2, PP2 + DUALPIPEV + VPP2 + accumulate(4), "DualPipeV places its own two chunks per stage"),
+    ("llama8", 5, ("--pipeline_parallel_degree", "5") + DUALPIPEV + accumulate(10),
+     "fewer than --pipeline_parallel_degree 5 x DualPipeV's 2 = 10 chunks"),
+    ("llama8_tied", 2, PP2 + DUALPIPEV + accumulate(4), "--pipeline_schedule DualPipeV with tie_word_embeddings=true"),
 ]
 ACCEPTED = [("llama8", 1, ()), ("llama8", 1, ("--attention_core", "blockwise"))]
 

@@ -19,7 +19,7 @@ LAYERS = [  # bottom first: (name, packages or modules)
     ("entry points and tools", ("run_pretrain", "tools")),
 ]
 TYPE_HINTS_ONLY = {"modeling": ("paddle_pp.runtime.topology", "paddle_pp.runtime.layout")}
-MODELS_SEEN_AS_PLANS = {"checkpoint": ("modeling.tp_plan",)}  # the only model modules these packages import
+MODELS_SEEN_AS_PLANS = {"checkpoint": ("modeling.placement",)}  # the only model modules these packages import
 SOURCES = ("paddle_pp", "modeling", "checkpoint", "tools", "run_pretrain.py")
 
 
@@ -160,7 +160,7 @@ def test_checker_catches_a_backward_import_a_runtime_import_in_a_model_and_a_cyc
     _write_tree(tmp_path, files)
     graph = import_graph(tmp_path)
     assert sorted(backward_imports(graph)) == [
-        "checkpoint.save imports modeling.registry: checkpoint sees models only as plans (modeling.tp_plan)",
+        "checkpoint.save imports modeling.registry: checkpoint sees models only as plans (modeling.placement)",
         "modeling.leaky imports paddle_pp.runtime.topology outside `if TYPE_CHECKING:`",
         "modeling.upward (models) imports checkpoint.save (checkpoint)",
     ]

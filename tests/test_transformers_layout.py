@@ -3,7 +3,7 @@ the folder is the export of the same model bit for bit (names, transposes, GPT-2
 Phi-3's unequal fused projections, one tied embedding) with its checksums; transformers loads it as
 it is; it resumes with every weight exact; tools that read our layout refuse it by name; a crash while
 rewriting leaves the last checkpoint latest. Under tp x pp, ep and SP, and resumed under another
-layout: tests/test_family_training.py and tests/test_moe.py (their launches save this way)."""
+layout: tests/test_family_training.py and tests/test_moe_starts.py (their launches save this way)."""
 
 from __future__ import annotations
 

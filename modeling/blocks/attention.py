@@ -17,8 +17,8 @@ from modeling.blocks.norms import rms_norm_saved_bytes
 from modeling.blocks.parts import Block, ColumnLinear, Declared, Leaf, Norm, Part, RowLinear
 from modeling.blocks.rotary import Rotary
 from modeling.execution import Execution
+from modeling.placement import VECTOR_SPLIT, ZEROS, Placement, TensorPlan
 from modeling.sequence_parallel import gather_tokens
-from modeling.tp_plan import VECTOR_SPLIT, ZEROS, Placement, TensorPlan
 
 HEAD_NORM, PROJECTION_NORM = "head", "projection"  # q/k norms over each head, or over the whole projection
 

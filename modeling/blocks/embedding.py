@@ -14,9 +14,9 @@ from modeling.blocks.parts import Leaf
 from modeling.context_parallel import ahead_in_sequence
 from modeling.documents import document_positions, state, unpack
 from modeling.execution import Execution
+from modeling.placement import COLUMN, Placement, TensorPlan
 from modeling.sequence_parallel import gather_sequence, scatter_sequence
 from modeling.tp_layers import vocab_logits
-from modeling.tp_plan import COLUMN, Placement, TensorPlan
 
 _NUMPY_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
 
@@ -55,7 +55,7 @@ def logits(config, run: Execution, hidden: paddle.Tensor, weight: paddle.Tensor,
     embedding's [vocab, hidden]; the sequence is gathered back first under sequence parallelism.
     Granite divides them by `logits_divisor`; Gemma 2 soft-caps them (cap x tanh(logits / cap)),
     elementwise, so each rank's slice alone."""
-    out = vocab_logits(gather_sequence(hidden, run), weight, run.tp, transpose_y=tied)
+    out = vocab_logits(gather_sequence(hidden, run), weight, run, transpose_y=tied)
     if config.logits_divisor is not None:
         out = out / config.logits_divisor
     if config.final_logit_softcap is not None:

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 import paddle
 from paddle.distributed import collective
 
-from modeling import tp_layers
 from modeling.attention_core import AttentionCore, Heads
 from modeling.attention_core.spec import PLAIN, CoreSpec
 from modeling.blocks.norms import rms_norm_saved_bytes
@@ -131,7 +130,7 @@ class LatentSelfAttention(Block):
                                      axis=-1)
         k_rot = k_rot.reshape(lead + [1, declared.rope_dim])
         if self.sums_rotary_key:
-            k_rot = collective._c_identity(k_rot, group=tp_layers.tp_group())
+            k_rot = collective._c_identity(k_rot, group=run.tp_group)
         if declared.rotary is not None:
             q_rot, k_rot = declared.rotary.rotate(q_rot, k_rot, seq_first, run.kernels.fused_rope, run.cp, positions)
         keys = self.kv_b_proj(self.kv_a_layernorm(latent)).reshape(lead + [heads, declared.nope_dim + declared.v_dim])

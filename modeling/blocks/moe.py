@@ -29,16 +29,16 @@ import paddle.nn.functional as F
 from paddle.autograd import PyLayer
 from paddle.distributed.fleet.utils import sequence_parallel_utils as sp_utils
 
-from modeling import tp_gradients, tp_layers
+from modeling import tp_gradients
 from modeling.autocast import full_precision
 from modeling.blocks.mlp import GatedMLP
 from modeling.blocks.parts import Block, Declared, Part
 from modeling.blocks.router import Router, Routing
 from modeling.execution import Execution, recomputing
 from modeling.expert_parallel import run_dispatched, run_experts, run_experts_over_tp
+from modeling.placement import TensorPlan
 from modeling.sequence_parallel import sequence_shards
 from modeling.token_parts import token_parts
-from modeling.tp_plan import TensorPlan
 from paddle_pp.runtime.experts import mark_experts
 
 
@@ -135,7 +135,7 @@ class SparseMoE(Block):
         super().__init__(config, replace(run, sequence_parallel=False), declared)
         self.sequence_first = run.sequence_first
         self.layer_index = declared.index  # its decoder layer's, for the metrics
-        self.parts = token_parts(tp_layers.tp_group() if run.sequence_first else None, run.ring)
+        self.parts = token_parts(run.tp_group if run.sequence_first else None, run.ring)
         if run.sequence_first:
             tp_gradients.mark(self.router_layer, run)
             if declared.shared is not None and declared.shared_gate:
@@ -173,8 +173,8 @@ class SparseMoE(Block):
             nonlocal shared_out
             if not self.sequence_first:
                 return run_experts(rows, counts, self.experts)
-            outputs, idle, shared_out = run_experts_over_tp(
-                rows, counts, self.experts, (shared_layer, flat) if shared_layer is not None else None)
+            shared = (shared_layer, flat) if shared_layer is not None else None
+            outputs, idle, shared_out = run_experts_over_tp(rows, counts, self.experts, self.run.tp_group, shared)
             return outputs, idle
 
         out, counts = (self._local(flat, chosen, weights, compute) if self.run.experts is None

@@ -1,7 +1,7 @@
 """What a block is made of, declared once: each part is a value with its arguments, says its
 parameters' plans (shape, tp placement, initial values, whether the gradient is partial per tp rank)
 and builds its layer; the model adds the stage placement and the experts block the expert one
-(`tp_plan.Placement`).
+(`placement.Placement`).
 
 A leaf (a linear, an embedding, a norm) builds one Paddle layer. A block declaration (`Declared`)
 names its parts and the `Block` class it builds; the block's `__init__` builds each part as the
@@ -22,7 +22,7 @@ from paddle import nn
 from modeling import tp_gradients, tp_layers
 from modeling.blocks.norms import RMSNorm, SplitRMSNorm
 from modeling.execution import Execution
-from modeling.tp_plan import (
+from modeling.placement import (
     ALWAYS,
     COLUMN,
     ONES,
@@ -193,7 +193,7 @@ class Norm(Leaf):
 
     def build(self, config, run: Execution) -> nn.Layer:
         if self.split and run.tp > 1:
-            return SplitRMSNorm(self.dim, self.eps, tp_layers.tp_group())
+            return SplitRMSNorm(self.dim, self.eps, run.tp_group)
         if self.layer_norm:
             norm = nn.LayerNorm(self.dim, epsilon=self.eps, bias_attr=None if self.bias else False)
         else:
@@ -219,5 +219,4 @@ class WholeLinear(Leaf):
                                                          tp_partial_grad=UNDER_SEQUENCE_PARALLEL)} if self.bias else {})
 
     def build(self, config, run: Execution) -> nn.Layer:
-        return tp_gradients.mark(nn.Linear(self.in_features, self.out_features, bias_attr=None if self.bias else False),
-                                 run)
+        return tp_gradients.mark(tp_layers.whole_linear(run, self.in_features, self.out_features, self.bias), run)

@@ -34,7 +34,7 @@ from paddle import nn
 from modeling.autocast import full_precision
 from modeling.blocks.parts import Leaf
 from modeling.execution import Execution
-from modeling.tp_plan import REPLICATED, ZEROS, Placement, TensorPlan
+from modeling.placement import REPLICATED, ZEROS, Placement, TensorPlan
 
 SOFTMAX, SIGMOID, SOFTMAX_OF_TOP_K = "softmax", "sigmoid", "softmax_of_top_k"
 SWITCH, SEQUENCE = "switch", "sequence"

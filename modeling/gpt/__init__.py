@@ -19,8 +19,8 @@ from modeling.documents import unpack, with_hidden
 from modeling.execution import Execution
 from modeling.family import ModelFamily
 from modeling.paddlenlp_fused import QKV
+from modeling.placement import TensorPlan
 from modeling.sequence_parallel import gather_tokens, sequence_shards
-from modeling.tp_plan import TensorPlan
 from modeling.transformers_adapter import Stored, TransformersAdapter
 
 

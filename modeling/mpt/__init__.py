@@ -20,7 +20,7 @@ from modeling.causal_lm import Skeleton
 from modeling.config import DecoderConfig, ModelConfigError
 from modeling.config_fields import any_value
 from modeling.family import ModelFamily
-from modeling.tp_plan import TensorPlan
+from modeling.placement import TensorPlan
 from modeling.transformers_adapter import Stored, TransformersAdapter
 
 # attn_config keys and the only value transformers' MPT computes (the others are modelled or harmless)

@@ -37,8 +37,8 @@ from modeling.config import ModelConfigError
 from modeling.family import ModelFamily
 from modeling.fused_experts import fused_expert_stored, stores_fused_experts
 from modeling.paddlenlp_fused import FFN, QKV, fused_stored
+from modeling.placement import ModelPlan, split_tensor
 from modeling.registry import UnknownModelError, config_from_dict, family, plan_of
-from modeling.tp_plan import ModelPlan, split_tensor
 from modeling.transformers_adapter import RUN_FIELDS, ConfigFieldError, Stored
 from paddle_pp.interop.pickled import load_pickled
 from paddle_pp.interop.quantized import dequantizing

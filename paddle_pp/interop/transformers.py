@@ -28,8 +28,8 @@ from checkpoint.shards import TensorSpec, pack, write_shard
 from checkpoint.unified_io import UnifiedReader
 from modeling.family import ModelFamily
 from modeling.paddlenlp_fused import fused_stored
+from modeling.placement import ModelPlan, TensorPlan
 from modeling.registry import config_from_dict, family, plan_of
-from modeling.tp_plan import ModelPlan, TensorPlan
 from modeling.transformers_adapter import Stored, join
 from paddle_pp.interop.pretrained import open_pretrained, stored_shape
 

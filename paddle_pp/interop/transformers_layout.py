@@ -38,8 +38,8 @@ from checkpoint.format import (
 from checkpoint.load import load_checkpoint
 from checkpoint.shards import TensorSpec, write_shard
 from checkpoint.unified_io import UnifiedReader
+from modeling.placement import ModelPlan
 from modeling.registry import config_from_dict, family_of, plan_of
-from modeling.tp_plan import ModelPlan
 from paddle_pp.interop.pretrained import load_pretrained, open_pretrained
 from paddle_pp.interop.transformers import StoredTensors
 from paddle_pp.runtime.topology import Topology

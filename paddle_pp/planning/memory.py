@@ -12,9 +12,10 @@ import numpy as np
 
 from modeling.attention_core.ring import ring_traffic_bytes
 from modeling.execution import Execution
+from modeling.placement import layer_stage
 from modeling.registry import execution_for, family_of, plan_of, validate_layout
 from modeling.sequence_parallel import sequence_shards
-from modeling.tp_plan import layer_stage
+from paddle_pp.planning.schedules import in_flight, resolve_schedule
 from paddle_pp.runtime.layout import Layout
 
 ADAM_STATE_BYTES = 8  # two fp32 moments per parameter
@@ -63,25 +64,25 @@ def decoder_activation_bytes(config, layout: Layout, workload: Workload, stage: 
     from the family's per-layer model (exact in fp32 against the measurement) for the workload's
     attention core and recompute granularity.
 
-    One micro-batch is alive without pp (each is backpropagated before the next); under 1F1B stage k
-    holds min(pp - k, micro-batches), the interleaved schedule (vpp) 1 + (pp - 1) / (pp x vpp) times
-    that (Megatron's count). Each layer keeps `kept` bytes per micro-batch in flight, and with
-    recompute one layer at a time rebuilds its `rebuilt` bytes. Under context parallelism a rank
-    holds 1/cp of every sequence, and its ring core keeps what the blockwise core keeps for those
-    tokens. Layers may differ (a sliding or a full layer under the dense core, dense and MoE layers):
-    each of the stage's layers counts its own, and the last stage its multi-token prediction layers.
+    One micro-batch is alive without pp (each is backpropagated before the next); with pp, as many
+    as the run's schedule keeps alive on the stage (`schedules.in_flight`). Each layer keeps `kept`
+    bytes per micro-batch in flight, and with recompute one layer at a time rebuilds its `rebuilt`
+    bytes. Under context parallelism a rank holds 1/cp of every sequence, and its ring core keeps what
+    the blockwise core keeps for those tokens. Layers may differ (a sliding or a full layer under the
+    dense core, dense and MoE layers): each of the stage's layers counts its own, and the stage
+    holding the head (the last; the first in DualPipeV's V) its multi-token prediction layers.
     Embedding, head and loss are not included."""
     run = execution_for(layout, 0, workload.execution)
     batch, seq_len = workload.micro_batch, workload.seq_len // layout.cp
+    alive = in_flight(resolve_schedule(layout, workload.accumulate_steps), layout.pp, layout.vpp, stage,
+                      workload.accumulate_steps)
     layers = [family_of(config).layer_activations(config, run, batch, seq_len, compute_bytes, index)
               for index in range(config.num_hidden_layers)
-              if layer_stage(index, config.num_hidden_layers, layout.pp, layout.vpp) == stage]
-    if stage == layout.pp - 1:
+              if layer_stage(index, config.num_hidden_layers, layout.pp, layout.vpp, layout.dualpipev) == stage]
+    if stage == (0 if layout.dualpipev else layout.pp - 1):
         layers += [layer.activations(run, batch, seq_len, compute_bytes) for _, layer in config.prediction_layers()]
-    in_flight = 1.0 if layout.pp == 1 else min(layout.pp - stage, workload.accumulate_steps)
-    if layout.vpp > 1:
-        in_flight *= 1 + (layout.pp - 1) / (layout.pp * layout.vpp)
-    return int(in_flight * sum(layer.kept for layer in layers)) + max(layer.rebuilt for layer in layers)
+    kept, rebuilt = alive * sum(layer.kept for layer in layers), max(layer.rebuilt for layer in layers)
+    return int(kept) + rebuilt
 
 
 def ring_bytes_per_step(config, layout: Layout, workload: Workload, compute_bytes: int = 4) -> int:
@@ -93,7 +94,7 @@ def ring_bytes_per_step(config, layout: Layout, workload: Workload, compute_byte
     per_call = ring_traffic_bytes(workload.micro_batch, workload.seq_len // layout.cp,
                                   config.num_key_value_heads // layout.tp, config.head_dim, layout.cp, compute_bytes,
                                   forward_passes=2 if workload.recompute else 1)
-    layers = max(Counter(layer_stage(index, config.num_hidden_layers, layout.pp, layout.vpp)
+    layers = max(Counter(layer_stage(index, config.num_hidden_layers, layout.pp, layout.vpp, layout.dualpipev)
                          for index in range(config.num_hidden_layers)).values())  # the busiest stage's
     return layers * workload.accumulate_steps * per_call
 
@@ -110,7 +111,7 @@ def plan_layout(config, layout: Layout, compute_bytes: int = 4, workload: Worklo
     if workload:
         layout.check_sequence_length(workload.seq_len)
     plan = plan_of(config)
-    mesh = plan.mesh(layout.pp, layout.vpp, layout.ep, layout.tp)
+    mesh = plan.mesh(layout.pp, layout.vpp, layout.ep, layout.tp, layout.dualpipev)
     counts = np.zeros([layout.pp, layout.tp], dtype=np.int64)
     experts = np.zeros([layout.pp, layout.tp], dtype=np.int64)  # of which experts across sharding ranks
     for stage in range(layout.pp):  # expert rank 0's share: every expert rank holds as many experts alike
@@ -148,7 +149,7 @@ def dispatch_bytes_per_step(config, layout: Layout, workload: Workload, compute_
     per_stage = [0] * layout.pp
     for index in range(config.num_hidden_layers):
         if isinstance(config.decoder_layer(index).feed_forward, MoE):
-            per_stage[layer_stage(index, config.num_hidden_layers, layout.pp, layout.vpp)] += 1
+            per_stage[layer_stage(index, config.num_hidden_layers, layout.pp, layout.vpp, layout.dualpipev)] += 1
     per_stage[-1] += sum(isinstance(layer.feed_forward, MoE) for _, layer in config.prediction_layers())
     exchanges = 4 + (2 if workload.recompute else 0)
     rows = (workload.micro_batch * workload.seq_len * config.num_experts_per_tok

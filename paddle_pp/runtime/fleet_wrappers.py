@@ -17,7 +17,6 @@ from paddle.distributed import fleet
 from paddle.distributed.fleet.base.topology import ParallelMode
 from paddle.distributed.fleet.meta_parallel import PipelineLayer
 
-from paddle_pp.runtime.expert_sharding import shard_experts_over_replicas
 from paddle_pp.runtime.topology import Topology, align_ranks
 
 
@@ -46,14 +45,10 @@ def wrap_for_layout(model: paddle.nn.Layer, optimizer: paddle.optimizer.Optimize
     goes inside Paddle's group-sharded one, which partitions gradients (and, for stage3, each
     parameter of more than `stage3_segment_size` elements) over the sharding group and averages
     over the dp group; fleet's optimizer is not used there, as it would shard the states again.
-    With experts across sharding ranks, stage1 partitions the experts over their replicas
-    (`expert_sharding`). What the gradients need beyond these wrappers: `training.gradient_path`."""
+    What the gradients and the update need beyond these wrappers: `training.gradient_path`."""
     level = topo.layout.group_sharded_level
     if level is None:
-        wrapped = wrap_optimizer(optimizer)
-        if topo.layout.experts_across_sharding:
-            shard_experts_over_replicas(wrapped, topo.experts)
-        return wrap_model(model, topo), wrapped
+        return wrap_model(model, topo), wrap_optimizer(optimizer)
     from paddle.distributed.sharding import group_sharded_parallel
 
     align_ranks(topo)  # the wrappers start by broadcasting every parameter

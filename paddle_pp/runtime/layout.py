@@ -26,6 +26,11 @@ TOPO_ORDERS = {
     "sharding_first": ["dp", "sharding", "pp", "sep", "mp"],
 }
 
+# The pipeline schedules of Paddle 3.3.1's fleet, by the names PaddleNLP's auto-parallel
+# `pipeline_schedule_mode` gives them (DualPipeV: PaddleNLP's `use_dualpipev`). "auto" is fleet's own
+# pick: 1F1B with one chunk per stage, with virtual stages VPP from 2 x pp micro-batches, FThenB below.
+PIPELINE_SCHEDULES = ("auto", "1F1B", "VPP", "FThenB", "DualPipeV")
+
 
 class LayoutError(UserError, ValueError):
     """A parallel layout that cannot run; the message names the flag and the fix."""
@@ -58,6 +63,7 @@ class Layout:
     sequence_parallel: bool = False
     context_parallel_degree: int = 1
     expert_parallel_degree: int = 1
+    pipeline_schedule: str = "auto"
     dp: int = field(init=False)
     notes: tuple[str, ...] = field(init=False, default=())
 
@@ -124,6 +130,7 @@ class Layout:
                 f"{stage}'s gradient reduction both hook the backward pass; their order is untested here); use "
                 "--sharding stage1 with --sequence_parallel, or drop one of them.")
         self._check_experts(stage)
+        self._check_schedule()
         if self.hybrid_parallel_topo_order not in TOPO_ORDERS:
             raise LayoutError(
                 f"--hybrid_parallel_topo_order {self.hybrid_parallel_topo_order!r} is unknown; "
@@ -150,6 +157,33 @@ class Layout:
             raise LayoutError(
                 f"--expert_parallel_degree {ep} with --sharding {stage}: the experts' own gradient reduction is not "
                 f"wired into {stage}'s sharded one (not implemented); use --sharding stage1, or no sharding.")
+
+    def _check_schedule(self) -> None:
+        """What a schedule needs of the degrees (what it needs of the micro-batches and the model is
+        `planning.schedules.check_schedule`'s)."""
+        schedule, pp, vpp = self.pipeline_schedule, self.pp, self.vpp
+        if schedule not in PIPELINE_SCHEDULES:
+            raise LayoutError(
+                f"--pipeline_schedule {schedule!r} is unknown; use one of {', '.join(PIPELINE_SCHEDULES)}.")
+        if schedule != "auto" and pp < 2:
+            raise LayoutError(f"--pipeline_schedule {schedule} needs --pipeline_parallel_degree >= 2; drop it or add "
+                              "pipeline stages.")
+        if schedule in ("1F1B", "DualPipeV") and vpp > 1:
+            raise LayoutError(
+                f"--pipeline_schedule {schedule} with --virtual_pp_degree {vpp}: "
+                + ("1F1B runs one chunk per stage" if schedule == "1F1B" else
+                   "DualPipeV places its own two chunks per stage (Paddle asserts 'dualpipev is not compatible "
+                   "with virtual pipeline')")
+                + "; drop --virtual_pp_degree, or use --pipeline_schedule VPP or FThenB.")
+        if schedule in ("VPP", "FThenB") and vpp < 2:
+            raise LayoutError(f"--pipeline_schedule {schedule} interleaves virtual stages: it needs "
+                              "--virtual_pp_degree >= 2.")
+
+    @property
+    def dualpipev(self) -> bool:
+        """Whether each stage holds two chunks in a V: stage s the s-th and the (2 pp - 1 - s)-th, so the
+        first stage holds the embedding and the head (DeepSeek's DualPipeV)."""
+        return self.pipeline_schedule == "DualPipeV"
 
     def _check_positive(self) -> None:
         if self.world_size < 1:
@@ -261,6 +295,7 @@ class Layout:
             "sharding_degree": self.sharding_degree,
             "sep_degree": self.cp,
             "order": self.order,
+            "pp_configs": {"use_dualpipev": self.dualpipev},
         }
 
     def record(self) -> dict:
@@ -269,7 +304,8 @@ class Layout:
                 "pipeline_parallel_degree": self.pp, "sharding_parallel_degree": self.sharding_degree,
                 "data_parallel_degree": self.dp, "virtual_pp_degree": self.vpp,
                 "sharding": self.sharding_stage, "sequence_parallel": self.sequence_parallel,
-                "context_parallel_degree": self.cp, "expert_parallel_degree": self.ep}
+                "context_parallel_degree": self.cp, "expert_parallel_degree": self.ep,
+                "pipeline_schedule": self.pipeline_schedule}
 
     def flags(self) -> list[str]:
         """The command line's layout flags that give this layout (`from_args`' inverse)."""
@@ -281,6 +317,8 @@ class Layout:
         out += ["--sequence_parallel"] if self.sequence_parallel else []
         if self.hybrid_parallel_topo_order != "pp_first":
             out += ["--hybrid_parallel_topo_order", self.hybrid_parallel_topo_order]
+        if self.pipeline_schedule != "auto":
+            out += ["--pipeline_schedule", self.pipeline_schedule]
         return out
 
     def describe(self) -> str:
@@ -289,6 +327,8 @@ class Layout:
             text += f" ({self.sharding_stage})"
         if self.vpp > 1:
             text += f" (vpp{self.vpp})"
+        if self.dualpipev:
+            text += " (DualPipeV)"
         if self.cp > 1:
             text += f" x cp{self.cp}"
         if self.ep > 1:
@@ -331,6 +371,7 @@ class Layout:
             sequence_parallel=args.sequence_parallel,
             context_parallel_degree=args.context_parallel_degree,
             expert_parallel_degree=getattr(args, "expert_parallel_degree", 1),
+            pipeline_schedule=getattr(args, "pipeline_schedule", "auto"),
         )
 
 
@@ -362,6 +403,11 @@ class LayoutArguments:
     sharding: str = flag("", "ZeRO stage over --sharding_parallel_degree ranks: stage1 (optimizer states), stage2 "
                          "(+ gradients), stage3 (+ parameters); stage2/3 need pp = 1")
     virtual_pp_degree: int = flag(1, "virtual stages per pipeline rank (interleaved 1F1B)")
+    pipeline_schedule: str = flag(
+        "auto", "the pipeline's schedule: auto (fleet's pick: 1F1B; with --virtual_pp_degree VPP from 2 x pp "
+        "micro-batches, FThenB below), 1F1B, VPP, FThenB, DualPipeV (DeepSeek's V: two chunks per stage, the "
+        "first stage holds the embedding and the head; 2 x pp micro-batches or more)",
+        choices=list(PIPELINE_SCHEDULES))
     stage3_segment_size: int = flag(
         2**20, "stage3 slices only parameters of more elements than this (Paddle's segment_size); smaller ones "
         "stay whole on every sharding rank")

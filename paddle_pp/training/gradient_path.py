@@ -36,6 +36,7 @@ from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.hybrid_parallel_
 )
 
 from modeling.tp_gradients import is_partial, sum_partial_gradients
+from paddle_pp.runtime.expert_sharding import shard_experts_over_replicas
 from paddle_pp.runtime.experts import is_expert
 from paddle_pp.runtime.fleet_wrappers import inner_optimizer, optimizer_chain
 from paddle_pp.runtime.topology import Topology
@@ -55,7 +56,9 @@ def before_wrapping(model: paddle.nn.Layer, topo: Topology) -> None:
 
 def after_wrapping(optimizer: Any, model: paddle.nn.Layer, topo: Topology, clip: ReportingGlobalNormClip | None,
                    record: bool = False) -> None:
-    """Steps 2 to 4 on the wrapped `optimizer` (`clip` None: a clip of Paddle's own, left as it is)."""
+    """Steps 2 to 5 on the wrapped `optimizer` (`clip` None: a clip of Paddle's own, left as it is)."""
+    if topo.layout.experts_across_sharding:  # step 5: stage1 partitions the experts over their replicas
+        shard_experts_over_replicas(optimizer, topo.experts)
     _sync_gradients(optimizer, model, topo)
     if clip is not None:
         _clip_reporting(optimizer, clip, model, topo)

@@ -143,6 +143,15 @@ def _attention(values: dict) -> tuple[dict[str, Any], list[str]]:
     return flags, refused
 
 
+def _pipeline(values: dict) -> tuple[dict[str, Any], list[str]]:
+    """PaddleFormers' flat schedule switches: `use_dualpipev` is --pipeline_schedule DualPipeV;
+    `best_unbalanced_scheduler` (fleet's VPPFhenBInBalancedMemory) is not wired."""
+    flags = {"pipeline_schedule": "DualPipeV"} if values.get("use_dualpipev") else {}
+    refused = (["best_unbalanced_scheduler=true (fleet's VPPFhenBInBalancedMemory is not wired here; drop it: "
+                "FThenB runs at pp micro-batches, VPP from 2 x pp)"] if values.get("best_unbalanced_scheduler") else [])
+    return flags, refused
+
+
 def is_paddleformers_recipe(values: dict) -> bool:
     """Whether a recipe's fields are PaddleFormers' (its trainer requires a `stage`; PaddleNLP's has none)."""
     return "stage" in values
@@ -153,11 +162,13 @@ def prepare(values: dict) -> tuple[dict[str, Any], set[str], list[str]]:
     degrees, refused = _degrees(values)
     recompute, recompute_refused = _recompute(values)
     attention, attention_refused = _attention(values)
-    refused += recompute_refused + attention_refused + _training(values) + _schedule(values) + _data(values)
+    pipeline, pipeline_refused = _pipeline(values)
+    refused += (recompute_refused + attention_refused + pipeline_refused + _training(values) + _schedule(values)
+                + _data(values))
     consumed = {name for spellings in DEGREES.values() for name in spellings} | set(UNBUILT_DEGREES)
     consumed |= {*RECOMPUTE_FIELDS, *ONLINE_DATA, "stage", "fine_tuning", "dataset_type", "_attn_implementation",
-                 "use_global_causal_attn"}
-    return degrees | recompute | attention, consumed & set(values), refused
+                 "use_global_causal_attn", "use_dualpipev", "best_unbalanced_scheduler"}
+    return degrees | recompute | attention | pipeline, consumed & set(values), refused
 
 
 PADDLEFORMERS = Dialect(

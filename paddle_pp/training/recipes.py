@@ -72,6 +72,9 @@ COMMUNICATION_OPTIONS = {
                                  "enable_overlap"},
 }
 
+# Options of pipeline_parallel_config that pick fleet's schedule class: the flag and value they mean.
+SCHEDULE_OPTIONS = {"use_dualpipev": ("pipeline_schedule", "DualPipeV")}
+
 REFUSED: dict[str, tuple[Callable[[dict], bool], str]] = {  # field: (is its value trainable here?, why not, fix)
     "decay_steps": (lambda v: v["decay_steps"] in (None, v.get("max_steps")),
                     "the decay always ends at max_steps; drop decay_steps or set it to max_steps"),
@@ -92,7 +95,7 @@ def _refusals(values: dict, refused_fields: dict) -> list[str]:
     refused = [f"{key}={values[key]!r} ({why})" for key, (trainable, why) in refused_fields.items()
                if key in values and not trainable(values)]
     for key, allowed in COMMUNICATION_OPTIONS.items():
-        unknown = sorted(set(str(values.get(key) or "").split()) - allowed)
+        unknown = sorted(set(str(values.get(key) or "").split()) - allowed - set(SCHEDULE_OPTIONS))
         if unknown:
             refused.append(f"{key} option(s) {', '.join(unknown)} (not known to change nothing that is trained; "
                            f"known: {', '.join(sorted(allowed))})")
@@ -115,7 +118,14 @@ class Dialect:
     prepare: Callable[[dict], tuple[dict[str, Any], set[str], list[str]]] = lambda values: ({}, set(), [])
 
 
-PADDLENLP = Dialect("PaddleNLP", "PaddleNLP's", RENAMED, PADDLENLP_DEFAULTS, NO_EFFECT, REFUSED)
+def schedule_options(values: dict) -> dict[str, Any]:
+    """The flags PaddleNLP's pipeline_parallel_config options that pick a schedule mean (`use_dualpipev`)."""
+    words = str(values.get("pipeline_parallel_config") or "").split()
+    return dict(flag for option, flag in SCHEDULE_OPTIONS.items() if option in words)
+
+
+PADDLENLP = Dialect("PaddleNLP", "PaddleNLP's", RENAMED, PADDLENLP_DEFAULTS, NO_EFFECT, REFUSED,
+                    lambda values: (schedule_options(values), set(), []))
 
 
 def load_recipe(path: Path) -> dict[str, Any]:

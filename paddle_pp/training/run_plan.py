@@ -14,8 +14,9 @@ It decides, in this order:
 4. the model's fit to the flags and the layout: dropout, fp16 with experts, `validate_layout` (tp,
    pp x vpp, ep, cp against every layer's attention);
 5. the execution: the attention core (per layer where the run's core cannot compute a layer),
-   recompute, kernels, documents, accumulation (`run_execution`), and the pipeline's micro-batches
-   against its virtual stages.
+   recompute, kernels, documents, accumulation (`run_execution`);
+6. the pipeline schedule fleet will run for these micro-batches, and what it cannot take of them or
+   of the model (`planning.schedules`).
 What needs the process groups (this rank's tp rank, the cp ring, the expert groups) is added to the
 execution once they exist (`modeling.registry.execution_for`).
 """
@@ -29,6 +30,7 @@ from modeling.attention_core import CORES, DenseCost, Heads
 from modeling.execution import Execution, choose_execution
 from modeling.registry import core_notes, validate_layout
 from paddle_pp.planning.memory import Workload
+from paddle_pp.planning.schedules import check_schedule_model, resolve_schedule
 from paddle_pp.runtime.errors import UserError
 from paddle_pp.runtime.host_memory import host_bytes_per_rank
 from paddle_pp.runtime.layout import Layout
@@ -65,6 +67,7 @@ class RunPlan:
     compute_dtype: str | None
     seq_len: int
     execution: Execution
+    schedule: str  # the pipeline's (`planning.schedules.resolve_schedule`; "" without one)
     notes: tuple[str, ...]
 
     @property
@@ -184,12 +187,13 @@ def plan_run(args: PretrainArguments, config, end_of_document: int | None, world
                                model.recompute)
     execution, notes = run_execution(model, layout, compute_dtype, config.head_dim, end_of_document, dense_cost)
     notes += core_notes(config, execution)
-    if layout.vpp > 1 and batches.accumulate_steps < layout.pp:
-        raise TrainingConfigError(
-            f"--virtual_pp_degree needs at least --pipeline_parallel_degree {layout.pp} micro-batches per "
-            f"step; got {batches.accumulate_steps} (raise --gradient_accumulation_steps)")
+    schedule = resolve_schedule(layout, batches.accumulate_steps)
+    check_schedule_model(schedule, config)
+    if schedule:
+        notes.append(f"pipeline schedule: {schedule} ({batches.accumulate_steps} micro-batches over {layout.pp} "
+                     "stages)")
     return RunPlan(layout, batches, warmup, compute_dtype, data.max_seq_length,
-                   replace(execution, accumulate_steps=batches.accumulate_steps), (*layout.notes, *notes))
+                   replace(execution, accumulate_steps=batches.accumulate_steps), schedule, (*layout.notes, *notes))
 
 
 def plan_for(config, layout: Layout, *flags: str, end_of_document: int | None = 0) -> RunPlan:

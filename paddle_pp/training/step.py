@@ -12,6 +12,7 @@ from typing import Callable
 import paddle
 import paddle.distributed as dist
 
+from paddle_pp.runtime.dualpipev_eval import dualpipev_eval_loss
 from paddle_pp.runtime.topology import Topology
 from paddle_pp.training.precision import autocast
 
@@ -82,6 +83,8 @@ def eval_loss(model, criterion, inputs, labels, topo: Topology, compute_dtype: s
     with paddle.no_grad(), autocast(compute_dtype):
         if topo.layout.pp == 1:
             loss = criterion(model(inputs), labels)
+        elif topo.layout.dualpipev:
+            loss = dualpipev_eval_loss(model, [inputs, labels] if topo.is_first_stage else None)
         else:
             model._p2p_helper.clear_meta_cache()
             loss = model.eval_batch([inputs, labels], compute_loss=True)

@@ -58,23 +58,40 @@ def _build_optimizer(model, args: OptimizerArguments, schedule: WarmupCosine, cl
         apply_decay_param_fun=lambda name: name.removeprefix(SLICE_PREFIX) in matrices)
 
 
+def refuse_foreign_checkpoints(output_dir: Path, resume_dir: Path | None) -> None:
+    """Before anything is written: a fresh run into an --output_dir holding checkpoint folders another
+    trainer wrote (no `latest` marker of ours) would replace one with a save of the same step."""
+    unclaimed = unclaimed_checkpoints(output_dir) if resume_dir is None else []
+    if unclaimed:
+        raise TrainingConfigError(
+            f"--output_dir {output_dir} holds {', '.join(unclaimed[:3])}{' ...' if len(unclaimed) > 3 else ''} that "
+            "paddle-pp did not write (no 'latest' marker: a PaddleNLP or PaddleFormers run's?); a save of the same "
+            "step would replace it. Choose another --output_dir, or resume a unified checkpoint there with "
+            "--resume_from_checkpoint <folder>")
+
+
 class Pretrainer:
     def __init__(self, args: PretrainArguments, after_update: Callable[[Pretrainer], None] | None = None):
-        """`after_update` runs after each optimizer update, before gradients are cleared (the moment a
+        """Construction from the run's plan, in the order a job needs it: the plan (every refusal,
+        before any process group), the output folder claimed, then the process groups, the model and
+        its weights, the optimizer and the gradient path, a resumed state, and the data.
+        `after_update` runs after each optimizer update, before gradients are cleared (the moment a
         rank holds parameters, gradients and optimizer states at once)."""
         self.args = args
         self.after_update = after_update
         self.routing = None  # the step's routing over the job (an MoE model's), read at each update
-        data, optim = args.data, args.optim
+        self._plan()
+        self._claim_output()
+        self._build()
+        self._load_data()
+
+    def _plan(self) -> None:
+        """The resume folder, the pretrained folder, the tokenizer, the model config and the run plan;
+        a resumed checkpoint is checked against them. Nothing here needs another rank."""
+        args, data = self.args, self.args.data
         # found before the output_dir lock: `latest` only ever moves forward, and a live writer fails the lock
         self.resume_dir = self._resume_folder()
-        unclaimed = unclaimed_checkpoints(Path(args.output.output_dir)) if self.resume_dir is None else []
-        if unclaimed:
-            raise TrainingConfigError(
-                f"--output_dir {args.output.output_dir} holds {', '.join(unclaimed[:3])}"
-                f"{' ...' if len(unclaimed) > 3 else ''} that paddle-pp did not write (no 'latest' marker: a "
-                "PaddleNLP or PaddleFormers run's?); a save of the same step would replace it. Choose another "
-                "--output_dir, or resume a unified checkpoint there with --resume_from_checkpoint <folder>")
+        refuse_foreign_checkpoints(Path(args.output.output_dir), self.resume_dir)
         source = args.model.model_name_or_path
         self.pretrained = open_pretrained(
             Path(source), weights=self.resume_dir is None and args.model.continue_training,
@@ -94,28 +111,37 @@ class Pretrainer:
         self.weights_rewrite = TransformersWeights(self.config) if args.checkpoint.save_to_hf else None
         self.data_plan = plan_data(
             data.input_dir, data.corpus, self.tokenizer.folder, data.data_cache, data.split, data.data_impl,
-            data.max_seq_length, data.seed, dataset_sizes(self.batches.global_batch, optim.max_steps,
+            data.max_seq_length, data.seed, dataset_sizes(self.batches.global_batch, args.optim.max_steps,
                                                           args.output.eval_steps, args.output.eval_iters),
             self.config.vocab_size)
+        optim = args.optim
         self.schedule = WarmupCosine(optim.learning_rate, self.run_plan.warmup_steps, optim.max_steps,
                                      optim.min_learning_rate, optim.lr_scheduler_type, optim.warmup_from_zero)
         self.skip_intervals = parse_intervals(args.checkpoint.skip_data_intervals)
-        self.lock = acquire(Path(args.output.output_dir)) if launched_rank() == 0 else None
+
+    def _claim_output(self) -> None:
+        """Rank 0 locks --output_dir (one writer at a time) and clears saves a stopped job left unfinished."""
+        output_dir = Path(self.args.output.output_dir)
+        self.lock = acquire(output_dir) if launched_rank() == 0 else None
         if self.lock is not None:
-            cleared = clear_interrupted_saves(Path(args.output.output_dir))
+            cleared = clear_interrupted_saves(output_dir)
             if cleared:
-                print(f"{args.output.output_dir}: cleared {len(cleared)} save(s) a stopped job left unfinished: "
+                print(f"{output_dir}: cleared {len(cleared)} save(s) a stopped job left unfinished: "
                       f"{', '.join(cleared)}", file=sys.stderr)
 
+    def _build(self) -> None:
+        """The process groups, the model (its weights initialised, loaded or resumed), the optimizer
+        with precision and the gradient path around fleet's wrappers, and a resumed state."""
+        args, optim = self.args, self.args.optim
         self.topo: Topology = init_distributed(self.layout, self.batches.micro_batch, self.batches.accumulate_steps)
-        paddle.seed(data.seed)
+        paddle.seed(args.data.seed)
         raw = build_causal_lm(self.config, self.topo, self.execution)
         self.plan = plan_of(self.config)
         self.axes = self.plan.axes()
         if self.resume_dir is None and self.pretrained is not None and args.model.continue_training:
             load_pretrained(self.pretrained, raw, self.axes, self.topo)
         elif self.resume_dir is None:
-            init_single_card_weights(raw, self.plan, self.topo, data.seed, args.model.initializer_range)
+            init_single_card_weights(raw, self.plan, self.topo, args.data.seed, args.model.initializer_range)
         else:  # weights before the wrappers take the model (stage3 slices what it finds), states after
             resumed = load_resumed(self.resume_dir, raw, self.axes, self.topo)
         self.criterion = getattr(raw, "criterion", None)
@@ -135,9 +161,12 @@ class Pretrainer:
                 load_checkpoint(self.resume_dir, raw, self.optimizer, self.topo, self.axes, weights=False)
             self._resume(state=resumed)
         self.pending_save: PendingSave | None = None
+
+    def _load_data(self) -> None:
+        """The stages that read data build it (rank 0 first: it writes the index files); all align."""
         self.train_data, self.valid_data = (
             rank0_first(self.topo, "data", lambda: build_data(self.data_plan)) if self.needs_data else (None, None))
-        align_ranks(self.topo)  # only first and last stages built data; the others wait in p2p
+        align_ranks(self.topo)  # only the stages reading data built it; the others wait in p2p
         self.sampler = SequentialBatches(self.data_plan.num_samples[0], self.batches.global_batch)
 
     def _resume_folder(self) -> Path | None:
@@ -194,8 +223,9 @@ class Pretrainer:
 
     @property
     def needs_data(self) -> bool:
-        """Inputs enter at the first stage and labels at the last; middle stages read nothing."""
-        return self.topo.is_first_stage or self.topo.is_last_stage
+        """Inputs enter at the first stage and labels where the head is: the last stage, or under
+        DualPipeV the first (its V turns back); other stages read nothing."""
+        return self.topo.is_first_stage or (self.topo.is_last_stage and not self.layout.dualpipev)
 
     def batch_tensors(self, dataset, indices):
         """(inputs, labels) of the samples at `indices`: each sample's first and last seq_length ids
@@ -267,8 +297,8 @@ class Pretrainer:
         save_steps = self.args.checkpoint.save_steps
         output = Path(out.output_dir)
         log = MetricsLog(output / "metrics.jsonl", resume_step=self.step) if is_writer else None
-        board = VisualDLLog(Path(out.logging_dir or output / "runs")) if is_writer and out.report_to == "visualdl" \
-            else None
+        board = (VisualDLLog(Path(out.logging_dir or output / "runs"))
+                 if is_writer and out.report_to == "visualdl" else None)
         if log and (log.torn_lines or log.superseded):
             print(f"metrics.jsonl: dropped {log.torn_lines} torn line(s) and {log.superseded} record(s) of steps "
                   f"after {self.step}, which this run trains again", file=sys.stderr)
@@ -276,8 +306,7 @@ class Pretrainer:
         started, history = time.perf_counter(), []
         stop = min(max_steps, self.step + out.exit_after_steps) if out.exit_after_steps else max_steps
         while self.step < stop:
-            record = self.skip_one_step() if skipped(self.step + 1, self.skip_intervals) else \
-                self.train_one_step()
+            record = self.skip_one_step() if skipped(self.step + 1, self.skip_intervals) else self.train_one_step()
             last = self.step == stop
             if out.do_eval and ((out.eval_steps and self.step % out.eval_steps == 0) or last):
                 record["eval_loss"] = self.evaluate()

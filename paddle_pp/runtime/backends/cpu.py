@@ -400,6 +400,51 @@ def _interleave_sanity(needs_double_accumulation: bool):
     return check_sanity
 
 
+def _dualpipev_commit(self, p2p_overlap: bool = False, use_outer_event_wait: bool = False) -> None:
+    """Replaces `DualPipeVParallel._commit_and_wait_comm`, which asks the device for its current
+    stream and a GPU build's `deep_ep` for events to order the p2p stream against compute, on every
+    call. A CPU rank has one stream (and p2p overlap is off), so the exchange is all there is: the
+    activations' messages, then the gradients', each set complete before the next, as upstream
+    orders them; then the sent activations are freed."""
+    for ops in (self.comm_forward_ops, self.comm_backward_ops):
+        if ops:
+            _dualpipev_p2p(ops)
+    self.comm_forward_ops, self.comm_backward_ops = [], []
+    self._free_tensors()
+
+
+def _dualpipev_p2p(ops: list) -> None:
+    """In place of `batch_isend_irecv` in `dualpipev.py` (NCCL's grouped calc-stream p2p, which gloo
+    lacks). DualPipeV's two chunks per stage send both ways between neighbours; each message goes
+    over the edge group of its direction (down the stages "fwd", up "bwd"), one thread per edge
+    runs that edge's transfers in the order posted (as NCCL orders a pair's messages), and all are
+    joined before returning."""
+    from paddle.distributed import fleet, isend
+
+    me = dist.get_rank()
+    stage = fleet.get_hybrid_communicate_group().get_pipe_parallel_group().ranks.index
+    by_edge: dict[tuple[int, int, str], list] = {}
+    for op in ops:
+        send = op.op is isend
+        src, dst = (me, op.peer) if send else (op.peer, me)
+        by_edge.setdefault((src, dst, "fwd" if stage(dst) > stage(src) else "bwd"), []).append((op.tensor, send))
+    futures = [_p2p_threads.submit(_edge_transfers, transfers, _edge(*edge), edge[1] if transfers[0][1] else edge[0])
+               for edge, transfers in by_edge.items()]
+    for future in futures:
+        future.result()
+
+
+def _edge_transfers(transfers: list, group, peer: int) -> None:
+    for tensor, send in transfers:
+        _transfer(tensor, group, peer, send)
+
+
+def _patch_dualpipev() -> None:
+    from paddle.distributed.fleet.meta_parallel import dualpipev
+
+    _replace(dualpipev.DualPipeVParallel, "_commit_and_wait_comm", _dualpipev_commit)
+
+
 def _patch_pipeline_p2p() -> None:
     from paddle.distributed.fleet.meta_parallel import pipeline_parallel
     from paddle.distributed.fleet.meta_parallel.pp_utils import p2p_communication
@@ -683,6 +728,7 @@ def apply() -> None:
     _patch_input_broadcast()
     _patch_tp_ops()
     _patch_pipeline_p2p()
+    _patch_dualpipev()
     _patch_group_creation()
     _patch_group_sharded()
     _patch_sequence_parallel()

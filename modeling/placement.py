@@ -46,8 +46,9 @@ class TPPlanError(UserError, ValueError):
 @dataclass(frozen=True)
 class Mesh:
     """The sizes of the axes tensors are placed along, for one model under one layout: pipeline
-    stages (with vpp chunks each), expert-parallel ranks, tp ranks; and the model's decoder layers
-    and experts per MoE layer (0: dense), which the stage and expert rules divide."""
+    stages (with vpp chunks each, or DualPipeV's two in a V: `v_shape`), expert-parallel ranks, tp
+    ranks; and the model's decoder layers and experts per MoE layer (0: dense), which the stage and
+    expert rules divide."""
 
     num_layers: int
     num_experts: int = 0
@@ -55,6 +56,13 @@ class Mesh:
     vpp: int = 1
     ep: int = 1
     tp: int = 1
+    v_shape: bool = False
+
+    @property
+    def last_stage(self) -> int:
+        """The stage holding what follows the decoder layers (the final norm, the head): the V turns
+        back to the first."""
+        return 0 if self.v_shape else self.pp - 1
 
     def experts_of(self, expert_rank: int) -> range:
         """The global ids of the experts an expert-parallel rank holds (the rule the expert groups
@@ -80,8 +88,8 @@ class Placement:
     def stages(self, mesh: Mesh) -> list[int]:
         """The pipeline stages holding it: its decoder layer's (`layer_stage`), or those of its place."""
         if isinstance(self.stage, int):
-            return [layer_stage(self.stage, mesh.num_layers, mesh.pp, mesh.vpp)]
-        return {FIRST: [0], LAST: [mesh.pp - 1], FIRST_AND_LAST: sorted({0, mesh.pp - 1})}[self.stage]
+            return [layer_stage(self.stage, mesh.num_layers, mesh.pp, mesh.vpp, mesh.v_shape)]
+        return {FIRST: [0], LAST: [mesh.last_stage], FIRST_AND_LAST: sorted({0, mesh.last_stage})}[self.stage]
 
     def held_at(self, stage: int, expert_rank: int, mesh: Mesh) -> bool:
         """Whether the ranks of pipeline stage `stage` and expert rank `expert_rank` hold it."""
@@ -138,13 +146,13 @@ class ModelPlan(Mapping):
         """Each parameter's tp axis (None: whole on every tp rank)."""
         return {name: row.placement.tp for name, row in self.tensors.items()}
 
-    def mesh(self, pp: int = 1, vpp: int = 1, ep: int = 1, tp: int = 1) -> Mesh:
+    def mesh(self, pp: int = 1, vpp: int = 1, ep: int = 1, tp: int = 1, v_shape: bool = False) -> Mesh:
         """The mesh of this model under those degrees."""
-        return Mesh(self.num_layers, self.num_experts, pp, vpp, ep, tp)
+        return Mesh(self.num_layers, self.num_experts, pp, vpp, ep, tp, v_shape)
 
-    def stages(self, name: str, pp: int, vpp: int) -> list[int]:
+    def stages(self, name: str, pp: int, vpp: int, v_shape: bool = False) -> list[int]:
         """The pipeline stages holding parameter `name`."""
-        return self.tensors[name].placement.stages(self.mesh(pp, vpp))
+        return self.tensors[name].placement.stages(self.mesh(pp, vpp, v_shape=v_shape))
 
     def held_at(self, stage: int, expert_rank: int, mesh: Mesh) -> list[str]:
         """Single-card names the ranks of (stage, expert rank) hold, in the order the built model lists
@@ -208,10 +216,24 @@ def chunk_starts(num_layers: int, chunks: int) -> tuple[int, ...]:
     return tuple(starts)
 
 
-def layer_stage(index: int, num_layers: int, pp: int, vpp: int) -> int:
-    """The pipeline stage of decoder layer `index`: it lives in the virtual chunk `chunk_starts`
-    places it in, and chunk c on stage c % pp (interleaved order)."""
-    return (bisect.bisect_right(chunk_starts(num_layers, pp * vpp), index) - 1) % pp
+def pipeline_chunks(pp: int, vpp: int, v_shape: bool = False) -> int:
+    """How many chunks the decoder layers are cut into: vpp per stage, or DualPipeV's two."""
+    return pp * (2 if v_shape else vpp)
+
+
+def chunk_stage(chunk: int, pp: int, v_shape: bool = False) -> int:
+    """The stage of pipeline chunk `chunk`: interleaved, chunk c on stage c % pp; in DualPipeV's V,
+    the first pp chunks down the stages and the next pp back up (fleet's `_segment_network_for_dualpipev`)."""
+    if v_shape:
+        return chunk if chunk < pp else 2 * pp - 1 - chunk
+    return chunk % pp
+
+
+def layer_stage(index: int, num_layers: int, pp: int, vpp: int, v_shape: bool = False) -> int:
+    """The pipeline stage of decoder layer `index`: it lives in the chunk `chunk_starts` places it in,
+    on that chunk's stage."""
+    chunks = pipeline_chunks(pp, vpp, v_shape)
+    return chunk_stage(bisect.bisect_right(chunk_starts(num_layers, chunks), index) - 1, pp, v_shape)
 
 
 def check_divisible(architecture: str, units: dict[str, int], tp: int) -> None:

@@ -1,0 +1,170 @@
+"""Mixture-of-experts training across layouts (real processes, fp32): a DeepSeek-V3-shaped model
+trains like single card under dp2 x tp2 x pp2 + SP x ep2, dp2 x sharding2 stage1 with ep2 and with
+ep4 (experts across the sharding ranks), cp2 x sharding2 stage1 x ep2, and stage2 without ep; its ep2
+checkpoint resumes under ep4 across the sharding ranks and on one card, and after a kill mid-save on
+one card; a Switch-routed Qwen2-MoE trains like single card with its sequences cut over cp.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from moe_cases import (
+    DEEPSEEK,
+    DP2_TP2_PP2_SP,
+    EP2,
+    EP4,
+    LOSS_RTOL,
+    MTP_KIND,
+    PARITY_RTOL,
+    RESUME_RTOL,
+    ROUTING_NOISE,
+    start_flags,
+)
+
+from checkpoint.verify import verify_checkpoint
+from modeling.registry import plan_of_folder
+from paddle_pp.runtime.launch import LaunchError, launch
+
+from runs import (
+    MICRO1,
+    MODEL,
+    RESUME_STEP,
+    TRAINER,
+    Run,
+    assert_trains_like,
+    history,
+    planned_writers,
+    written_by_rank,
+)
+
+
+@pytest.fixture(scope="module")
+def moe_runs(moe_folders):
+    """A DeepSeek-V3-shaped model (latent attention with yarn, a dense first layer, then 8 experts in 2
+    groups with sigmoid routing, correction biases and a shared expert; a multi-token prediction
+    layer) from its transformers 5 folder: 20 steps on one card; under dp2 x tp2 x pp2 + SP with its
+    experts over ep2, recomputing whole layers (saving at step 10); under dp2 x sharding2 stage1 over
+    ep2 with full recompute, and over ep4 (the expert group across the sharding ranks, each rank updating its own experts outside
+    stage1's partition); under cp2 x sharding2 stage1 over ep2 (each expert's states on one of its
+    two replicas, the cp peers); under dp2 x sharding2 stage2 without ep; and the ep2
+    step-10 checkpoint resumed under ep4 across the sharding ranks (two experts per rank) and on one card."""
+    start = start_flags(MTP_KIND, moe_folders["transformers5"]) + DEEPSEEK
+    single = Run("deepseek_single", 1, start + ("--save_steps", "20"))
+    hybrid = Run("deepseek_ep2_tp2_pp2_sp", 8, start + DP2_TP2_PP2_SP + EP2 + (
+        "--recompute", "--save_steps", str(RESUME_STEP)))
+    return {"single": single, "ep2_tp2_pp2_sp": hybrid,
+            "ep2_stage1": Run("deepseek_ep2_stage1", 4, start + EP2 + MICRO1 + (
+                "--sharding_parallel_degree", "2", "--sharding", "stage1", "--recompute", "--save_steps", "20")),
+            "ep4_stage1": Run("deepseek_ep4_stage1", 4, start + EP4 + MICRO1 + (
+                "--sharding_parallel_degree", "2", "--sharding", "stage1", "--save_steps", "20")),
+            "ep2_cp2_stage1": Run("deepseek_ep2_cp2_stage1", 4, start + EP2 + (
+                "--context_parallel_degree", "2", "--sharding_parallel_degree", "2", "--sharding", "stage1",
+                "--save_steps", "20")),
+            "stage2": Run("deepseek_dp2_stage2", 4, start + MICRO1 + ("--sharding_parallel_degree", "2", "--sharding",
+                                                             "stage2", "--recompute", "--save_steps", "20")),
+            "resumed_ep4": Run("deepseek_resumed_ep4_stage1", 4, start + EP4 + (
+                "--sharding_parallel_degree", "2", "--sharding", "stage1"), resume_from=hybrid),
+            "resumed_single": Run("deepseek_resumed_single", 1, start, resume_from=hybrid)}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", ["ep2_tp2_pp2_sp", "ep2_stage1", "ep4_stage1", "ep2_cp2_stage1", "stage2"])
+def test_a_deepseek_v3_shaped_model_trains_like_single_card(layout, moe_runs, pretrain_run, moe_folders):
+    """Losses, evaluation, grad norms, aux losses, multi-token prediction losses and final weights (the
+    correction biases, moved every step by the balancing rule, and the prediction layer on the last
+    pipeline stage among them) on the single-card run's; step 1 is transformers 5's next-token loss
+    plus MtpModel's on the same batch, and its logged mtp_loss MtpModel's; the model learns. First,
+    every token of the 20 steps routed clear of a tie by more than the layouts' summation noise
+    (sigmoid scores do come near one: 2.5e-6 measured here)."""
+    single = history(pretrain_run, moe_runs["single"])
+    assert min(single["router_margins"]) > ROUTING_NOISE, "a token came within summation noise of a routing tie: " \
+        "another layout may route it elsewhere; reseed the test folders (hf_models.SEEDS)"
+    answers = np.load(f"{moe_folders['transformers5'] / MTP_KIND}.mtp.npz")
+    np.testing.assert_allclose(single["losses"][0], answers["loss"] + answers["mtp_losses"].mean(), rtol=LOSS_RTOL)
+    np.testing.assert_allclose(single["mtp_losses"][0], answers["mtp_losses"].mean(), rtol=LOSS_RTOL)
+    assert_trains_like(pretrain_run, moe_runs[layout], moe_runs["single"], PARITY_RTOL)
+    for metric in ("aux_losses", "mtp_losses"):
+        np.testing.assert_allclose(history(pretrain_run, moe_runs[layout])[metric], single[metric], rtol=PARITY_RTOL)
+    assert single["losses"][-1] < single["losses"][0] - 0.5, "the model learns"
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("resumed", ["resumed_ep4", "resumed_single"])
+def test_a_deepseek_checkpoint_resumes_across_expert_parallel_sizes_on_the_single_card_curve(resumed, moe_runs,
+                                                                                              pretrain_run):
+    """The ep2 checkpoint (each expert written by one of the ranks holding it, the correction biases
+    beside their routers, all under single-card names) gives every rank of ep4, and one card, exactly
+    its weights, biases and Adam states before the first step, and the run continues on the
+    uninterrupted single-card curve."""
+    results, _ = pretrain_run(moe_runs[resumed])
+    assert [r["resumed_exactly"] for r in results] == [True] * len(results)
+    single = history(pretrain_run, moe_runs["single"])
+    np.testing.assert_allclose(history(pretrain_run, moe_runs[resumed])["losses"], single["losses"][RESUME_STEP:],
+                               rtol=RESUME_RTOL)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout, step", [("ep2_tp2_pp2_sp", RESUME_STEP), ("ep4_stage1", 20), ("ep2_cp2_stage1", 20)])
+def test_an_expert_parallel_save_is_written_by_every_rank_as_the_planner_predicts(layout, step, moe_runs,
+                                                                                 pretrain_run):
+    """Each expert's tensors come from one of the ranks holding it (the planner's writer for each;
+    with experts across sharding ranks, its AdamW states from the replica updating it, outside
+    stage1's partition, the cp peers among the replicas), every rank writes a share, and the
+    checkpoint verifies."""
+    run = moe_runs[layout]
+    _, out = pretrain_run(run)
+    folder = out / f"checkpoint-{step}"
+    written, writer = written_by_rank(folder)
+    assert sorted(written) == list(range(run.nproc))
+    assert writer == planned_writers(folder, run.flags, run.nproc)
+    assert verify_checkpoint(folder, plan_of_folder) == []
+
+
+@pytest.mark.multiproc
+def test_a_kill_during_an_expert_parallel_save_leaves_the_last_checkpoint_resumable(moe_runs, moe_folders, pretrain_run,
+                                                                                     data_cache, tmp_path):
+    """Four ranks (dp4: each expert on 2 of them, so their gradients are summed over the replicas)
+    train 2 steps on the single-card curve, then die while writing the step-4 save; checkpoint-2
+    resumes on one card with exactly its weights and Adam states and continues on the curve."""
+    out = tmp_path / "out"
+    common = [*MODEL, *start_flags(MTP_KIND, moe_folders["transformers5"]), *DEEPSEEK, "--save_steps", "2",
+              "--data_cache", str(data_cache), "--output_dir", str(out)]
+    with pytest.raises(LaunchError):
+        launch(TRAINER.parent / "killed_save_worker.py", 4, [*common, *EP2], work_dir=tmp_path / "killed", timeout=300)
+    assert (out / "latest").read_text().strip() == "checkpoint-2"
+    assert (out / ".tmp-checkpoint-4").is_dir() and not (out / "checkpoint-4").exists()
+    killed = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][:2]
+    single = history(pretrain_run, moe_runs["single"])
+    np.testing.assert_allclose([r["loss"] for r in killed], single["losses"][:2], rtol=RESUME_RTOL)
+    np.testing.assert_allclose([r["grad_norm"] for r in killed], single["grad_norms"][:2], rtol=RESUME_RTOL)
+    resumed = launch(TRAINER, 1, [*common, "--resume_from_checkpoint", "latest", "--exit_after_steps", "2"],
+                     work_dir=tmp_path / "resumed", timeout=300)
+    assert resumed[0]["resumed_exactly"] is True
+    np.testing.assert_allclose(resumed[0]["losses"], single["losses"][2:4], rtol=RESUME_RTOL)
+
+
+@pytest.fixture(scope="module")
+def switch_runs(moe_folders):
+    """Qwen2-MoE (softmax router with the Switch aux loss, a gated shared expert, a dense layer) from
+    its transformers 5 folder, one row per micro-batch: 20 steps on one card and under cp2 x dp2 x ep2."""
+    start = start_flags("qwen2_moe", moe_folders["transformers5"]) + MICRO1 + ("--save_steps", "20")
+    return {"single": Run("qwen2_moe_single", 1, start),
+            "cp2_ep2": Run("qwen2_moe_cp2_ep2", 4, start + EP2 + ("--context_parallel_degree", "2"))}
+
+
+@pytest.mark.multiproc
+def test_a_switch_routed_model_trains_like_single_card_with_its_sequences_cut_over_cp(switch_runs, pretrain_run):
+    """The Switch aux loss is a statistic of the whole micro-batch: under cp each rank routes half of
+    every sequence and the counts and mean scores are pooled over the ring before the product, so
+    the aux losses, losses, grad norms and final weights are one card's (1e-4), experts over ep2."""
+    single = history(pretrain_run, switch_runs["single"])
+    assert min(single["router_margins"]) > ROUTING_NOISE, "a token came within summation noise of a routing tie"
+    assert min(single["aux_losses"]) > 0
+    np.testing.assert_allclose(history(pretrain_run, switch_runs["cp2_ep2"])["aux_losses"], single["aux_losses"],
+                               rtol=PARITY_RTOL)
+    assert_trains_like(pretrain_run, switch_runs["cp2_ep2"], switch_runs["single"], PARITY_RTOL)
+
+
