@@ -14,6 +14,10 @@ so both generations save the folders and compute the references. Nothing here re
     python hf_models.py with_prediction_layers FOLDER DEPTH ROWS.npy IDS.npy
                                                              (transformers 5) FOLDER given DEPTH multi-token
                                                              prediction layers, then as below
+    python hf_models.py recurrent_rule RULE INPUTS.npz ANSWERS.npz
+                                                             (transformers 5) its chunked and token-by-token
+                                                             functions of RULE (gated_delta, kimi_delta) on
+                                                             INPUTS: outputs, states, gradients
     python hf_models.py prediction_answers ROWS.npy IDS.npy FOLDER...
                                                              (transformers 5) MtpModel's answers on each
                                                              folder with one (FOLDER.mtp.npz)
@@ -365,6 +369,35 @@ def transformers5(*args) -> None:
         raise RuntimeError(f"transformers 5 failed on {args}:\n{done.stderr[-3000:]}")
 
 
+# rule -> (transformers 5 model module, its chunked function, its token-by-token function)
+RECURRENT_RULES = {"gated_delta": ("qwen3_5", "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"),
+                   "kimi_delta": ("kimi_linear", "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention")}
+RULE_INPUTS = ("q", "k", "v", "g", "beta")
+
+
+def recurrent_rule_answers(rule: str, inputs: Path, answers: Path) -> None:
+    """(transformers 5) Its chunked and token-by-token functions of `rule` on INPUTS.npz (q, k, v, g,
+    beta as its functions take them, `chunk`, and output weights `w`): each one's output, final state
+    and the gradients of (output * w).sum() by every input, into ANSWERS.npz as `<form>_<name>`."""
+    import importlib
+
+    import torch
+
+    module, chunked, token_by_token = RECURRENT_RULES[rule]
+    functions = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    given = dict(np.load(inputs))
+    out = {}
+    for form, name in (("chunked", chunked), ("token", token_by_token)):
+        tensors = {key: torch.tensor(given[key], requires_grad=True) for key in RULE_INPUTS}
+        extra = {"chunk_size": int(given["chunk"])} if form == "chunked" else {}
+        output, state = getattr(functions, name)(*(tensors[key] for key in RULE_INPUTS), initial_state=None,
+                                                 output_final_state=True, **extra)
+        (output * torch.tensor(given["w"])).sum().backward()
+        out |= {f"{form}_output": output.detach().numpy(), f"{form}_state": state.detach().numpy()}
+        out |= {f"{form}_d{key}": tensors[key].grad.numpy() for key in RULE_INPUTS}
+    np.savez(answers, **out)
+
+
 if __name__ == "__main__":
     command, *rest = sys.argv[1:]
     if command == "make":
@@ -378,6 +411,9 @@ if __name__ == "__main__":
         rows, ids, *folders = rest
         for folder in folders:
             prediction_answers(Path(folder), np.load(rows), np.load(ids))
+    elif command == "recurrent_rule":
+        rule, inputs, answers = rest
+        recurrent_rule_answers(rule, Path(inputs), Path(answers))
     elif command == "fp8_dequantized":
         folder, *block = rest
         fp8_dequantized(Path(folder), [int(size) for size in block])
