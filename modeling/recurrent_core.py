@@ -19,15 +19,15 @@ tokens of different documents to 0 (the conv window's restart is the mixer's).
 Parts of a sequence (context parallelism's) need no keys and values of the others: a part's effect
 on the state is affine, S_after = T S_before + L (`part_summary`), so the states before each part
 follow from the parts' summaries alone (`fold_states`), and each part runs from its own.
-Every decay that leaves the fp32 normal range is made exactly 0 (`normal_range`): on Intel CPUs a
-product over subnormals costs ~100x.
+In the chunked form every decay that leaves the fp32 normal range is made exactly 0 (`normal_range`):
+on Intel CPUs a product over subnormals costs ~100x.
 """
 
 from __future__ import annotations
 
 import paddle
 
-from paddle_pp.runtime.normal_range import SHIFT
+from paddle_pp.runtime.normal_range import flush_subnormals
 
 
 def recurrent_reference(q, k, v, g, beta=None, initial_state=None, segments=None):
@@ -67,10 +67,9 @@ def value_heads(q, k, heads: int):
     return paddle.repeat_interleave(q, groups, axis=2), paddle.repeat_interleave(k, groups, axis=2)
 
 
-def exp_normal(x):
-    """exp(x), with what falls under the fp32 normal range exactly 0; out of place, so autograd keeps
-    exp's own output for its backward (`normal_range.flush_subnormals_` works in place)."""
-    return (paddle.exp(x) + SHIFT) - SHIFT
+def _decay(log_decay):
+    """exp of a log decay, what falls under the fp32 normal range exactly 0 (autograd-safe)."""
+    return flush_subnormals(paddle.exp(log_decay))
 
 
 def _chunks(x, size: int):
@@ -105,14 +104,17 @@ def chunked(q, k, v, g, beta=None, initial_state=None, segments=None, chunk_size
     lower = paddle.tril(paddle.ones([chunk_size, chunk_size], "bool"))
     visible = channels(paddle.logical_and(segments.unsqueeze(-1) == segments.unsqueeze(-2), lower))
     gap = cum.unsqueeze(4) - cum.unsqueeze(3)  # [B, H, N, C, C(, d_k)]: log decay from token j to token i
-    pairwise = exp_normal(paddle.where(visible, gap, paddle.full_like(gap, float("-inf"))))
+    pairwise = _decay(paddle.where(visible, gap, paddle.full_like(gap, float("-inf"))))
     # the state from before the chunk reaches only the tokens of the document it ends in, and leaves
     # the chunk only when that document spans it; a token's write reaches the chunk's end likewise
     carried = (segments == _previous_segment(segments)).astype("float32")  # [B, 1, N, C]
     in_last = (segments == segments[..., -1:]).astype("float32")
-    read_old = exp_normal(cum) * channels(carried)
-    to_end = exp_normal(cum[:, :, :, -1:] - cum) * channels(in_last)
-    keep_state = exp_normal(cum[:, :, :, -1]) * channels(carried[:, :, :, 0] * in_last[:, :, :, 0])
+    # decays per token as [.., C, d_k] or [.., C, 1]: they scale rows of q and k
+    read_old = _decay(cum) * channels(carried)
+    to_end = _decay(cum[:, :, :, -1:] - cum) * channels(in_last)
+    if not per_channel:
+        read_old, to_end = read_old.unsqueeze(-1), to_end.unsqueeze(-1)
+    keep_state = _decay(cum[:, :, :, -1]) * channels(carried[:, :, :, 0] * in_last[:, :, :, 0])
     keep_state = keep_state.unsqueeze(-1) if per_channel else keep_state[..., None, None]  # rows of the state
     attention = _decayed_products(q, k, pairwise, per_channel)
     if beta is not None:
@@ -121,12 +123,9 @@ def chunked(q, k, v, g, beta=None, initial_state=None, segments=None, chunk_size
         system = paddle.tril(_decayed_products(k_beta, k, pairwise, per_channel), -1)
         unit = paddle.eye(chunk_size, dtype="float32") + system
         values = paddle.linalg.triangular_solve(unit, v * beta, upper=False, unitriangular=True)
-        reads = paddle.linalg.triangular_solve(unit, k_beta * (read_old if per_channel else read_old.unsqueeze(-1)),
-                                               upper=False, unitriangular=True)
+        reads = paddle.linalg.triangular_solve(unit, k_beta * read_old, upper=False, unitriangular=True)
     else:
         values, reads = v, None
-    if not per_channel:
-        read_old, to_end = read_old.unsqueeze(-1), to_end.unsqueeze(-1)
     state = (paddle.zeros([batch, heads, d_k, v.shape[-1]], "float32") if initial_state is None
              else initial_state.astype("float32"))
     # per chunk, split once: a slice per chunk would cost its backward a zero tensor of the whole (O(N^2))
@@ -162,8 +161,7 @@ def _pad_last(x, pad: int):
 def _previous_segment(segments):
     """Per chunk, the document id of the token before the chunk (the first chunk's: its own first)."""
     last = segments[..., -1:]  # [B, 1, N, 1]
-    before = paddle.concat([segments[:, :, :1, :1], last[:, :, :-1]], axis=2)
-    return before
+    return paddle.concat([segments[:, :, :1, :1], last[:, :, :-1]], axis=2)
 
 
 def part_summary(k, v, g, beta=None, segments=None, chunk_size: int = 64):

@@ -79,7 +79,7 @@ def decoder_activation_bytes(config, layout: Layout, workload: Workload, stage: 
     layers = [family_of(config).layer_activations(config, run, batch, seq_len, compute_bytes, index)
               for index in range(config.num_hidden_layers)
               if layer_stage(index, config.num_hidden_layers, layout.pp, layout.vpp, layout.dualpipev) == stage]
-    if stage == (0 if layout.dualpipev else layout.pp - 1):
+    if stage == layout.head_stage:
         layers += [layer.activations(run, batch, seq_len, compute_bytes) for _, layer in config.prediction_layers()]
     kept, rebuilt = alive * sum(layer.kept for layer in layers), max(layer.rebuilt for layer in layers)
     return int(kept) + rebuilt

@@ -185,6 +185,12 @@ class Layout:
         first stage holds the embedding and the head (DeepSeek's DualPipeV)."""
         return self.pipeline_schedule == "DualPipeV"
 
+    @property
+    def head_stage(self) -> int:
+        """The pipeline stage holding what follows the decoder layers (the final norm, the head, the
+        loss): the last, or the first in DualPipeV's V (`placement.Mesh.last_stage`)."""
+        return 0 if self.dualpipev else self.pp - 1
+
     def _check_positive(self) -> None:
         if self.world_size < 1:
             raise LayoutError(f"world size {self.world_size} must be at least 1.")

@@ -31,6 +31,12 @@ def flush_subnormals_(t: paddle.Tensor) -> paddle.Tensor:
     return t.scale_(1.0, SHIFT).scale_(1.0, -SHIFT)
 
 
+def flush_subnormals(t: paddle.Tensor) -> paddle.Tensor:
+    """`flush_subnormals_` out of place: for tensors autograd still needs (an `exp`'s output, which
+    its backward reads), where the in-place form would fail the backward's version check."""
+    return (t + SHIFT) - SHIFT
+
+
 def exp_normal(x: paddle.Tensor) -> paddle.Tensor:
     """exp(x) with the results under the normal range (arguments below about -87.3, -inf among them)
     exactly 0, where Paddle's CPU exp leaves subnormals."""

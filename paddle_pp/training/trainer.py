@@ -225,7 +225,7 @@ class Pretrainer:
     def needs_data(self) -> bool:
         """Inputs enter at the first stage and labels where the head is: the last stage, or under
         DualPipeV the first (its V turns back); other stages read nothing."""
-        return self.topo.is_first_stage or (self.topo.is_last_stage and not self.layout.dualpipev)
+        return self.topo.is_first_stage or self.topo.pp_rank == self.layout.head_stage
 
     def batch_tensors(self, dataset, indices):
         """(inputs, labels) of the samples at `indices`: each sample's first and last seq_length ids

@@ -350,17 +350,21 @@ def _pipeline_p2p(tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_r
     releases the GIL while it waits) and all are joined before returning; a gloo error surfaces
     here as a Python exception rather than an abort."""
     me, prev, nxt = hcg.get_global_rank(), hcg._get_p2p_prev_rank(), hcg._get_p2p_next_rank()
-    transfers = [
-        (tensor_send_next, (me, nxt, "fwd"), nxt, True),
-        (tensor_recv_prev, (prev, me, "fwd"), prev, False),
-        (tensor_send_prev, (me, prev, "bwd"), prev, True),
-        (tensor_recv_next, (nxt, me, "bwd"), nxt, False),
-    ]
-    futures = [_p2p_threads.submit(_transfer, tensors, _edge(*edge), peer, send)
-               for tensors, edge, peer, send in transfers if tensors is not None]
+    _run_on_edges([(tensors, edge) for tensors, edge in ((tensor_send_next, (me, nxt, "fwd")),
+                                                         (tensor_recv_prev, (prev, me, "fwd")),
+                                                         (tensor_send_prev, (me, prev, "bwd")),
+                                                         (tensor_recv_next, (nxt, me, "bwd")))
+                   if tensors is not None], me)
+    return []
+
+
+def _run_on_edges(transfers: list, me: int) -> None:
+    """Each (tensors, (src, dst, direction)) on its edge group, one thread per edge (this rank sends
+    when it is src), all joined before returning."""
+    futures = [_p2p_threads.submit(_transfer, tensors, _edge(*edge), edge[1] if edge[0] == me else edge[0],
+                                   edge[0] == me) for tensors, edge in transfers]
     for future in futures:
         future.result()
-    return []
 
 
 def _meta_on_edges(upstream_send, upstream_recv):
@@ -425,18 +429,9 @@ def _dualpipev_p2p(ops: list) -> None:
     stage = fleet.get_hybrid_communicate_group().get_pipe_parallel_group().ranks.index
     by_edge: dict[tuple[int, int, str], list] = {}
     for op in ops:
-        send = op.op is isend
-        src, dst = (me, op.peer) if send else (op.peer, me)
-        by_edge.setdefault((src, dst, "fwd" if stage(dst) > stage(src) else "bwd"), []).append((op.tensor, send))
-    futures = [_p2p_threads.submit(_edge_transfers, transfers, _edge(*edge), edge[1] if transfers[0][1] else edge[0])
-               for edge, transfers in by_edge.items()]
-    for future in futures:
-        future.result()
-
-
-def _edge_transfers(transfers: list, group, peer: int) -> None:
-    for tensor, send in transfers:
-        _transfer(tensor, group, peer, send)
+        src, dst = (me, op.peer) if op.op is isend else (op.peer, me)
+        by_edge.setdefault((src, dst, "fwd" if stage(dst) > stage(src) else "bwd"), []).append(op.tensor)
+    _run_on_edges([(tensors, edge) for edge, tensors in by_edge.items()], me)
 
 
 def _patch_dualpipev() -> None:
