@@ -4,7 +4,10 @@ tokens on one process: time and Paddle's peak host allocation (each run in its o
 --repeats; attention to 16k and the token loop at 4k by default, as they take minutes beyond).
 Gated DeltaNet's shape per rank of a Qwen3.5-9B-like layer under tp4 (8 value heads over 4 key heads,
 d_k = d_v = 128); attention with 8 heads of 128. The recurrent core should grow linearly in
-length (the chunked form: T / C chunks of fixed work), attention quadratically.
+length (the chunked form: T / C chunks of fixed work), attention quadratically. The chunked form runs
+as training runs it (`chunked`: spans of 16 chunks, each run again in the backward) and with autograd
+keeping every chunk's products for the backward (`kept`: the form before the spans), side by side, to
+show what the recompute saves in memory and costs in time.
 Writes bench/results/recurrent_core.json.
 
   .venv/bin/python bench/recurrent_core.py
@@ -28,7 +31,7 @@ RUN = """
 import json, sys, time
 import paddle
 from modeling.attention_core import CORES
-from modeling.recurrent_core import chunked, recurrent_reference
+from modeling.recurrent_core import _chunked_span, chunked, recurrent_reference
 from paddle_pp.training.activations import host_allocated
 from paddle.base import core
 form, seq = sys.argv[1], int(sys.argv[2])
@@ -41,8 +44,12 @@ else:
     q, k = (paddle.nn.functional.normalize(paddle.randn([1, seq, key_heads, dim]), axis=-1) for _ in range(2))
     inputs = [q * dim ** -0.5, k, paddle.randn([1, seq, heads, dim]), -paddle.rand([1, seq, heads]),
               paddle.nn.functional.sigmoid(paddle.randn([1, seq, heads]))]
-    rule = chunked if form == "chunked" else recurrent_reference
-    run = (lambda *x: rule(*x, chunk_size=chunk)[0]) if form == "chunked" else (lambda *x: rule(*x)[0])
+    if form == "token":
+        run = lambda *x: recurrent_reference(*x)[0]
+    elif form == "kept":
+        run = lambda *x: _chunked_span(*x, None, None, chunk)[0]
+    else:
+        run = lambda *x: chunked(*x, chunk_size=chunk)[0]
 for tensor in inputs:
     tensor.stop_gradient = False
 times = []
@@ -80,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = []
     for seq in args.lengths:
-        forms = ("chunked",) + (("attention",) if seq in args.attention_lengths else ()) + (
+        forms = ("chunked", "kept") + (("attention",) if seq in args.attention_lengths else ()) + (
             ("token",) if seq in args.token_lengths else ())
         for form in forms:
             result = {"form": form, "tokens": seq, **measure(form, seq, args.repeats)}

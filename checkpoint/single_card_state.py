@@ -13,7 +13,7 @@ from typing import Callable, Mapping
 import numpy as np
 import paddle.distributed as dist
 
-from modeling.placement import NORMAL, ONES, ModelPlan, merge_tensors, single_card_shape, split_tensor
+from modeling.placement import ModelPlan, initial_values, merge_tensors, single_card_shape, split_tensor
 from paddle_pp.runtime.topology import Topology, gather_objects
 
 
@@ -50,16 +50,13 @@ def init_single_card_weights(model, plan: ModelPlan, topo: Topology, seed: int, 
     """Initialise every parameter as the single-card model would be, whatever the layout.
 
     Each tensor is drawn from its own generator keyed by (seed, single-card name), as its plan says:
-    matrices from N(0, std), vectors zeros or ones (biases, norm scales; a `1 + weight` norm's zeros).
+    matrices from N(0, std), vectors zeros or ones (biases, norm scales; a `1 + weight` norm's zeros)
+    or a recurrent mixer's decay rates.
     TP ranks slice the same full tensor and pipeline stages draw only their own, so every layout
     starts from bit-identical weights (fleet's own per-layer seeding differs between layouts)."""
 
     def draw(name: str, shape: list[int]) -> np.ndarray:
-        init = plan[name].init
-        if init == NORMAL:
-            rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-            return rng.normal(0.0, std, size=shape).astype(np.float32)
-        return (np.ones if init == ONES else np.zeros)(shape, np.float32)
+        return initial_values(plan[name].init, shape, np.random.default_rng([seed, zlib.crc32(name.encode())]), std)
 
     _assign_slices(model, plan.axes(), topo, draw)
 

@@ -22,6 +22,7 @@ from modeling.attention_core.ring import Ring
 from modeling.attention_core.spec import CoreSpec
 from modeling.context_parallel import local_positions
 from modeling.documents import Documents
+from modeling.recurrent_core import RecurrentCore
 from modeling.router_stats import RouterStats
 from modeling.saved_tensors import recomputed_region
 from paddle_pp.runtime.experts import ExpertGroup
@@ -97,6 +98,7 @@ class Execution:
     ring: Ring | None = None  # context parallelism: the cp ranks sharing each sequence
     experts: ExpertGroup | None = None  # expert parallelism: which experts this rank holds, and the exchange
     attention: AttentionCore = field(default_factory=lambda: CORES["dense"])
+    recurrent: RecurrentCore = field(default_factory=RecurrentCore)  # recurrent mixers' rule (Gated DeltaNet's)
     recompute: Recompute = field(default_factory=Recompute)
     kernels: Kernels = field(default_factory=Kernels)
     accumulate_steps: int = 1  # micro-batches per step: a loss injected inside the model is scaled by its inverse

@@ -34,6 +34,7 @@ VOCAB_ROWS = 0  # an embedding's rows (vocabulary entries) split over tp
 VECTOR_SPLIT = 0  # a column-parallel linear's bias
 FIRST, LAST, FIRST_AND_LAST = "first", "last", "first_and_last"  # stages of tensors outside the decoder layers
 NORMAL, ZEROS, ONES = "normal", "zeros", "ones"  # how a parameter starts (matrices N(0, initializer_range))
+A_LOG = "a_log"  # log of U(0.01, 16) per head: a recurrent mixer's decay rate A (transformers' Gated DeltaNet)
 # A replicated parameter whose gradient each tp rank holds only a part of, summed over tp after backward:
 ALWAYS = "always"  # q/k norms: each rank sees only its heads
 UNDER_SEQUENCE_PARALLEL = "sequence_parallel"  # norms and row-linear biases: each rank sees its positions
@@ -184,6 +185,15 @@ def in_container_order(names: list[str]) -> list[str]:
         return [first[".".join(parts[:depth])] for depth in range(1, len(parts) + 1)]
 
     return sorted(names, key=containers)
+
+
+def initial_values(init: str, shape, rng: np.random.Generator, std: float = 0.02) -> np.ndarray:
+    """A tensor drawn as its plan's `init` says, fp32 (matrices from N(0, `std`))."""
+    if init == NORMAL:
+        return rng.normal(0.0, std, size=shape).astype(np.float32)
+    if init == A_LOG:
+        return np.log(rng.uniform(0.01, 16.0, size=shape)).astype(np.float32)
+    return (np.ones if init == ONES else np.zeros)(shape, np.float32)
 
 
 def local_shape(shape, axis: int | None, tp: int) -> tuple[int, ...]:

@@ -12,7 +12,9 @@ rule, in two forms:
 - `recurrent_reference`, token by token: the definition, and the tests' oracle;
 - `chunked`, the training form: inside a chunk of C tokens the delta rule's C updates are one
   unit-lower-triangular solve (the WY form: DeltaNet's UT transform) and matmuls, the state is
-  carried from chunk to chunk. O(T C d + T d^2) work per head.
+  carried from chunk to chunk. O(T C d + T d^2) work per head. It runs by spans of chunks and keeps
+  for the backward only each span's starting state, running the span again there: its memory beyond
+  inputs and outputs does not grow with the length.
 Packed documents: `segments` (one integer per token, equal within a document) restarts the state at
 every document, as if each were run alone; in the chunked form by masking the decays between
 tokens of different documents to 0 (the conv window's restart is the mixer's).
@@ -25,9 +27,38 @@ on Intel CPUs a product over subnormals costs ~100x.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import paddle
 
 from paddle_pp.runtime.normal_range import flush_subnormals
+
+
+@dataclass(frozen=True)
+class RecurrentCore:
+    """How a run computes the recurrent rule, chosen once (`Execution.recurrent`) like its attention
+    core: chunks of `chunk_size` tokens, `span_chunks` chunks per span recomputed in the backward
+    (`chunked`). Tests take chunks shorter than their sequences, so the carry between chunks and
+    spans is exercised."""
+
+    chunk_size: int = 64
+    span_chunks: int = 16
+
+    def __call__(self, q, k, v, g, beta=None, initial_state=None, segments=None):
+        return chunked(q, k, v, g, beta, initial_state, segments, self.chunk_size, self.span_chunks)
+
+    def summary(self, k, v, g, beta=None, segments=None):
+        """A part's (T, L) (`part_summary`)."""
+        return part_summary(k, v, g, beta, segments, self.chunk_size, self.span_chunks)
+
+    def kept_bytes(self, batch: int, seq_len: int, key_heads: int, value_heads: int, key_dim: int, value_dim: int,
+                   dtype_bytes: int) -> int:
+        """What a training call keeps for backward (`_SpanRecompute`): its inputs q and k (per key
+        head), v, the decays g (fp32) and beta, the document ids (int64), and the state before each
+        span (fp32; the first a zero state)."""
+        tokens, spans = batch * seq_len, -(-seq_len // (self.chunk_size * self.span_chunks))
+        inputs = tokens * (2 * key_heads * key_dim + value_heads * value_dim + value_heads) * dtype_bytes
+        return inputs + tokens * value_heads * 4 + tokens * 8 + spans * batch * value_heads * key_dim * value_dim * 4
 
 
 def recurrent_reference(q, k, v, g, beta=None, initial_state=None, segments=None):
@@ -77,8 +108,97 @@ def _chunks(x, size: int):
     return x.reshape([x.shape[0], x.shape[1], -1, size, *x.shape[3:]])
 
 
-def chunked(q, k, v, g, beta=None, initial_state=None, segments=None, chunk_size: int = 64):
-    """`recurrent_reference` by chunks of `chunk_size` tokens (the length padded up to a multiple:
+def chunked(q, k, v, g, beta=None, initial_state=None, segments=None, chunk_size: int = 64, span_chunks: int = 16):
+    """`recurrent_reference` by chunks of `chunk_size` tokens, `span_chunks` chunks at a time: its
+    memory beyond its inputs and outputs is one span's, whatever the length. Each span's chunk
+    products, solves and decays ([C, C] per chunk and head) are what autograd would keep for the
+    backward: it keeps the state at each span's start instead and runs each span again in the
+    backward, last first (`_SpanRecompute`), for 1.1-1.3x the time of keeping them (and a third of
+    the peak at 64k tokens: bench/recurrent_core.py). A short sequence is one span, run the same
+    way: what a training forward keeps is its inputs and a state per span, whatever the length (the
+    planner's model: `RecurrentCore.kept_bytes`)."""
+    if segments is None:
+        segments = paddle.zeros(k.shape[:2], "int64")
+    span = chunk_size * span_chunks
+    tensors = [q, k, v, g] + ([] if beta is None else [beta]) + ([] if initial_state is None else [initial_state])
+    if not paddle.is_grad_enabled() or all(tensor.stop_gradient for tensor in tensors):
+        with paddle.no_grad():
+            return _spans_forward(tensors, beta is not None, segments, chunk_size, span)[:2]
+    return _SpanRecompute.apply(segments, beta is not None, chunk_size, span, *tensors)
+
+
+def _split(tensors: list, with_beta: bool):
+    """(q, k, v, g, beta, initial state or None) from the flat tensor list `chunked` hands the spans."""
+    rest = tensors[4 + with_beta:]
+    return (*tensors[:4], tensors[4] if with_beta else None, rest[0] if rest else None)
+
+
+def _span_bounds(length: int, span: int) -> list[tuple[int, int]]:
+    return [(start, min(start + span, length)) for start in range(0, length, span)]
+
+
+def _run_span(pieces: list, with_beta: bool, state, segments, start: int, end: int, chunk_size: int):
+    """Tokens [start, end) (`pieces`: q, k, v, g(, beta) cut to them) run from `state`, the state
+    after token start - 1 (None: zero); a document starting at `start` starts from zero, as a run
+    cannot see the token before its first."""
+    if start > 0 and state is not None:
+        same = (segments[:, start] == segments[:, start - 1]).astype("float32")
+        state = state * same[:, None, None, None]
+    q, k, v, g, beta, _ = _split(pieces, with_beta)
+    return _chunked_span(q, k, v, g, beta, state, segments[:, start:end], chunk_size)
+
+
+def _spans_forward(tensors: list, with_beta: bool, segments, chunk_size: int, span: int):
+    """(output, final state, the state before each span), the spans run in order."""
+    state = _split(tensors, with_beta)[-1]
+    outputs, starts = [], []
+    for start, end in _span_bounds(tensors[1].shape[1], span):
+        starts.append(state)
+        pieces = [tensor[:, start:end] for tensor in tensors[:4 + with_beta]]
+        output, state = _run_span(pieces, with_beta, state, segments, start, end, chunk_size)
+        outputs.append(output)
+    return paddle.concat(outputs, axis=1), state, starts
+
+
+class _SpanRecompute(paddle.autograd.PyLayer):
+    """`chunked` over spans, keeping for the backward only its inputs and each span's starting state;
+    the backward runs each span again with autograd, from the last, and hands the gradient of the
+    span's starting state to the span before."""
+
+    @staticmethod
+    def forward(ctx, segments, with_beta: bool, chunk_size: int, span: int, *tensors):
+        output, state, starts = _spans_forward(list(tensors), with_beta, segments, chunk_size, span)
+        batch, heads, d_k, d_v = state.shape
+        zero = paddle.zeros([batch, heads, d_k, d_v], "float32")
+        ctx.save_for_backward(segments, *tensors, *(zero if start is None else start for start in starts))
+        ctx.layout = (with_beta, chunk_size, span, len(tensors))
+        ctx.needed = [not tensor.stop_gradient for tensor in tensors]  # Paddle wants None for the others
+        return output, state
+
+    @staticmethod
+    def backward(ctx, d_output, d_state):
+        with_beta, chunk_size, span, count = ctx.layout
+        saved = ctx.saved_tensor()
+        segments, tensors, starts = saved[0], saved[1:1 + count], saved[1 + count:]
+        timed = 4 + with_beta  # the inputs with a time axis
+        grads = [[] for _ in range(timed)]
+        for (start, end), state in reversed(list(zip(_span_bounds(tensors[1].shape[1], span), starts))):
+            leaves = [tensor[:, start:end].detach() for tensor in tensors[:timed]] + [state.detach()]
+            for leaf in leaves:
+                leaf.stop_gradient = False
+            with paddle.enable_grad():
+                output, after = _run_span(leaves[:-1], with_beta, leaves[-1], segments, start, end, chunk_size)
+            d_state = paddle.zeros_like(after) if d_state is None else d_state
+            found = paddle.grad([output, after], leaves, [d_output[:, start:end], d_state], allow_unused=True)
+            for index, grad in enumerate(found[:-1]):
+                grads[index].append(paddle.zeros_like(leaves[index]) if grad is None else grad)
+            d_state = found[-1]
+        gradients = [paddle.concat(pieces[::-1], axis=1) for pieces in grads] + ([d_state] if count > timed else [])
+        return (None, *(grad if needed else None for grad, needed in zip(gradients, ctx.needed)))
+
+
+def _chunked_span(q, k, v, g, beta, initial_state, segments, chunk_size: int):
+    """The rule by chunks of `chunk_size` tokens, all at once (the length padded up to a multiple:
     padding decays nothing and writes nothing). With a decay per key channel the decay between two
     tokens of a chunk is a d_k vector: their products are taken channel by channel ([C, C, d_k] per
     chunk and head, so such runs take smaller chunks)."""
@@ -164,32 +284,41 @@ def _previous_segment(segments):
     return paddle.concat([segments[:, :, :1, :1], last[:, :, :-1]], axis=2)
 
 
-def part_summary(k, v, g, beta=None, segments=None, chunk_size: int = 64):
+def part_summary(k, v, g, beta=None, segments=None, chunk_size: int = 64, span_chunks: int = 16):
     """What a part of a sequence does to the state, as (T, L): the state after the part is affine in
     the state before it, S_after = T S_before + L, with T [B, H, d_k, d_k] the product of each token's
     (I - beta_t k_t k_t^T) a_t over the part (a_t alone without the delta term) and L [B, H, d_k, d_v]
-    the part run from a zero state. Context parallelism exchanges these instead of
-    keys and values: each rank folds the summaries of the parts before its own (`fold_states`) and
-    runs its part from that state. The map S -> T S is the part run on S with zero values, so T is that
-    run from the identity (whose columns stand for d_k values)."""
+    the part run from a zero state. Context parallelism exchanges these instead of keys and values
+    (`recurrent_cp`). Each column of the state evolves alone, by its own value entries, so one run
+    gives both: the values widened by d_k zero columns, from the state [0 | I] (whose last d_k
+    columns stand for the map S -> T S); the queries are not needed."""
     batch, length, heads, d_k = k.shape[0], k.shape[1], v.shape[2], k.shape[3]
-    queries = paddle.zeros([batch, length, k.shape[2], d_k], "float32")  # outputs are not needed
-    identity = paddle.eye(d_k, dtype="float32").expand([batch, heads, d_k, d_k])
-    _, transition = chunked(queries, k, paddle.zeros([batch, length, heads, d_k], "float32"), g, beta,
-                            initial_state=identity, segments=segments, chunk_size=chunk_size)
-    _, local = chunked(queries, k, v, g, beta, segments=segments, chunk_size=chunk_size)
-    return transition, local
+    d_v = v.shape[-1]
+    widened = paddle.concat([v.astype("float32"), paddle.zeros([batch, length, heads, d_k], "float32")], axis=-1)
+    start = paddle.concat([paddle.zeros([batch, heads, d_k, d_v], "float32"),
+                           paddle.eye(d_k, dtype="float32").expand([batch, heads, d_k, d_k])], axis=-1)
+    queries = paddle.zeros([batch, length, k.shape[2], d_k], "float32")
+    _, final = chunked(queries, k, widened, g, beta, start, segments, chunk_size, span_chunks)
+    return final[..., d_v:], final[..., :d_v]
 
 
-def fold_states(summaries: list, starts_document: list[bool] | None = None, initial_state=None) -> list:
+def fold_states(summaries: list, starts_document: list | None = None, initial_state=None) -> list:
     """The state before each part (None: zero), in sequence order, from the parts' (T, L) summaries
-    (`part_summary`) and the state before the first; a part whose first token starts a document
-    (`starts_document`) begins from zero, as its run cannot tell (a part's first token continues
-    whatever state it is given)."""
+    (`part_summary`) and the state before the first; where a part's first token starts a document
+    (`starts_document`: per part a bool, or a [batch] bool tensor of each row's) the part begins from
+    zero, as its run cannot tell (a part's first token continues whatever state it is given)."""
     state, before = initial_state, []
     for index, (transition, local) in enumerate(summaries):
-        if starts_document is not None and starts_document[index]:
-            state = None
+        starts = False if starts_document is None else starts_document[index]
+        if state is not None and starts is not False:
+            state = None if starts is True else state * (~starts).astype(state.dtype)[:, None, None, None]
         before.append(state)
         state = local if state is None else transition @ state + local
     return before
+
+
+def document_ids(positions):
+    """[batch, seq] int64: which document of its row each token is in (a new one wherever a position is 0)."""
+    ids = paddle.cumsum((positions == 0).astype("int64"), axis=1)
+    ids.stop_gradient = True
+    return ids

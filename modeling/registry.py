@@ -34,7 +34,9 @@ from modeling.placement import ALWAYS, ModelPlan
 from modeling.qwen2 import QWEN2
 from modeling.qwen2_moe import QWEN2_MOE
 from modeling.qwen3 import QWEN3
+from modeling.qwen3_5 import QWEN3_5_MOE_TEXT, QWEN3_5_TEXT
 from modeling.qwen3_moe import QWEN3_MOE
+from modeling.qwen3_next import QWEN3_NEXT
 from modeling.smollm3 import SMOLLM3
 from paddle_pp.runtime.errors import UserError
 from paddle_pp.runtime.experts import ExpertGroup
@@ -45,7 +47,8 @@ if TYPE_CHECKING:
 
 FAMILIES: dict[str, ModelFamily] = {family.model_type: family for family in (
     LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GPT, GEMMA2, GEMMA3_TEXT, PHI3, OLMO2, SMOLLM3, GRANITE, ERNIE4_5, MPT, QWEN2_MOE,
-    QWEN3_MOE, MIXTRAL, OLMOE, DEEPSEEK_V3, DEEPSEEK_V2, GLM4_MOE, GPT_OSS, ERNIE4_5_MOE)}
+    QWEN3_MOE, MIXTRAL, OLMOE, DEEPSEEK_V3, DEEPSEEK_V2, GLM4_MOE, GPT_OSS, ERNIE4_5_MOE, QWEN3_5_TEXT,
+    QWEN3_5_MOE_TEXT, QWEN3_NEXT)}
 BY_TRANSFORMERS_TYPE = {family.transformers.model_type: family for family in FAMILIES.values() if family.transformers}
 ALIASES = {"kimi_k2": DEEPSEEK_V3}  # Kimi-K2's folders are DeepSeek-V3's (transformers' kimi_k25 rewrites it so)
 
@@ -59,7 +62,15 @@ NOT_YET = {  # families users bring that are refused with why
               "model; save it as one (transformers' Gemma3ForCausalLM) and pass that folder",
     "llama4": "Llama 4's chunked attention, NoPE temperature tuning and input-side routing are not modelled",
     "llama4_text": "Llama 4's chunked attention, NoPE temperature tuning and input-side routing are not modelled",
-    "qwen3_next": "Qwen3-Next's gated DeltaNet (linear attention) layers are not modelled",
+    "qwen3_5": "a Qwen3.5 multimodal folder: its language model is modelled (qwen3_5_text) but reading it out of "
+               "model.language_model and carrying the vision tower is not yet; train a qwen3_5_text folder",
+    "qwen3_5_moe": "a Qwen3.5-MoE multimodal folder: its language model is modelled (qwen3_5_moe_text) but reading it "
+                   "out of model.language_model and carrying the vision tower is not yet; train a qwen3_5_moe_text folder",
+    "olmo_hybrid": "Olmo-Hybrid's layers are not modelled yet (its Gated DeltaNet is Qwen3.5's with beta doubled; its "
+                   "folders store the three convs apart, split unevenly by transformers 5.23's save)",
+    "nemotron_h": "Nemotron-H's Mamba-2 layers are not modelled yet",
+    "falcon_h1": "Falcon-H1's Mamba-2 layers are not modelled yet",
+    "granitemoehybrid": "Granite 4.0-H's Mamba-2 layers are not modelled yet",
     "gemma3n": "Gemma 3n's per-layer embeddings and AltUp are not modelled",
     "deepseek_v32": "DeepSeek-V3.2's sparse attention (its indexer) is not modelled",
     "deepseek_v4": "DeepSeek-V4 is not modelled", "kimi_linear": "Kimi-Linear's linear attention is not modelled",
@@ -106,13 +117,13 @@ class LayoutModelError(UserError, ValueError):
     """A model and a layout that do not go together."""
 
 
-def validate_layout(config, layout: Layout, seq_len: int | None = None) -> None:
+def validate_layout(config, layout: Layout) -> None:
     """Fail before any process group exists when the config's shapes do not fit together, the model
-    does not split over the layout's tp, or its decoder layers over pp x vpp; with `seq_len`, also
-    when a layer's attention over that many tokens is one the layout cannot compute."""
+    does not split over the layout's tp, or its decoder layers over pp x vpp, or a layer's attention
+    is one context parallelism cannot compute."""
     config.validate()
-    if seq_len is not None and layout.cp > 1:
-        _check_context_parallel(config, layout, seq_len)
+    if layout.cp > 1:
+        _check_context_parallel(config, layout)
     family_of(config).check_tensor_parallel(config, layout.tp)
     if layout.pp > 1:
         check_stage_split(config.num_hidden_layers, layout.pp, layout.vpp, layout.dualpipev)
@@ -129,17 +140,19 @@ def validate_layout(config, layout: Layout, seq_len: int | None = None) -> None:
             "reduction both hook the backward pass (untested order); use --sharding stage1 with tp, or tp 1")
 
 
-def _check_context_parallel(config, layout: Layout, seq_len: int) -> None:
-    """Ring attention computes scale, soft-cap and sinks; a window shorter than the sequence or ALiBi
-    is refused by name (never trained as full attention, as a published ring implementation did)."""
+def _check_context_parallel(config, layout: Layout) -> None:
+    """Ring attention computes scale, soft-cap, sinks and windows; ALiBi is refused by name (never
+    trained without its biases). Recurrent layers carry their state and conv window between the parts."""
     for index in range(config.num_hidden_layers):
-        problem = context_parallel_refusal(config.decoder_layer(index).attention.spec, seq_len)
+        mixer = config.decoder_layer(index).attention
+        if getattr(mixer, "recurrent", False):  # its state and conv window cross the parts (modeling/recurrent_cp.py)
+            continue
+        problem = context_parallel_refusal(mixer.spec)
         if problem:
             raise LayoutModelError(
                 f"--context_parallel_degree {layout.cp} with {family_of(config).architecture}: decoder layer {index} "
-                f"has {problem}, which ring attention does not compute (its blocks carry no positions across "
-                "ranks; a halo exchange for windows is not implemented). Use --context_parallel_degree 1, or a "
-                "--max_seq_length no longer than the window")
+                f"has {problem}, which ring attention does not compute (its blocks carry no distances across "
+                "ranks). Use --context_parallel_degree 1")
 
 
 def _check_moe_layout(config, layout: Layout) -> None:
@@ -169,6 +182,8 @@ def core_notes(config, run: Execution) -> list[str]:
     by_reason: dict[str, list[int]] = {}
     for index in range(config.num_hidden_layers):
         attention = config.decoder_layer(index).attention
+        if getattr(attention, "recurrent", False):  # no attention core
+            continue
         reason = run.attention.refusal(attention.spec, attention.sinks, attention.local_heads(run))
         if reason:
             by_reason.setdefault(reason, []).append(index)

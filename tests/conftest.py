@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from moe_cases import KINDS, PREDICTING
+from moe_cases import HYBRID_KINDS, KINDS, PREDICTING
 
 from checkpoint.format import tokenizer_files
 from paddle_pp.runtime.launch import launch
@@ -82,13 +82,15 @@ def transformers4_folders(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def transformers5_folders(tmp_path_factory, data_cache) -> Path:
-    """Every model kind of `hf_models.KINDS` saved by transformers 5, with transformers 5's loss on
-    the first batch of a FOLDER_STEPS run and its logits on IDS beside each folder (one subprocess)."""
+    """Every model kind of `hf_models.KINDS` and `HYBRID_KINDS` saved by transformers 5, with transformers
+    5's loss on the first batch of a FOLDER_STEPS run and its logits on IDS beside each folder (one
+    subprocess)."""
     root = tmp_path_factory.mktemp("transformers5")
     np.save(root / "rows.npy", first_batch(data_cache, TOKENIZER, FOLDER_STEPS))
     np.save(root / "ids.npy", IDS)
-    hf_models.transformers5("make", root, root / "rows.npy", root / "ids.npy", *hf_models.KINDS)
-    for kind in hf_models.KINDS:
+    kinds = [*hf_models.KINDS, *hf_models.HYBRID_KINDS]
+    hf_models.transformers5("make", root, root / "rows.npy", root / "ids.npy", *kinds)
+    for kind in kinds:
         shutil.copy(TOKENIZER / "tokenizer.model", root / kind)
     return root
 
@@ -113,17 +115,18 @@ def pretrain_run(tmp_path_factory, data_cache):
 
 @pytest.fixture(scope="session")
 def moe_folders(tmp_path_factory, data_cache) -> dict:
-    """Each MoE kind saved by transformers 4.55 (this venv's) and 5.23 (one subprocess), with that
-    version's logits on IDS and loss on the first batch of a FOLDER_STEPS run beside it."""
+    """Each MoE kind saved by transformers 4.55 (this venv's) and 5.23 (one subprocess), and the hybrid
+    MoE kinds by 5.23 only, with that version's logits on IDS and loss on the first batch of a
+    FOLDER_STEPS run beside it."""
     rows = first_batch(data_cache, TOKENIZER, FOLDER_STEPS)
     roots = {version: tmp_path_factory.mktemp(f"moe_{version}") for version in ("transformers4", "transformers5")}
     hf_models.make_with_answers(roots["transformers4"], rows, IDS, KINDS)
     np.save(roots["transformers5"] / "rows.npy", rows)
     np.save(roots["transformers5"] / "ids.npy", IDS)
     hf_models.transformers5("make", roots["transformers5"], roots["transformers5"] / "rows.npy",
-                            roots["transformers5"] / "ids.npy", *KINDS)
-    for root in roots.values():
-        for kind in KINDS:
+                            roots["transformers5"] / "ids.npy", *KINDS, *HYBRID_KINDS)
+    for root, kinds in ((roots["transformers4"], KINDS), (roots["transformers5"], KINDS + HYBRID_KINDS)):
+        for kind in kinds:
             for path in tokenizer_files(TOKENIZER):
                 shutil.copy(path, root / kind)
     for predicting, (kind, depth) in PREDICTING.items():

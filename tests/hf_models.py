@@ -122,6 +122,26 @@ MOE_KINDS = {
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                       "original_max_position_embeddings": 16})),
 }
+# kinds of transformers 5 only whose token mixers differ per layer (recurrent beside attention): both mixer kinds on
+# each of two pipeline stages; Gated DeltaNet with fewer key heads than value heads
+LINEAR, FULL = "linear_attention", "full_attention"
+HYBRID_KINDS = {
+    "qwen3_5_text": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", dict(
+        SHAPE, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, layer_types=[LINEAR, FULL, LINEAR, FULL],
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [2, 1, 1], "mrope_interleaved": True})),
+}
+# the MoE kinds of those (transformers 5 only): Qwen3.5-MoE, the same layers with 4 experts (top-2) and a gated shared
+# expert in every layer; Qwen3-Next, with Qwen2-MoE's experts (a dense MLP in layer 1) and its grouped projections
+HYBRID_LAYERS = {key: value for key, value in HYBRID_KINDS["qwen3_5_text"][2].items() if key != "intermediate_size"}
+HYBRID_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+HYBRID_MOE_KINDS = {
+    "qwen3_5_moe_text": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", dict(HYBRID_LAYERS, **HYBRID_EXPERTS)),
+    "qwen3_next": ("Qwen3NextForCausalLM", "Qwen3NextConfig", dict(HYBRID_LAYERS, intermediate_size=128,
+                                                                    mlp_only_layers=[1], **HYBRID_EXPERTS)),
+}
+ROUTED_KINDS = {**MOE_KINDS, **HYBRID_MOE_KINDS}  # their router weights spread (ROUTER_SCALE)
 STACKED_ON_DISK = ("gpt_oss",)  # kinds whose experts both versions store stacked (no per-expert layout)
 FUSED = "_fused"  # suffix of a kind's folder re-saved by transformers 5 in its in-memory layout (fused experts)
 ROUTER_SCALE = 30.0  # router weights times this: scores spread, so test tokens sit far from top-k ties
@@ -162,14 +182,14 @@ def make(kind: str, folder: Path, seed: int = 0) -> Path:
     import torch
     import transformers
 
-    model_class, config_class, fields = {**KINDS, **MOE_KINDS}[kind]
+    model_class, config_class, fields = {**KINDS, **ROUTED_KINDS, **HYBRID_KINDS}[kind]
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(getattr(transformers, config_class)(**fields))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() == 1:
                 param.add_(0.1 * torch.randn_like(param))
-            elif name.endswith(("gate.weight", "router.weight")) and kind in MOE_KINDS:
+            elif name.endswith(("gate.weight", "router.weight")) and kind in ROUTED_KINDS:
                 param.mul_(SIGMOID_ROUTER_SCALE if kind in SIGMOID_ROUTED else ROUTER_SCALE)
             elif name.endswith("e_score_correction_bias"):  # ERNIE 4.5's: a parameter [1, E] (moe_statics)
                 param.copy_(BIAS_SCALE * torch.rand_like(param))
@@ -358,6 +378,16 @@ def prediction_answers(folder: Path, rows: np.ndarray, ids: np.ndarray) -> None:
              loss=mean_loss(row_logits, labels[:, 1:]), mtp_losses=np.array(mtp_losses))
 
 
+def transformers5_loss(folder: Path, rows: np.ndarray) -> float:
+    """`loss` under transformers 5 (a subprocess), for the folders only it reads."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        np.save(Path(scratch) / "rows.npy", rows)
+        transformers5("loss", Path(scratch) / "rows.npy", Path(scratch) / "loss.json", folder)
+        return json.loads((Path(scratch) / "loss.json").read_text())["loss"]
+
+
 def transformers5(*args) -> None:
     """Run this file under transformers 5 (see the module doc)."""
     if not (TRANSFORMERS5 / "transformers").is_dir():
@@ -411,6 +441,9 @@ if __name__ == "__main__":
         rows, ids, *folders = rest
         for folder in folders:
             prediction_answers(Path(folder), np.load(rows), np.load(ids))
+    elif command == "loss":
+        rows, answer, folder = rest
+        Path(answer).write_text(json.dumps({"loss": loss(Path(folder), np.load(rows))}))
     elif command == "recurrent_rule":
         rule, inputs, answers = rest
         recurrent_rule_answers(rule, Path(inputs), Path(answers))

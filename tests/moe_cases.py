@@ -22,6 +22,8 @@ AUX_RTOL = 1e-5
 MARGIN = 1e-4  # least gap between the k-th and (k+1)-th router logit of a routed token (layouts differ by ~1e-6)
 ROUTING_NOISE = 1e-6  # how far apart two layouts' router scores come over 20 steps (their summation orders)
 KINDS = list(hf_models.MOE_KINDS)
+# MoE kinds of transformers 5 only whose token mixer differs per layer (Gated DeltaNet beside gated attention)
+HYBRID_KINDS = list(hf_models.HYBRID_MOE_KINDS)
 MTP_KIND = "deepseek_v3_mtp"  # transformers 5's DeepSeek-V3 folder given a multi-token prediction layer
 # such folders: from which kind's, with how many prediction layers (GLM's two chained, as transformers chains them)
 PREDICTING = {MTP_KIND: ("deepseek_v3", 1), "glm4_moe_mtp": ("glm4_moe", 2)}

@@ -64,9 +64,11 @@ CP2_PP2 = Run("cp2_pp2", 4, CP2 + PP2 + FINAL_SAVE)
 # suite compares it with single card, the checkpoint suite resumes its step-10 save on one card.
 GPT_CP2_PP2 = Run("gpt_cp2_pp2_recompute", 4, GPT + CP2 + PP2 + (
     "--save_steps", str(RESUME_STEP), "--recompute", "--recompute_granularity", "full_attn"))
-# The 16-rank run both suites need: the trainer compares its 20 steps with single card, the
-# checkpoint tests resume its step-10 checkpoint on one card.
-FOUR_D_SAVING = Run("4d_saving", 16, TP2 + PP2 + SHARDING2 + MICRO1 + ("--save_steps", str(RESUME_STEP)))
+# The 8-rank run both suites need (sharding2 stage1 x tp2 x pp2: tp pieces and stages over sharded data
+# replicas; dp beside sharding is stage2's dp2 x sharding2 in tests/test_sharding_stages.py): the trainer
+# compares its 20 steps with single card, the checkpoint tests resume its step-10 checkpoint on one card.
+SHARDED_TP_PP_SAVING = Run("sharding2_tp2_pp2_saving", 8, TP2 + PP2 + SHARDING2 + MICRO1 +
+                           ("--save_steps", str(RESUME_STEP)))
 # tp2 x pp2 saving in the background at step 10: the trainer suite compares its 20 steps with single card
 # (so saving in the background changes nothing trained), the checkpoint suite resumes its step-10 save.
 DUALPIPEV = ("--pipeline_schedule", "DualPipeV")  # 4 micro-batches of 2 a step: 2 x pp, DualPipeV's least

@@ -26,7 +26,6 @@ from paddle_pp.runtime.launch import LaunchError
 from parity import assert_same_logits
 from runs import (
     DUALPIPEV,
-    FOUR_D_SAVING,
     GPT,
     GPT_CP2_PP2,
     HALF,
@@ -35,6 +34,7 @@ from runs import (
     REPO,
     RESUME_STEP,
     SCRIPT,
+    SHARDED_TP_PP_SAVING,
     SHARDING2,
     SINGLE,
     SINGLE_GPT,
@@ -51,7 +51,7 @@ from runs import (
 RESUME_TOL = 1e-5
 LAYOUTS = {  # name: (nproc, flags)
     "single": (1, ()),
-    "4d": (FOUR_D_SAVING.nproc, FOUR_D_SAVING.flags),
+    "sharding2_tp2_pp2": (SHARDED_TP_PP_SAVING.nproc, SHARDED_TP_PP_SAVING.flags),
     "tp2pp2": (TP2_PP2_SAVING.nproc, TP2_PP2_SAVING.flags),  # TP pieces written in place from host copies, in the background
     "dp2_sharding2": (4, SHARDING2),
     "pp2_vpp2": (2, PP2 + ("--virtual_pp_degree", "2")),
@@ -62,7 +62,7 @@ LAYOUTS = {  # name: (nproc, flags)
 # more multi-axis -> single: tests/test_moe_runs.py (experts over ep), tests/test_family_training.py
 # Across schedules: DualPipeV's V (the head on the first stage) saved and read by the interleaved
 # schedule, and a one-card save read into the V.
-MATRIX = [("4d", "single"), ("tp2pp2", "dp2_sharding2"), ("tp2pp2_dualpipev", "pp2_vpp2"),
+MATRIX = [("sharding2_tp2_pp2", "single"), ("tp2pp2", "dp2_sharding2"), ("tp2pp2_dualpipev", "pp2_vpp2"),
           ("single", "tp2pp2_dualpipev")]
 
 
@@ -72,9 +72,9 @@ def full(model: str) -> Run:
 
 
 def first(model: str, layout: str) -> Run:
-    """10 steps under `layout` and a save; for LLaMA on one card, under 4D and tp2 x pp2, the trainer
+    """10 steps under `layout` and a save; for LLaMA on one card, under sharding2 x tp2 x pp2 and tp2 x pp2, the trainer
     suite's 20-step runs, which save at step 10 too."""
-    shared = {"4d": FOUR_D_SAVING, "tp2pp2": TP2_PP2_SAVING, "single": SINGLE, "tp2pp2_dualpipev": TP2_PP2_DUALPIPEV}
+    shared = {"sharding2_tp2_pp2": SHARDED_TP_PP_SAVING, "tp2pp2": TP2_PP2_SAVING, "single": SINGLE, "tp2pp2_dualpipev": TP2_PP2_DUALPIPEV}
     if model == "llama" and layout in shared:
         return shared[layout]
     nproc, flags = LAYOUTS[layout]
@@ -122,7 +122,7 @@ def test_same_layout_resume_is_bitwise_equal(pretrain_run):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", ["dp2", "4d"])  # tp pieces over data replicas: 4d, and tests/test_moe_runs.py's ep2
+@pytest.mark.parametrize("layout", ["dp2", "sharding2_tp2_pp2"])  # tp pieces over data replicas; also ep2's in tests/test_moe_runs.py
 def test_every_rank_writes_a_share_balanced_by_bytes_as_the_planner_predicts(pretrain_run, layout):
     _, out = pretrain_run(first("llama", layout))
     folder = out / f"checkpoint-{RESUME_STEP}"
@@ -130,7 +130,7 @@ def test_every_rank_writes_a_share_balanced_by_bytes_as_the_planner_predicts(pre
     nproc, flags = LAYOUTS[layout]
     assert sorted(written) == list(range(nproc)), "every rank, data replicas included, writes"
     mean = np.mean(list(written.values()))
-    if layout == "4d":  # 16 ranks share 8 MB holding six 1 MB tensors: a tensor is never split, so LPT's bound
+    if layout == "sharding2_tp2_pp2":  # 8 ranks share 8 MB holding six 1 MB tensors: a tensor is never split, so LPT's bound
         tensors = json.loads((folder / "model.safetensors.index.json").read_text())["metadata"]["tensors"].values()
         largest = max(int(np.prod(meta["shape"])) * 4 for meta in tensors)
         assert max(written.values()) <= mean + largest
@@ -142,19 +142,19 @@ def test_every_rank_writes_a_share_balanced_by_bytes_as_the_planner_predicts(pre
 
 @pytest.mark.multiproc
 def test_index_records_layout_checksums_and_split_axes(pretrain_run):
-    _, out = pretrain_run(FOUR_D_SAVING)
+    _, out = pretrain_run(SHARDED_TP_PP_SAVING)
     folder = out / "checkpoint-10"
     assert latest_checkpoint(out) == out / "checkpoint-20"
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     meta = index["metadata"]
-    assert meta["saving_layout"]["world_size"] == 16 and meta["format_version"] == FORMAT_VERSION
+    assert meta["saving_layout"]["world_size"] == 8 and meta["format_version"] == FORMAT_VERSION
     assert set(meta["files"]) == set(index["weight_map"].values())
     assert meta["tensors"]["llama.layers.0.self_attn.q_proj.weight"]["tp_axis"] == 1
     assert meta["tensors"]["llama.layers.0.self_attn.o_proj.weight"]["tp_axis"] == 0
     assert meta["tensors"]["llama.norm.weight"]["tp_axis"] is None
     optimizer = json.loads((folder / "optimizer.safetensors.index.json").read_text())
     assert {k.split("/")[1] for k in optimizer["weight_map"]} == {"moment1", "moment2", "beta1_pow_acc", "beta2_pow_acc"}
-    assert len(meta["files"]) > 1, "the 4D save must spread its writing over several ranks"
+    assert len(meta["files"]) > 1, "the 8-rank save must spread its writing over several ranks"
     assert verify_checkpoint(folder, plan_of_folder) == []
 
 

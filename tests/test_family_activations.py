@@ -1,7 +1,7 @@
 """The planner's activation model holds for the families whose layers differ (one process, fp32): what
 each decoder layer keeps for backward, measured by sublayer (saved-tensor hooks), equals its
 declaration's `saved_bytes` under the dense and the blockwise core, for a sliding and a full layer
-of each (Gemma 2's soft-capped dense core keeps its tanh; OLMo-2's post-norms and projection-wide
+of each (Gemma 2's soft-capped dense core keeps its tanh; Qwen3.5's Gated DeltaNet and gated attention; OLMo-2's post-norms and projection-wide
 q/k norms; Phi-3's partial rotary; MPT's ALiBi, bias-free LayerNorms and q/k/v clipping; Granite's
 residual multiplier; SmolLM3's NoPE layers; ERNIE 4.5's interleaved rotary and biases; DeepSeek's
 latent attention with and without a q latent); what a layer's
@@ -41,6 +41,9 @@ FAMILIES = {  # model_type -> our config fields (layer 0 sliding where the famil
     "deepseek_v3": dict(BASE, num_key_value_heads=6, q_lora_rank=24, kv_lora_rank=20, qk_nope_head_dim=16,
                         qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=2, num_experts=4, n_group=1,
                         topk_group=1, num_experts_per_tok=2),
+    # Gated DeltaNet (layer 0: fewer key heads than value heads, d_k 16, d_v 8) and gated attention (layer 1)
+    "qwen3_5_text": dict(BASE, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                         linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"]),
     "deepseek_v2": dict(BASE, num_key_value_heads=6, q_lora_rank=None, kv_lora_rank=20, qk_nope_head_dim=16,
                         qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=2, num_experts=4, n_group=1,
                         topk_group=1, num_experts_per_tok=2),
@@ -93,11 +96,11 @@ def test_a_prediction_layers_saved_bytes_equal_its_declarations_model(core):
     assert {"enorm", "hnorm", "eh_proj", "shared_head.norm"} <= set(measured)
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "olmo2", "mpt"])
+@pytest.mark.parametrize("model_type", ["gemma2", "olmo2", "mpt", "qwen3_5_text"])
 def test_what_each_recompute_granularity_keeps_equals_the_model(model_type):
     """Paddle's CPU allocator: a layer's training forward leaves allocated, beyond its input, the
     model's `kept` under full, full_attn and core_attn recompute, for the sandwich (Gemma 2), post
-    (OLMo-2) and LayerNorm (MPT) layers."""
+    (OLMo-2) and LayerNorm (MPT) layers and a Gated DeltaNet layer (Qwen3.5's linear layer)."""
     config = config_from_dict(dict(model_type=model_type, **FAMILIES[model_type]))
     layer_input = BATCH * SEQ * config.hidden_size * 4
     for core in ("dense", "blockwise"):

@@ -49,8 +49,11 @@ EXPORT_TOL = 1e-4
 SP = ("--sequence_parallel",)
 STAGE3_TP2 = TP2 + ("--sharding_parallel_degree", "2", "--sharding", "stage3")
 # family -> the layout its tp2 x pp2 run's step-10 checkpoint resumes under (Gemma 3's q/k norms are summed
-# over tp after backward, which stage2/3 refuse beside tp: tests/test_sequence_parallel.py)
-RESUMED_UNDER = {"gemma3_text": (2, TP2 + SP), "phi3": (4, STAGE3_TP2)}
+# over tp after backward, which stage2/3 refuse beside tp: tests/test_sequence_parallel.py): Gemma 3's windows and
+# Qwen3.5's recurrent layers (their state and conv windows carried between the parts) under cp2 x tp2 + SP
+RESUMED_UNDER = {"gemma3_text": (4, ("--context_parallel_degree", "2") + TP2 + SP), "phi3": (4, STAGE3_TP2),
+                 "qwen3_5_text": (4, ("--context_parallel_degree", "2") + TP2 + SP)}
+SPLIT_WITH = {"qwen3_5_text": SP}  # what a family's tp2 x pp2 run adds
 # the run whose last checkpoint a PaddleNLP family exports and PaddleNLP loads (their transformers 5 starts)
 EXPORTED = {"qwen2": "qwen2:transformers5", "gemma": "gemma:transformers5"}
 # the kinds whose attention differs per layer, started from both versions' folders in one launch
@@ -63,6 +66,9 @@ SHORT_RUNS = [(kind, "transformers4") for kind in ("llama_tied", "llama3", "gpt2
 # and Qwen3 read and write the same fields (their 5.x folders' logits: tests/test_model_folders.py; a 5.x start with
 # q/k norms: tests/test_moe_starts.py)
 FIVE = ["llama3", "llama_linear", "qwen2", "gemma", "gpt2"]
+# transformers 5 folders of the families whose token mixer differs per layer (Gated DeltaNet beside gated
+# attention on each pipeline stage), started in the per-layer launch too (recurrent chunks of 8 tokens, 2 per span)
+HYBRID = list(hf_models.HYBRID_KINDS)
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +80,9 @@ def runs(pretrain_run, transformers4_folders, transformers5_folders):
     def get(name: str):
         kind, _, which = name.partition(":")
         if which in ("single", "tp2pp2", "resumed"):
-            start = ("--model_name_or_path", str(transformers4_folders / kind))
-            full = Run(f"{kind}_tp2pp2", 4, start + TP2 + PP2 + ("--save_steps", str(RESUME_STEP), "--save_to_hf"))
+            start = ("--model_name_or_path", str(_root(kind, transformers4_folders, transformers5_folders) / kind))
+            full = Run(f"{kind}_tp2pp2", 4, start + TP2 + PP2 + SPLIT_WITH.get(kind, ()) +
+                       ("--save_steps", str(RESUME_STEP), "--save_to_hf"))
             nproc, flags = RESUMED_UNDER[kind]
             run = {"single": Run(f"{kind}_single", 1, start + ("--save_steps", "20")), "tp2pp2": full,
                    "resumed": Run(f"{kind}_resumed", nproc, start + flags, resume_from=full)}[which]
@@ -98,7 +105,7 @@ def per_layer_starts(run_workers_module, transformers4_folders, transformers5_fo
     links = tmp_path_factory.mktemp("per_layer")
     folders = []
     for kind, version in [(kind, version) for kind in PER_LAYER for version in ("transformers4", "transformers5")] + \
-            [(kind, "transformers5") for kind in FIVE]:
+            [(kind, "transformers5") for kind in FIVE + HYBRID]:
         root = transformers4_folders if version == "transformers4" else transformers5_folders
         (links / f"{kind}-{version}").symlink_to(root / kind)
         folders.append(links / f"{kind}-{version}")
@@ -115,9 +122,10 @@ def transformers5_checkpoint_logits(per_layer_starts, tmp_path_factory):
     _, out = per_layer_starts
     ids = tmp_path_factory.mktemp("ids5") / "ids.npy"
     np.save(ids, IDS)
-    folders = [out / f"{kind}-transformers5" / "checkpoint-2" for kind in PER_LAYER + FIVE]
+    kinds = PER_LAYER + FIVE + HYBRID
+    folders = [out / f"{kind}-transformers5" / "checkpoint-2" for kind in kinds]
     hf_models.transformers5("logits", ids, *folders)
-    return {kind: np.load(f"{folder}.npy") for kind, folder in zip(PER_LAYER + FIVE, folders)}
+    return {kind: np.load(f"{folder}.npy") for kind, folder in zip(kinds, folders)}
 
 
 @pytest.mark.parametrize("kind", PER_LAYER)
@@ -153,17 +161,29 @@ def test_a_family_whose_attention_differs_per_layer_saves_a_checkpoint_the_trans
         np.testing.assert_allclose(logits, our_logits(checkpoint, IDS), atol=EXPORT_TOL, rtol=EXPORT_TOL)
 
 
+def _root(kind: str, transformers4_folders, transformers5_folders):
+    """The folders a kind's runs start from: transformers 4.x's, or 5's for the kinds only it has."""
+    return transformers5_folders if kind in hf_models.HYBRID_KINDS else transformers4_folders
+
+
 def _transformers_loss(folder, data_cache, steps: int, eval_steps: int) -> float:
-    return hf_models.loss(folder, first_batch(data_cache, folder, steps, eval_steps))
+    """The loss of the transformers that saved `folder` (4.x, or 5 for the kinds only it has) on step
+    1's batch of a `steps`-step run."""
+    rows = first_batch(data_cache, folder, steps, eval_steps)
+    return hf_models.loss(folder, rows) if folder.name not in hf_models.HYBRID_KINDS else \
+        hf_models.transformers5_loss(folder, rows)
 
 
 @pytest.mark.parametrize("kind", list(RESUMED_UNDER))
 def test_a_new_family_starts_at_transformers_loss_and_trains_like_single_card_under_tp2_pp2(
-        kind, runs, transformers4_folders, data_cache):
+        kind, runs, transformers4_folders, transformers5_folders, data_cache):
+    """Gemma 3 and Phi-3 under tp2 x pp2, Qwen3.5 (a Gated DeltaNet and a gated attention layer per
+    stage) under tp2 x pp2 + SP: step 1's loss is that of the transformers that saved the folder (1e-5),
+    and 20 steps' losses, gradient norms and evaluations are one card's (1e-4)."""
     single, _ = runs(f"{kind}:single")
     hybrid, _ = runs(f"{kind}:tp2pp2")
-    np.testing.assert_allclose(single["losses"][0], _transformers_loss(transformers4_folders / kind, data_cache, 20, 10),
-                               rtol=LOSS_RTOL)
+    folder = _root(kind, transformers4_folders, transformers5_folders) / kind
+    np.testing.assert_allclose(single["losses"][0], _transformers_loss(folder, data_cache, 20, 10), rtol=LOSS_RTOL)
     np.testing.assert_allclose(hybrid["losses"], single["losses"], rtol=PARITY_RTOL)
     np.testing.assert_allclose(hybrid["grad_norms"], single["grad_norms"], rtol=PARITY_RTOL)
     np.testing.assert_allclose(hybrid["eval_loss"], single["eval_loss"], rtol=PARITY_RTOL)
@@ -172,9 +192,12 @@ def test_a_new_family_starts_at_transformers_loss_and_trains_like_single_card_un
 
 @pytest.mark.parametrize("kind", list(RESUMED_UNDER))
 def test_a_new_familys_checkpoint_resumes_under_another_layout_on_the_single_card_curve(kind, runs):
-    """Gemma 3 (q/k norms, tied) under tp2 + SP, Phi-3 (untied, fused projections on disk) under stage3 x
-    tp2, from the tp2 x pp2 run's checkpoint in transformers' layout: every weight and Adam state read
-    back exact, and steps 11-20 continue the single-card run."""
+    """Gemma 3 (q/k norms, tied; windows of 8 keys, which under cp2 reach from each rank's 8-token part
+    into the one before) under cp2 x tp2 + SP, Phi-3 (untied, fused projections on disk) under stage3 x
+    tp2, Qwen3.5 (fused q/k/v projection and conv on disk) under cp2 x tp2 + SP, from the tp2 x pp2
+    run's checkpoint in transformers' layout: every weight and Adam state read back exact, and steps
+    11-20 continue the single-card run (Qwen3.5's under context parallelism: its recurrent layers run
+    each rank's parts from the states and conv windows the parts before leave)."""
     single, _ = runs(f"{kind}:single")
     resumed, _ = runs(f"{kind}:resumed")
     assert resumed["resumed_exactly"] is True
@@ -232,13 +255,15 @@ def test_a_transformers_folder_starts_at_transformers_loss_and_exports_back(
     _one_embedding(checkpoint, tmp_path / "export")
 
 
-@pytest.mark.parametrize("kind", FIVE)
+@pytest.mark.parametrize("kind", FIVE + HYBRID)
 def test_a_transformers_5_folder_starts_at_its_loss_and_its_checkpoint_loads_back(
         kind, per_layer_starts, transformers5_folders, transformers5_checkpoint_logits):
     """Llama 3's rope, linear rope with biases, Qwen2's layer_types, Gemma's norms and GPT-2 from
-    transformers 5's folders under tp2 x pp2 + SP: the loss transformers 5 computed on the rows
-    (1e-5), and the checkpoint, in transformers' layout, loads in transformers 5 with our logits
-    (1e-4), a tied model's with one embedding."""
+    transformers 5's folders under tp2 x pp2 + SP, and Qwen3.5's Gated DeltaNet and gated attention
+    layers (one of each per stage; its linear layers' fused q/k/v projection and conv cut by heads
+    over tp): the loss transformers 5 computed on the rows (1e-5), and the checkpoint, in
+    transformers' layout, loads in transformers 5 with our logits (1e-4), a tied model's with one
+    embedding."""
     started, out = per_layer_starts
     result, checkpoint = started[f"{kind}-transformers5"], out / f"{kind}-transformers5" / "checkpoint-2"
     expected = json.loads((transformers5_folders / f"{kind}.json").read_text())["loss"]

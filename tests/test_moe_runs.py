@@ -47,22 +47,22 @@ def moe_runs(moe_folders):
     groups with sigmoid routing, correction biases and a shared expert; a multi-token prediction
     layer) from its transformers 5 folder: 20 steps on one card; under dp2 x tp2 x pp2 + SP with its
     experts over ep2, recomputing whole layers (saving at step 10); under dp2 x sharding2 stage1 over
-    ep2 with full recompute, and over ep4 (the expert group across the sharding ranks, each rank updating its own experts outside
-    stage1's partition); under cp2 x sharding2 stage1 over ep2 (each expert's states on one of its
-    two replicas, the cp peers); under dp2 x sharding2 stage2 without ep; and the ep2
-    step-10 checkpoint resumed under ep4 across the sharding ranks (two experts per rank) and on one card."""
+    ep4 (the expert group across the sharding ranks, each rank updating its own experts outside
+    stage1's partition); under cp2 x sharding2 stage1 over ep2 with full recompute (each expert's
+    states on one of its two replicas, the cp peers); under dp2 x sharding2 stage2 without ep; and the
+    ep2 step-10 checkpoint resumed under ep4 across the sharding ranks (two experts per rank) and on
+    one card. (ep2 over the data replicas of dp2 x sharding2 stage1 was a run of its own: the split
+    layout's ep2 across dp2 and the cp2 one cover its placement, its recompute moved to the latter.)"""
     start = start_flags(MTP_KIND, moe_folders["transformers5"]) + DEEPSEEK
     single = Run("deepseek_single", 1, start + ("--save_steps", "20"))
     hybrid = Run("deepseek_ep2_tp2_pp2_sp", 8, start + DP2_TP2_PP2_SP + EP2 + (
         "--recompute", "--save_steps", str(RESUME_STEP)))
     return {"single": single, "ep2_tp2_pp2_sp": hybrid,
-            "ep2_stage1": Run("deepseek_ep2_stage1", 4, start + EP2 + MICRO1 + (
-                "--sharding_parallel_degree", "2", "--sharding", "stage1", "--recompute", "--save_steps", "20")),
             "ep4_stage1": Run("deepseek_ep4_stage1", 4, start + EP4 + MICRO1 + (
                 "--sharding_parallel_degree", "2", "--sharding", "stage1", "--save_steps", "20")),
-            "ep2_cp2_stage1": Run("deepseek_ep2_cp2_stage1", 4, start + EP2 + (
+            "ep2_cp2_stage1": Run("deepseek_ep2_cp2_stage1_recompute", 4, start + EP2 + (
                 "--context_parallel_degree", "2", "--sharding_parallel_degree", "2", "--sharding", "stage1",
-                "--save_steps", "20")),
+                "--recompute", "--save_steps", "20")),
             "stage2": Run("deepseek_dp2_stage2", 4, start + MICRO1 + ("--sharding_parallel_degree", "2", "--sharding",
                                                              "stage2", "--recompute", "--save_steps", "20")),
             "resumed_ep4": Run("deepseek_resumed_ep4_stage1", 4, start + EP4 + (
@@ -71,7 +71,7 @@ def moe_runs(moe_folders):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", ["ep2_tp2_pp2_sp", "ep2_stage1", "ep4_stage1", "ep2_cp2_stage1", "stage2"])
+@pytest.mark.parametrize("layout", ["ep2_tp2_pp2_sp", "ep4_stage1", "ep2_cp2_stage1", "stage2"])
 def test_a_deepseek_v3_shaped_model_trains_like_single_card(layout, moe_runs, pretrain_run, moe_folders):
     """Losses, evaluation, grad norms, aux losses, multi-token prediction losses and final weights (the
     correction biases, moved every step by the balancing rule, and the prediction layer on the last

@@ -17,6 +17,7 @@ from moe_cases import (
     DP2_TP2_PP2_SP,
     EP2,
     EXPORT_TOL,
+    HYBRID_KINDS,
     KINDS,
     LOGITS_TOL,
     LOSS_RTOL,
@@ -52,7 +53,8 @@ def moe_starts(moe_folders, run_workers_module, tmp_path_factory):
     Per layout: (the results by folder name `<kind>-<version>`, the folder of their checkpoints)."""
     links = tmp_path_factory.mktemp("moe_starts")
     folders = {version: [] for version in VERSIONS}
-    for kind, version in [(kind, version) for kind in KINDS for version in VERSIONS] + [(MTP_KIND, SPLIT_VERSION)]:
+    for kind, version in [(kind, version) for kind in KINDS for version in VERSIONS] + \
+            [(kind, SPLIT_VERSION) for kind in (MTP_KIND, *HYBRID_KINDS)]:
         (links / f"{kind}-{version}").symlink_to(moe_folders[version] / kind)
         folders[version].append(links / f"{kind}-{version}")
     rows = moe_folders["transformers5"] / "rows.npy"
@@ -80,14 +82,41 @@ def test_an_moe_folder_starts_under_ep2_tp2_pp2_sp_at_its_loss_and_trains_like_s
     one card's (every q/k norm and correction bias to 1e-5; other weights to 1e-4: Adam's first steps
     turn near-zero gradients' summation noise into lr-sized moves)."""
     rows = np.load(moe_folders["transformers5"] / "rows.npy")
-    (split, split_out), (single, single_out) = moe_starts["split"], moe_starts["single"]
+    single, _ = moe_starts["single"]
     expected = {"transformers5": json.loads((moe_folders["transformers5"] / f"{kind}.json").read_text())["loss"],
                 "transformers4": hf_models.loss(moe_folders["transformers4"] / kind, rows)}
     for version in VERSIONS:
         np.testing.assert_allclose(single[0]["folders"][f"{kind}-{version}"]["loss"], expected[version],
                                    rtol=LOSS_RTOL, err_msg=version)
+    _split_starts_at_and_trains_like_single_card(moe_starts, f"{kind}-{SPLIT_VERSION}", expected[SPLIT_VERSION])
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("kind", HYBRID_KINDS)
+def test_a_hybrid_moe_folder_starts_under_ep2_tp2_pp2_sp_at_its_loss_and_trains_like_single_card(
+        kind, moe_starts, moe_folders, transformers5_checkpoint_logits):
+    """Qwen3.5-MoE (Gated DeltaNet and gated attention layers, one of each per stage, its experts over
+    ep2 and a gated shared expert) from transformers 5's folder: on one card and under ep2 x dp2 x tp2
+    x pp2 + SP, recomputing whole layers, at transformers' loss (1e-5); the split layout's two steps
+    and checkpoint are one card's, and transformers 5 loads that checkpoint (in its layout: q, k, v
+    and their convs fused again) with our logits (1e-4)."""
+    expected = json.loads((moe_folders[SPLIT_VERSION] / f"{kind}.json").read_text())["loss"]
+    single, _ = moe_starts["single"]
     name = f"{kind}-{SPLIT_VERSION}"
-    np.testing.assert_allclose(split[0]["folders"][name]["loss"], expected[SPLIT_VERSION], rtol=LOSS_RTOL)
+    np.testing.assert_allclose(single[0]["folders"][name]["loss"], expected, rtol=LOSS_RTOL)
+    _split_starts_at_and_trains_like_single_card(moe_starts, name, expected)
+    checkpoint = moe_starts["split"][1] / name / "checkpoint-2"
+    assert _stored_names(checkpoint) == _stored_names(moe_folders[SPLIT_VERSION] / kind)
+    np.testing.assert_allclose(transformers5_checkpoint_logits[name], our_logits(checkpoint, IDS), atol=EXPORT_TOL,
+                               rtol=EXPORT_TOL)
+
+
+def _split_starts_at_and_trains_like_single_card(moe_starts, name: str, expected: float) -> None:
+    """The split start of folder `name`: its loss is `expected`, its two training losses one card's,
+    and so are its checkpoint's weights (every q/k norm and correction bias to 1e-5; other weights
+    to 1e-4)."""
+    (split, split_out), (single, single_out) = moe_starts["split"], moe_starts["single"]
+    np.testing.assert_allclose(split[0]["folders"][name]["loss"], expected, rtol=LOSS_RTOL)
     np.testing.assert_allclose(split[0]["folders"][name]["losses"], single[0]["folders"][name]["losses"],
                                rtol=RESUME_RTOL)
     weights = [open_pretrained(out / name / "checkpoint-2") for out in (split_out, single_out)]
@@ -131,7 +160,8 @@ def transformers5_checkpoint_logits(moe_starts, tmp_path_factory):
     _, out = moe_starts["split"]
     ids = tmp_path_factory.mktemp("moe_ids") / "ids.npy"
     np.save(ids, IDS)
-    folders = {f"{kind}-{SPLIT_VERSION}": out / f"{kind}-{SPLIT_VERSION}" / "checkpoint-2" for kind in KINDS}
+    folders = {f"{kind}-{SPLIT_VERSION}": out / f"{kind}-{SPLIT_VERSION}" / "checkpoint-2"
+               for kind in KINDS + HYBRID_KINDS}
     hf_models.transformers5("logits", ids, *folders.values())
     return {name: np.load(f"{folder}.npy") for name, folder in folders.items()}
 

@@ -21,7 +21,7 @@ from paddle_pp.training.generation import load_generator
 from paddle_pp.training.model_config import ModelSourceError, model_config
 
 import hf_models
-from runs import FOUR_D_SAVING, REPO, RESUME_STEP, TOKENIZER, pretrain
+from runs import REPO, RESUME_STEP, SHARDED_TP_PP_SAVING, TOKENIZER, pretrain
 
 LOSS_RTOL = 1e-5  # step 1's loss is a forward of the same fp32 weights on the same batch
 SHAPE = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -103,7 +103,7 @@ def test_a_paddlenlp_save_pretrained_folder_starts_at_paddlenlps_loss(
 def test_folders_are_recognised_with_their_config(transformers_folder, pretrain_run, tmp_path):
     hf = open_pretrained(transformers_folder)
     assert (hf.kind, hf.config["num_key_value_heads"], hf.config["rope_theta"]) == (TRANSFORMERS, 2, 50000.0)
-    _, saved = pretrain_run(FOUR_D_SAVING)
+    _, saved = pretrain_run(SHARDED_TP_PP_SAVING)
     ours = open_pretrained(saved / f"checkpoint-{RESUME_STEP}")
     assert (ours.kind, ours.config["hidden_size"]) == (UNIFIED, 64)
     assert open_pretrained(_paddlenlp_folder(tmp_path / "nlp", True)).kind == PADDLENLP
@@ -184,7 +184,7 @@ def test_greedy_generation_matches_transformers_generate(transformers_folder):
 
 
 def test_generate_prints_text_from_a_trained_checkpoint_and_a_seed_repeats_it(pretrain_run):
-    _, saved = pretrain_run(FOUR_D_SAVING)
+    _, saved = pretrain_run(SHARDED_TP_PP_SAVING)
     checkpoint = saved / f"checkpoint-{RESUME_STEP}"
     command = [sys.executable, str(REPO / "tools" / "generate.py"), str(checkpoint), "--prompt", "The hacker",
                "--top_p", "0.9", "--seed", "7", "--max_new_tokens", "16"]

@@ -29,7 +29,7 @@ MODELS = {
     "llama8": dict(model_type="llama", num_hidden_layers=8, **SHAPE),
     "gpt": dict(model_type="gpt", vocab_size=4096, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                 max_position_embeddings=256),
-    "gemma2": dict(model_type="gemma2", num_hidden_layers=2, head_dim=16, sliding_window=8, **SHAPE),
+    "mpt": dict(model_type="mpt", vocab_size=4096, d_model=64, n_heads=4, n_layers=2, max_seq_len=256),
     "llama8_tied": dict(model_type="llama", num_hidden_layers=8, tie_word_embeddings=True, **SHAPE),
 }
 SEQ = ("--max_seq_length", "64")
@@ -63,7 +63,7 @@ REFUSED = [
     ("llama8", 2, ("--expert_parallel_degree", "2"), "which has no experts"),
     ("llama8", 2, ("--sharding_parallel_degree", "2"), "needs --sharding stage1"),
     ("llama8", 2, ("--context_parallel_degree", "2", "--max_seq_length", "66"), "is not divisible by 2 x"),
-    ("gemma2", 2, ("--context_parallel_degree", "2"), "ring attention does not compute"),
+    ("mpt", 2, ("--context_parallel_degree", "2"), "decoder layer 0 has ALiBi position biases"),
     ("llama8", 2, ("--sequence_parallel",), "--sequence_parallel needs --tensor_parallel_degree >= 2"),
     # the pipeline schedules (planning/schedules.py, Layout._check_schedule)
     ("llama8", 4, PP4 + VPP2 + accumulate(6), "FThenB asserts a multiple of --pipeline_parallel_degree 4"),

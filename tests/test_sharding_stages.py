@@ -15,10 +15,10 @@ from checkpoint.verify import verify_checkpoint
 from modeling.registry import plan_of_folder
 
 from runs import (
-    FOUR_D_SAVING,
     MICRO1,
     PP2,
     RESUME_STEP,
+    SHARDED_TP_PP_SAVING,
     SINGLE,
     TP2,
     Run,
@@ -44,8 +44,8 @@ STAGE2 = Run("dp2_sharding2_stage2", 4, sharded("stage2", 2) + MICRO1 + SAVE)
 STAGE3 = Run("sharding4_stage3", 4, sharded("stage3", 4) + MICRO1 + SAVE)
 RESUMES = {  # the pairs: each continues the single-card curve from the step-10 checkpoint
     "sharding4_stage3->tp2pp2": Run("stage3_to_tp2pp2", 4, TP2 + PP2, resume_from=STAGE3),
-    "4d_stage1->tp2_sharding2_stage3": Run("4d_to_tp2_stage3", 4, TP2 + sharded("stage3", 2),
-                                           resume_from=FOUR_D_SAVING),
+    "sharding2_tp2_pp2_stage1->tp2_sharding2_stage3": Run("sharding2_tp2_pp2_to_tp2_stage3", 4, TP2 + sharded("stage3", 2),
+                                           resume_from=SHARDED_TP_PP_SAVING),
     "dp2_sharding2_stage2->sharding4_stage2": Run("stage2_to_sharding4_stage2", 4, sharded("stage2", 4) + MICRO1,
                                                   resume_from=STAGE2),
 }

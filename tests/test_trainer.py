@@ -25,7 +25,7 @@ from paddle_pp.training.precision import PrecisionError
 from paddle_pp.training.run_plan import TrainingConfigError
 from paddle_pp.training.trainer import Pretrainer
 
-from runs import CP2_PP2, FOUR_D_SAVING, MODEL, REPO, SCRIPT, SINGLE, TP2_PP2_SAVING, Run
+from runs import CP2_PP2, MODEL, REPO, SCRIPT, SHARDED_TP_PP_SAVING, SINGLE, TP2_PP2_SAVING, Run
 
 LOSS_RTOL = 1e-4
 RUNS = {run.tag: run for run in (
@@ -35,7 +35,7 @@ RUNS = {run.tag: run for run in (
     Run("pp4", 4, ("--pipeline_parallel_degree", "4")),
     CP2_PP2,
     Run("cp2pp2_two_nodes", 2, CP2_PP2.flags, nnodes=2),
-)} | {"dp2_sharding2_tp2_pp2": FOUR_D_SAVING}
+)} | {"sharding2_tp2_pp2": SHARDED_TP_PP_SAVING}
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def trained(pretrain_run):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", ["tp2pp2_async_saving", "dp2_sharding2_tp2_pp2", "pp4"])
+@pytest.mark.parametrize("name", ["tp2pp2_async_saving", "sharding2_tp2_pp2", "pp4"])
 def test_layout_loss_curve_matches_single_card(trained, name):
     (reference, *_), _ = trained("single")
     results, _ = trained(name)

@@ -17,16 +17,19 @@ attention): each call's kernel is told the sequence positions of the keys it see
 masks the keys outside each query's document, and skips the blocks wholly before every query's
 document; a call's row that sees none of the arriving keys adds nothing to the merge. The blockwise
 kernel computes them (flash's has no per-call document mask: a per-document ring runs blockwise).
-A sliding window shorter than the sequence and ALiBi need positions across blocks the ring does not
-give its kernels: such a model under context parallelism is refused by name before any process group
-(`context_parallel_refusal`), never computed as full attention.
+A sliding window is the same kind of bound (query p sees keys from p - W + 1, `_windowed`): each
+call's keys are masked by their sequence positions, so a window shorter than a rank's part reaches
+into the parts before it exactly as on one card, and blocks wholly before every query's window are
+skipped. ALiBi needs distances across blocks the ring does not give its kernels: such a model under
+context parallelism is refused by name before any process group (`context_parallel_refusal`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol
 
+import numpy as np
 import paddle
 from paddle.autograd import PyLayer
 
@@ -191,6 +194,9 @@ def ring_attention(q, k, v, ring: Ring, seq_first: bool = False, inner: Attentio
     """As the inner core's attention for this rank's tokens of a sequence cut over `ring`, each block
     computed by `inner`'s ring kernel (blockwise; or flash: Paddle's kernel on GPU), inside each
     query's document when `documents` (the starts of this rank's queries) are given."""
+    if spec.window is not None:  # a window is a lower bound per query, in sequence positions, as a document is
+        documents = _windowed(documents, spec.window, ring, q.shape[0 if seq_first else 1])
+        spec = replace(spec, window=None)
     if documents is not None and not isinstance(inner, BlockwiseCore):
         inner = CORES["blockwise"]  # the only kernel taking each call's documents
     kernel = inner.ring_kernel(q.shape, k.shape[2], v.shape[3], seq_first, spec)
@@ -198,14 +204,21 @@ def ring_attention(q, k, v, ring: Ring, seq_first: bool = False, inner: Attentio
                                 kernel, documents)
 
 
-def context_parallel_refusal(spec: CoreSpec, seq_len: int) -> str | None:
-    """What of a layer's attention ring attention does not compute over `seq_len` tokens, or None."""
-    window = spec.window_within(seq_len)
-    if window is not None:
-        return f"a sliding window of {window} keys (shorter than the {seq_len}-token sequence)"
+def context_parallel_refusal(spec: CoreSpec) -> str | None:
+    """What of a layer's attention ring attention does not compute, or None."""
     if spec.alibi is not None:
         return "ALiBi position biases"
     return None
+
+
+def _windowed(documents: Documents | None, window: int, ring: Ring, local_len: int) -> Documents:
+    """This rank's queries' first visible keys under a sliding window of `window` keys (query p sees
+    keys from p - window + 1), inside their documents when there are any: the blockwise kernel masks
+    each call's keys by their sequence positions against these and skips the blocks before them, so
+    a window shorter than a rank's part reaches into the parts before it, as on one card."""
+    held = local_positions(local_len * ring.degree, ring.degree, ring.rank)
+    starts = np.maximum(held - window + 1, 0)[None, :]
+    return Documents(starts if documents is None else np.maximum(documents.starts, starts))
 
 
 @dataclass(frozen=True)

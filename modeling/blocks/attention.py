@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import paddle
+import paddle.nn.functional as F
 
 from modeling.attention_core import AttentionCore, Heads
 from modeling.attention_core.spec import PLAIN, CoreSpec
@@ -17,7 +18,7 @@ from modeling.blocks.norms import rms_norm_saved_bytes
 from modeling.blocks.parts import Block, ColumnLinear, Declared, Leaf, Norm, Part, RowLinear
 from modeling.blocks.rotary import Rotary
 from modeling.execution import Execution
-from modeling.placement import VECTOR_SPLIT, ZEROS, Placement, TensorPlan
+from modeling.placement import A_LOG, ONES, VECTOR_SPLIT, ZEROS, Placement, TensorPlan
 from modeling.sequence_parallel import gather_tokens
 
 HEAD_NORM, PROJECTION_NORM = "head", "projection"  # q/k norms over each head, or over the whole projection
@@ -25,17 +26,26 @@ HEAD_NORM, PROJECTION_NORM = "head", "projection"  # q/k norms over each head, o
 
 @dataclass(frozen=True)
 class HeadVector(Leaf):
-    """One parameter per query head (sink logits), split over tp with the heads; a parameter of its
-    block under the part's own name (transformers' `self_attn.sinks`)."""
+    """One parameter per head (sink logits; a recurrent mixer's decay rate and time-step bias), split
+    over tp with the heads; a parameter of its block under the part's own name (transformers'
+    `self_attn.sinks`, `linear_attn.A_log`), starting as `init` says."""
 
     heads: int
+    init: str = ZEROS
 
     def tensors(self) -> dict[str, TensorPlan]:
-        return {"": TensorPlan((self.heads,), Placement(VECTOR_SPLIT), init=ZEROS)}
+        return {"": TensorPlan((self.heads,), Placement(VECTOR_SPLIT), init=self.init)}
 
     def build(self, config, run: Execution):
-        param = paddle.create_parameter([self.heads // run.tp], "float32",
-                                        default_initializer=paddle.nn.initializer.Constant(0.0))
+        """Drawn from Paddle's generator (`paddle.seed` makes a model's build repeatable); a trainer
+        run sets every tensor from its plan afterwards (`init_single_card_weights`)."""
+        shape = [self.heads // run.tp]
+        if self.init == A_LOG:
+            param = paddle.create_parameter(shape, "float32", default_initializer=paddle.nn.initializer.Uniform(0.01, 16.0))
+            param.set_value(paddle.log(param))
+        else:
+            param = paddle.create_parameter(shape, "float32", default_initializer=paddle.nn.initializer.Constant(
+                1.0 if self.init == ONES else 0.0))
         if run.tp > 1:
             param.is_distributed, param.split_axis = True, 0
         return param
@@ -60,6 +70,7 @@ class Attention(Declared):
     rotary: Rotary | None = None
     sinks: bool = False
     clip_qkv: float | None = None
+    output_gate: bool = False  # q_proj also emits a gate per head (after each head's q); out * sigmoid(gate)
 
     @property
     def v_dim(self) -> int:
@@ -68,7 +79,7 @@ class Attention(Declared):
     def parts(self) -> dict[str, Part]:
         q_width, k_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
         parts: dict[str, Part] = {
-            "q_proj": ColumnLinear(self.hidden, q_width, self.qkv_bias),
+            "q_proj": ColumnLinear(self.hidden, q_width * (2 if self.output_gate else 1), self.qkv_bias),
             "k_proj": ColumnLinear(self.hidden, k_width, self.qkv_bias),
             "v_proj": ColumnLinear(self.hidden, self.kv_heads * self.v_dim, self.qkv_bias),
             self.output: RowLinear(self.heads * self.v_dim, self.hidden, self.o_bias),
@@ -104,13 +115,17 @@ class Attention(Declared):
         share one saved input, full-size with or without SP; the core keeps what its own model says,
         and the output projection its input unless the core already keeps that tensor; the rotary
         tables as `Rotary.kept_bytes` says. Clipping q, k and v (MPT) keeps them unclipped for its
-        gradient's mask."""
+        gradient's mask. A gated output keeps the gate's sigmoid and the core's output, and the output
+        projection the gated product."""
         tokens, heads = batch * seq_len, self.local_heads(run)
         kept, qkv, output = self.core_bytes(run, batch, seq_len, dtype_bytes)
         rotary = self.rotary.kept_bytes(batch, seq_len, dtype_bytes, run.documents is not None) if self.rotary else 0
         clipped = qkv if self.clip_qkv is not None else 0  # the clip keeps q, k and v as they were
+        keeps_output = self.core(run).keeps_output(run.sequence_first)
         saved = {"q_proj": tokens * self.hidden * dtype_bytes, "": kept + rotary + clipped,
-                 self.output: 0 if self.core(run).keeps_output(run.sequence_first) else output}
+                 self.output: 0 if keeps_output and not self.output_gate else output}
+        if self.output_gate:  # sigmoid(gate), and the core's output unless the core keeps it
+            saved[""] += tokens * heads.heads * self.head_dim * dtype_bytes + (0 if keeps_output else output)
         if self.qk_norm == HEAD_NORM:
             saved |= {"q_norm": rms_norm_saved_bytes(tokens, self.head_dim, dtype_bytes, self.norm.offset, heads.heads),
                       "k_norm": rms_norm_saved_bytes(tokens, self.head_dim, dtype_bytes, self.norm.offset,
@@ -139,6 +154,8 @@ class SelfAttention(Block):
             q, k, v = (paddle.clip(t, -declared.clip_qkv, declared.clip_qkv) for t in (q, k, v))
         if declared.qk_norm == PROJECTION_NORM:
             q, k = self.q_norm(q), self.k_norm(k)
+        if declared.output_gate:  # per head: its q, then its gate (Qwen3.5's and Qwen3-Next's full layers)
+            q, gate = paddle.split(q.reshape(lead + [heads.heads, 2 * heads.qk_dim]), 2, axis=-1)
         q = q.reshape(lead + [heads.heads, heads.qk_dim])
         k = k.reshape(lead + [heads.kv_heads, heads.qk_dim])
         v = v.reshape(lead + [heads.kv_heads, heads.v_dim])
@@ -150,6 +167,8 @@ class SelfAttention(Block):
         documents = run.documents_at(positions)
         out = run.recompute("core_attn", lambda *qkv: self.attend(*qkv, seq_first, self.spec, sinks, documents),
                             q, k, v, training=self.training)
+        if declared.output_gate:
+            out = out * F.sigmoid(gate.reshape(out.shape))
         return getattr(self, declared.output)(out)
 
 

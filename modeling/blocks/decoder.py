@@ -94,7 +94,8 @@ def layer_activations(layer, run: Execution, batch: int, seq_len: int, dtype_byt
     """A decoder layer declaration's `saved_bytes` (what it keeps with nothing recomputed) under the
     run's granularity: full keeps the layer's input; full_attn keeps the attention's input instead of
     what the attention keeps; core_attn keeps the core's q, k and v instead of what the core keeps,
-    and the output projection then keeps the core's (recomputed, so new) output."""
+    and the output projection then keeps the core's (recomputed, so new) output. A recurrent mixer
+    has no attention core (its rule keeps only its inputs already): core_attn keeps all of it."""
     saved = layer.saved_bytes(run, batch, seq_len, dtype_bytes)
     total, granularity = sum(saved.values()), run.recompute.granularity
     hidden = batch * seq_len // sequence_shards(run.tp, run.sequence_parallel) * layer.attention.hidden * dtype_bytes
@@ -105,6 +106,8 @@ def layer_activations(layer, run: Execution, batch: int, seq_len: int, dtype_byt
     if granularity == "full_attn":
         attention = sum(value for key, value in saved.items() if key.split(".")[0] == layer.attention_name)
         return LayerActivations(total - attention + hidden, attention)
+    if getattr(layer.attention, "recurrent", False):  # no attention core to recompute
+        return LayerActivations(total)
     kept, inputs, output = layer.attention.core_bytes(run, batch, seq_len, dtype_bytes)
     new_output = output if layer.attention.core(run).keeps_output(run.sequence_first) else 0
     return LayerActivations(total - kept + inputs + new_output, kept)

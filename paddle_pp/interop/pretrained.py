@@ -290,8 +290,9 @@ def _checked(folder: Path, kind: str, config: dict, shapes: dict[str, list[int]]
             index, count = stored.stack
             entry = read_stored(stored.name, 0, count, index)[0]
             source = lambda _, axis, parts, part: split_tensor(entry, axis, parts, part)  # noqa: E731
-        if stored.interleave is not None:  # a tp rank's kv heads are whole groups of the stored tensor
-            return stored.select(source(stored.name, None if axis is None else stored.axis, parts, part))
+        if stored.interleave is not None:  # a tp rank's heads are whole groups of the stored tensor
+            piece = stored.select(source(stored.name, None if axis is None else stored.axis, parts, part))
+            return piece.T if stored.transposed else piece
         if stored.sizes is not None:  # our tensor is an unequal slice of a fused one: this rank's piece of it
             return _span_piece(source, stored, axis, parts, part)
         if stored.parts > 1 and axis == stored.axis and not stored.transposed:  # this rank's piece of our slice

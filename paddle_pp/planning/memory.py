@@ -107,7 +107,7 @@ def plan_layout(config, layout: Layout, compute_bytes: int = 4, workload: Worklo
     `--stage3_segment_size`, the norm weights, stay whole: left out here); with a `workload`, the
     decoder layers' activations too (`decoder_activation_bytes`). Raises the layout's own errors
     when invalid."""
-    validate_layout(config, layout, workload.seq_len if workload else None)
+    validate_layout(config, layout)
     if workload:
         layout.check_sequence_length(workload.seq_len)
     plan = plan_of(config)

@@ -23,17 +23,24 @@ def saved_activation_bytes(model: nn.Layer, run: Callable[[], object], constants
                            ) -> dict[str, int]:
     """Bytes saved for backward while `run()` does a forward through `model`, by the name of the
     innermost sublayer of `model` that saved them ("" for the model itself); tensors whose storage
-    is a parameter's or in `constants` (data pointers) are not activations."""
-    parameters = {p.data_ptr() for p in model.parameters()} | constants
+    is a parameter's (or a view into one) or in `constants` (data pointers) are not activations.
+    Each allocation counts once: views of one tensor (a conv's shifted windows) are that tensor."""
+    parameters = {_base(p) for p in model.parameters()}
     running: list[str] = []
-    seen: set[int] = set()
+    counted: dict[int, tuple[str, int]] = {}  # allocation -> (the layer it is counted under, bytes counted)
     by_layer: dict[str, int] = defaultdict(int)
 
     def pack(tensor):
-        pointer = tensor.data_ptr()
-        if pointer not in parameters and pointer not in seen:
-            seen.add(pointer)
-            by_layer[running[-1] if running else ""] += int(tensor.numel()) * tensor.element_size()
+        base = _base(tensor)
+        if base in parameters or tensor.data_ptr() in constants:
+            return tensor
+        # a view (a slice of a bigger tensor) holds its whole allocation; anything else its own bytes
+        view = tensor._offset() > 0 or not tensor.is_contiguous()
+        size = tensor._holder_size() if view else int(tensor.numel()) * tensor.element_size()
+        layer, before = counted.get(base, (running[-1] if running else "", 0))
+        if size > before:
+            by_layer[layer] += size - before
+            counted[base] = (layer, size)
         return tensor
 
     def entering(name: str):
@@ -54,6 +61,11 @@ def saved_activation_bytes(model: nn.Layer, run: Callable[[], object], constants
         for handle in handles:
             handle.remove()
     return dict(by_layer)
+
+
+def _base(tensor) -> int:
+    """The start of the allocation `tensor` lives in (a view's lies before its own data)."""
+    return tensor.data_ptr() - tensor._offset()
 
 
 def decoder_layer_activations(model: nn.Layer, vocab_size: int, batch: int, seq_len: int) -> dict[str, int]:

@@ -182,7 +182,7 @@ def plan_run(args: PretrainArguments, config, end_of_document: int | None, world
     if compute_dtype == "float16" and getattr(config, "num_experts", 0):
         raise TrainingConfigError("--fp16 with a mixture-of-experts model: the aux loss's gradient is injected at "
                                   "each layer without the fp16 loss scale (not implemented); train with --bf16")
-    validate_layout(config, layout, data.max_seq_length)
+    validate_layout(config, layout)
     dense_cost = dense_cost_of(config, layout, batches.micro_batch, batches.accumulate_steps, data.max_seq_length,
                                model.recompute)
     execution, notes = run_execution(model, layout, compute_dtype, config.head_dim, end_of_document, dense_cost)

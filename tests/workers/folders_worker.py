@@ -7,6 +7,7 @@ unified checkpoint (single-card tensors; with --save_to_hf in transformers' layo
 loads in transformers as it is; compared with other layouts'). One launch serves every family: the
 process group, fleet's hybrid topology and Paddle's start-up are paid once.
 
+BLOCK is the blockwise attention core's block and the recurrent core's chunk (two chunks per span).
 argv: ROWS.npy OUT_DIR BLOCK FOLDER... [layout flags] [--recompute] [--save_to_hf] [--micro_batch_size N].
 Result: per folder its loss on the rows, the two training losses and each MoE layer's correction bias this rank holds after the
 first step; checkpoints under OUT_DIR/<folder name>/checkpoint-2.
@@ -24,6 +25,7 @@ import paddle
 from checkpoint.save import save_checkpoint
 from modeling.attention_core import BlockwiseCore
 from modeling.execution import Execution, Recompute
+from modeling.recurrent_core import RecurrentCore
 from modeling.registry import build_causal_lm, config_from_dict, plan_of, validate_layout
 from paddle_pp.interop.pretrained import load_pretrained, open_pretrained
 from paddle_pp.interop.transformers_layout import TransformersWeights
@@ -92,8 +94,8 @@ def main(argv: list[str]) -> None:
     micro_batch = args.micro_batch_size or len(rows) // layout.data_replicas // ACCUMULATE
     accumulate = len(rows) // layout.data_replicas // micro_batch
     topo = init_distributed(layout, micro_batch_size=micro_batch, accumulate_steps=accumulate)
-    choices = Execution(attention=BlockwiseCore(args.block), recompute=Recompute("full" if args.recompute else None),
-                        accumulate_steps=accumulate)
+    choices = Execution(attention=BlockwiseCore(args.block), recurrent=RecurrentCore(args.block, span_chunks=2),
+                        recompute=Recompute("full" if args.recompute else None), accumulate_steps=accumulate)
     results = {Path(folder).name: start(Path(folder), rows, Path(args.out), choices, topo, args.save_to_hf) for folder in args.folders}
     write_result({"rank": topo.global_rank, "folders": results})
     end_job(topo)

@@ -3,7 +3,8 @@ the whole sequence, which every rank also runs (same seed).
 
 For each case (batch-first and sequence-first, GQA, blocks that split the chunks unevenly; a layer
 of its own scale, and one with a scale, a soft-cap and sinks; per-document attention, an
-end-of-document token at about one position in five): the blockwise core on the whole sequence,
+end-of-document token at about one position in five; sliding windows shorter than a rank's part and
+longer, the latter with a soft-cap, sinks and documents): the blockwise core on the whole sequence,
 and `ring_attention` on this rank's two chunks; this rank's rows of the output and of dq, dk, dv
 (and of the sinks' gradient) are compared; per document, also this rank's positions inside their
 documents found from its own tokens (`document_positions` over the ring) against the whole
@@ -151,7 +152,11 @@ def main(cp: int, measure_len: int = 0):
             (2, 10, 4, 2, 8, 4, False, PLAIN, False, False), (1, 12, 6, 2, 16, 5, True, PLAIN, False, False),
             (2, 7, 4, 1, 8, 512, False, CoreSpec(scale=0.21), False, False),
             (2, 9, 4, 2, 8, 4, True, CoreSpec(scale=0.3, softcap=2.0), True, False),
-            (2, 6, 4, 2, 8, 5, False, PLAIN, False, True), (1, 5, 4, 1, 8, 3, True, CoreSpec(softcap=2.0), True, True)]:
+            (2, 6, 4, 2, 8, 5, False, PLAIN, False, True), (1, 5, 4, 1, 8, 3, True, CoreSpec(softcap=2.0), True, True),
+            # sliding windows: shorter than a part (reaching into the one before), and longer (across parts),
+            # with a soft-cap, sinks and documents
+            (2, 8, 4, 2, 8, 3, False, CoreSpec(window=5), False, False),
+            (1, 6, 4, 1, 8, 4, True, CoreSpec(window=9, softcap=2.0), True, True)]:
         seq = 2 * cp * chunk
         whole_documents = local_documents = None
         positions_differ = 0.0

@@ -1,0 +1,185 @@
+"""Gated DeltaNet (Qwen3.5, Qwen3-Next, Olmo-Hybrid): a token mixer with a d_k x d_v state per value
+head in place of attention (`GatedDelta`, built as `GatedDeltaMixer`).
+
+    q, k, v = silu(causal depthwise conv(in_proj_q/k/v(x)))        (kernel `conv_kernel`, no bias)
+    q, k = l2norm(q), l2norm(k); q = q d_k^-1/2
+    beta = sigmoid(in_proj_b(x)); g = -exp(A_log) softplus(in_proj_a(x) + dt_bias)   (per value head)
+    o = the gated delta rule (the run's `recurrent_core.RecurrentCore`) on q, k, v, g, beta
+    out_proj(RMSNorm_dv(o) * silu(in_proj_z(x)))                      (the norm's weight over d_v)
+
+transformers stores q, k and v's projection fused (`in_proj_qkv`: q's rows, k's, v's) and their conv
+likewise (`conv1d`, channels q | k | v); ours are separate, so tp splits each by its heads (key heads
+for q and k, value heads for v, z, a, b, `A_log`, `dt_bias` and out_proj's rows) and the family's
+adapter reads and writes the fused tensors. A value head reads key head h // (value heads / key
+heads): contiguous shares of both keep each rank's pairs together when tp divides the key heads.
+The gated norm's weight is per head dimension, whole on every rank, its gradient summed over tp.
+
+Packed documents (`Execution.within_documents`): the conv window and the state restart at every
+document, as if each were run alone (`recurrent_core` masks the decays; the conv masks the earlier
+document's taps). Sequence parallelism gathers the sequence before the mixer as attention does;
+context parallelism runs the conv and the rule on each of the rank's two parts from what the parts
+before them leave (`recurrent_cp`: the conv's last inputs and the rule's state, no keys or values).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import paddle
+import paddle.nn.functional as F
+from paddle import nn
+
+from modeling.blocks.attention import HeadVector
+from modeling.blocks.norms import FP32_BYTES, rms_norm_saved_bytes
+from modeling.blocks.parts import Block, ColumnLinear, Declared, Leaf, Norm, Part, RowLinear
+from modeling.execution import Execution
+from modeling.placement import A_LOG, ONES, VECTOR_SPLIT, Placement, TensorPlan
+from modeling.recurrent_core import document_ids
+from modeling.recurrent_cp import conv_by_parts, rule_across_parts
+from modeling.sequence_parallel import gather_tokens
+
+L2_EPS = 1e-6  # transformers' (and fla's) l2norm inside the rule
+
+
+@dataclass(frozen=True)
+class CausalConv(Leaf):
+    """A depthwise causal conv1d over `channels` (weight [channels, 1, kernel] as torch's Conv1d with
+    groups = channels), channels split over tp with their heads."""
+
+    channels: int
+    kernel: int
+
+    def tensors(self) -> dict[str, TensorPlan]:
+        return {"weight": TensorPlan((self.channels, 1, self.kernel), Placement(VECTOR_SPLIT))}
+
+    def build(self, config, run: Execution) -> nn.Layer:
+        return DepthwiseCausalConv(self.channels // run.tp, self.kernel, distributed=run.tp > 1)
+
+
+class DepthwiseCausalConv(nn.Layer):
+    """y[t] = sum_s w[:, K-1-s] x[t-s] over the taps s that stay in the token's document (K shifted
+    products: a document's first tokens see zeros before them, as a run of that document alone
+    would; token t - s is in t's document when t's position in it is at least s). `halo`: the K-1
+    rows before x (the previous part's, under context parallelism), zeros when None."""
+
+    def __init__(self, channels: int, kernel: int, distributed: bool):
+        super().__init__()
+        self.weight = self.create_parameter([channels, 1, kernel])
+        if distributed:
+            self.weight.is_distributed, self.weight.split_axis = True, 0
+
+    def forward(self, x, positions=None, halo=None):
+        """x [batch, seq, channels]; `positions` [batch, seq] each token's position in its document, or None."""
+        kernel, length = self.weight.shape[-1], x.shape[1]
+        taps = self.weight.squeeze(1)  # [channels, kernel]
+        before = paddle.zeros([x.shape[0], kernel - 1, x.shape[2]], x.dtype) if halo is None else halo
+        rows = paddle.concat([before, x], axis=1)
+        out = x * taps[:, kernel - 1]
+        for shift in range(1, kernel):
+            earlier = rows[:, kernel - 1 - shift:kernel - 1 - shift + length]
+            if positions is not None:
+                earlier = earlier * (positions >= shift).astype(x.dtype).unsqueeze(-1)
+            out = out + earlier * taps[:, kernel - 1 - shift]
+        return out
+
+
+@dataclass(frozen=True)
+class GatedDelta(Declared):
+    """One layer's Gated DeltaNet: `key_heads` q/k heads of `key_dim`, `value_heads` value heads of
+    `value_dim`, the conv's `conv_kernel`, the gated norm's `eps`."""
+
+    hidden: int
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+    eps: float
+
+    def parts(self) -> dict[str, Part]:
+        keys, values = self.key_heads * self.key_dim, self.value_heads * self.value_dim
+        return {
+            "in_proj_q": ColumnLinear(self.hidden, keys), "in_proj_k": ColumnLinear(self.hidden, keys),
+            "in_proj_v": ColumnLinear(self.hidden, values), "in_proj_z": ColumnLinear(self.hidden, values),
+            "in_proj_b": ColumnLinear(self.hidden, self.value_heads),
+            "in_proj_a": ColumnLinear(self.hidden, self.value_heads),
+            "conv_q": CausalConv(keys, self.conv_kernel), "conv_k": CausalConv(keys, self.conv_kernel),
+            "conv_v": CausalConv(values, self.conv_kernel),
+            "A_log": HeadVector(self.value_heads, A_LOG), "dt_bias": HeadVector(self.value_heads, ONES),
+            "norm": Norm(self.value_dim, self.eps, per_head=True),
+            "out_proj": RowLinear(values, self.hidden),
+        }
+
+    recurrent: ClassVar[bool] = True  # no attention core: recompute of core_attn leaves it as it is
+
+    def own_tp_units(self) -> dict[str, int]:
+        return {"linear_num_key_heads": self.key_heads, "linear_num_value_heads": self.value_heads}
+
+    def saved_bytes(self, run: Execution, batch: int, seq_len: int, dtype_bytes: int) -> dict[str, int]:
+        """What one call keeps for backward on a tp rank, by sublayer ("" for its own code), as the
+        layer of `Decoder` reads it (equal to the measured bytes in fp32: tests/test_family_activations.py).
+        Per token, over this rank's K key and V value channels and its key and value heads: the
+        projections' shared input (whole under SP: the mixer gathers it); each conv its input and
+        each earlier tap's shifted copy (with documents: also the tap's mask and the masked copy);
+        the convs' outputs (SiLU's inputs); q's and k's l2norm inputs and
+        their inverse norms; what the rule keeps (`RecurrentCore.kept_bytes`: its inputs q, k, v, g,
+        beta, the document ids and a zero state); the decay's softplus input and output (fp32); the
+        gate (SiLU's input); the gated product's two factors; the norm's and out_proj's inputs."""
+        tokens, tp = batch * seq_len, run.tp
+        keys, values = self.key_heads * self.key_dim // tp, self.value_heads * self.value_dim // tp
+        key_heads, value_heads = self.key_heads // tp, self.value_heads // tp
+        documents = run.documents is not None and run.within_documents
+        taps = self.conv_kernel - 1
+
+        def conv(channels: int) -> int:  # its input, and the input after K - 1 zero rows (whose windows are views)
+            kept = tokens * channels + batch * (seq_len + taps) * channels
+            return (kept + (taps * tokens * (channels + 1) if documents else 0)) * dtype_bytes
+
+        own = tokens * (2 * keys + values) * dtype_bytes  # the convs' outputs
+        own += 2 * tokens * (keys + key_heads) * dtype_bytes  # l2norm of q and of k
+        own += run.recurrent.kept_bytes(batch, seq_len, key_heads, value_heads, self.key_dim, self.value_dim,
+                                        dtype_bytes)
+        own += 2 * tokens * value_heads * FP32_BYTES + 2 * value_heads * FP32_BYTES  # softplus; exp(A_log) and its negation
+        own += 3 * tokens * values * dtype_bytes  # the gate, and the gated product's factors
+        return {"in_proj_q": tokens * self.hidden * dtype_bytes, "conv_q": conv(keys), "conv_k": conv(keys),
+                "conv_v": conv(values), "": own,
+                "norm": rms_norm_saved_bytes(tokens, self.value_dim, dtype_bytes, False, value_heads),
+                "out_proj": tokens * values * dtype_bytes}
+
+
+class GatedDeltaMixer(Block):
+    def forward(self, hidden, positions=None):
+        """`positions`: each token's position in its document under per-document training, else None."""
+        declared, run = self.declared, self.run
+        hidden = gather_tokens(hidden, run)
+        if run.sequence_first:  # [seq, batch, hidden] -> [batch, seq, hidden]
+            hidden = hidden.transpose([1, 0, 2])
+        batch, length = hidden.shape[:2]
+        positions = positions if run.within_documents else None  # else one stream, as attention spans the row
+        convolve = (lambda conv, x: conv(x, positions)) if run.ring is None else \
+            (lambda conv, x: conv_by_parts(conv, x, positions, run.ring))
+        q, k, v = (F.silu(convolve(getattr(self, f"conv_{name}"), getattr(self, f"in_proj_{name}")(hidden)))
+                   for name in "qkv")
+        q, k = (_l2norm(x.reshape([batch, length, -1, declared.key_dim])) for x in (q, k))
+        v = v.reshape([batch, length, -1, declared.value_dim])
+        beta = F.sigmoid(self.in_proj_b(hidden))
+        g = -paddle.exp(self.A_log.astype("float32")) * F.softplus(self.in_proj_a(hidden).astype("float32") + self.dt_bias)
+        q = q * declared.key_dim ** -0.5
+        if run.ring is None:
+            out, _ = run.recurrent(q, k, v, g, beta, segments=None if positions is None else document_ids(positions))
+        else:
+            out = rule_across_parts(run.recurrent, q, k, v, g, beta, positions, run.ring)
+        gate = self.in_proj_z(hidden).reshape([batch, length, -1, declared.value_dim])
+        out = (self.norm(out.astype(hidden.dtype)) * F.silu(gate)).reshape([batch, length, -1])
+        if run.sequence_first:
+            out = out.transpose([1, 0, 2])
+        return self.out_proj(out)
+
+
+def _l2norm(x):
+    return x * paddle.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
+
+
+
+GatedDelta.layer = GatedDeltaMixer
