@@ -52,6 +52,15 @@ CONFIGS = {  # each family with what sets it apart: GQA, tied embeddings, biases
     "mpt": dict(vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
                 max_position_embeddings=16, attn_config={"clip_qkv": 0.5}),
 }
+# Gated DeltaNet beside gated attention (fewer key heads than value heads), dense and with experts
+HYBRID = dict(SHAPE, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=8, linear_value_head_dim=8,
+              layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])
+CONFIGS |= {"qwen3_5_text": HYBRID,
+            "qwen3_5_moe_text": dict(HYBRID, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                     shared_expert_intermediate_size=24),
+            "qwen3_next": dict(HYBRID, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                               shared_expert_intermediate_size=24, mlp_only_layers=[1])}
 
 
 @pytest.fixture(params=sorted(FAMILIES))

@@ -1,4 +1,4 @@
-"""Gated DeltaNet (Qwen3.5, Qwen3-Next, Olmo-Hybrid): a token mixer with a d_k x d_v state per value
+"""Gated DeltaNet (Qwen3.5, Qwen3-Next; Olmo-Hybrid's is the same rule): a token mixer with a d_k x d_v state per value
 head in place of attention (`GatedDelta`, built as `GatedDeltaMixer`).
 
     q, k, v = silu(causal depthwise conv(in_proj_q/k/v(x)))        (kernel `conv_kernel`, no bias)
@@ -73,11 +73,12 @@ class DepthwiseCausalConv(nn.Layer):
         """x [batch, seq, channels]; `positions` [batch, seq] each token's position in its document, or None."""
         kernel, length = self.weight.shape[-1], x.shape[1]
         taps = self.weight.squeeze(1)  # [channels, kernel]
-        before = paddle.zeros([x.shape[0], kernel - 1, x.shape[2]], x.dtype) if halo is None else halo
-        rows = paddle.concat([before, x], axis=1)
         out = x * taps[:, kernel - 1]
-        for shift in range(1, kernel):
-            earlier = rows[:, kernel - 1 - shift:kernel - 1 - shift + length]
+        for shift in range(1, kernel if halo is not None else min(kernel, length)):
+            if halo is None:
+                earlier = F.pad(x[:, :length - shift], [shift, 0], data_format="NLC")
+            else:
+                earlier = paddle.concat([halo[:, kernel - 1 - shift:], x[:, :length - shift]], axis=1)
             if positions is not None:
                 earlier = earlier * (positions >= shift).astype(x.dtype).unsqueeze(-1)
             out = out + earlier * taps[:, kernel - 1 - shift]
@@ -96,6 +97,7 @@ class GatedDelta(Declared):
     value_dim: int
     conv_kernel: int
     eps: float
+    recurrent: ClassVar[bool] = True  # no attention core: core_attn recompute leaves the layer as it is
 
     def parts(self) -> dict[str, Part]:
         keys, values = self.key_heads * self.key_dim, self.value_heads * self.value_dim
@@ -111,8 +113,6 @@ class GatedDelta(Declared):
             "out_proj": RowLinear(values, self.hidden),
         }
 
-    recurrent: ClassVar[bool] = True  # no attention core: recompute of core_attn leaves it as it is
-
     def own_tp_units(self) -> dict[str, int]:
         return {"linear_num_key_heads": self.key_heads, "linear_num_value_heads": self.value_heads}
 
@@ -121,20 +121,21 @@ class GatedDelta(Declared):
         layer of `Decoder` reads it (equal to the measured bytes in fp32: tests/test_family_activations.py).
         Per token, over this rank's K key and V value channels and its key and value heads: the
         projections' shared input (whole under SP: the mixer gathers it); each conv its input and
-        each earlier tap's shifted copy (with documents: also the tap's mask and the masked copy);
-        the convs' outputs (SiLU's inputs); q's and k's l2norm inputs and
-        their inverse norms; what the rule keeps (`RecurrentCore.kept_bytes`: its inputs q, k, v, g,
-        beta, the document ids and a zero state); the decay's softplus input and output (fp32); the
-        gate (SiLU's input); the gated product's two factors; the norm's and out_proj's inputs."""
+        each earlier tap's shifted copy (with documents each tap's mask and masked copy too); the
+        convs' outputs (SiLU's inputs); q's and k's l2norm
+        inputs and their inverse norms; what the rule keeps (`RecurrentCore.kept_bytes`: its inputs
+        q, k, v, g, beta, the document ids and a state per span); the decay's softplus input and
+        output (fp32); the gate (SiLU's input); the gated product's two factors; the norm's and
+        out_proj's inputs. Under context parallelism the summary runs keep more (not modelled yet)."""
         tokens, tp = batch * seq_len, run.tp
         keys, values = self.key_heads * self.key_dim // tp, self.value_heads * self.value_dim // tp
         key_heads, value_heads = self.key_heads // tp, self.value_heads // tp
         documents = run.documents is not None and run.within_documents
         taps = self.conv_kernel - 1
 
-        def conv(channels: int) -> int:  # its input, and the input after K - 1 zero rows (whose windows are views)
-            kept = tokens * channels + batch * (seq_len + taps) * channels
-            return (kept + (taps * tokens * (channels + 1) if documents else 0)) * dtype_bytes
+        def conv(channels: int) -> int:  # its input and each earlier tap's shifted copy
+            copies = 1 + taps * (2 if documents else 1)
+            return (tokens * channels * copies + (tokens * taps if documents else 0)) * dtype_bytes
 
         own = tokens * (2 * keys + values) * dtype_bytes  # the convs' outputs
         own += 2 * tokens * (keys + key_heads) * dtype_bytes  # l2norm of q and of k
@@ -179,7 +180,6 @@ class GatedDeltaMixer(Block):
 
 def _l2norm(x):
     return x * paddle.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
-
 
 
 GatedDelta.layer = GatedDeltaMixer

@@ -9,6 +9,7 @@ its own; `held_bytes` measures that through Paddle's CPU allocator instead.
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 from typing import Callable
 
@@ -23,24 +24,22 @@ def saved_activation_bytes(model: nn.Layer, run: Callable[[], object], constants
                            ) -> dict[str, int]:
     """Bytes saved for backward while `run()` does a forward through `model`, by the name of the
     innermost sublayer of `model` that saved them ("" for the model itself); tensors whose storage
-    is a parameter's (or a view into one) or in `constants` (data pointers) are not activations.
-    Each allocation counts once: views of one tensor (a conv's shifted windows) are that tensor."""
-    parameters = {_base(p) for p in model.parameters()}
+    is a parameter's (or a view into one) or in `constants` (data pointers) are not activations."""
+    parameters = sorted((p.data_ptr(), p.data_ptr() + int(p.numel()) * p.element_size()) for p in model.parameters())
+    starts = [start for start, _ in parameters]
     running: list[str] = []
-    counted: dict[int, tuple[str, int]] = {}  # allocation -> (the layer it is counted under, bytes counted)
+    seen: set[int] = set()
     by_layer: dict[str, int] = defaultdict(int)
 
+    def in_parameter(pointer: int) -> bool:  # a parameter's storage, or a view into it (a slice of a conv's taps)
+        index = bisect.bisect_right(starts, pointer) - 1
+        return index >= 0 and pointer < parameters[index][1]
+
     def pack(tensor):
-        base = _base(tensor)
-        if base in parameters or tensor.data_ptr() in constants:
-            return tensor
-        # a view (a slice of a bigger tensor) holds its whole allocation; anything else its own bytes
-        view = tensor._offset() > 0 or not tensor.is_contiguous()
-        size = tensor._holder_size() if view else int(tensor.numel()) * tensor.element_size()
-        layer, before = counted.get(base, (running[-1] if running else "", 0))
-        if size > before:
-            by_layer[layer] += size - before
-            counted[base] = (layer, size)
+        pointer = tensor.data_ptr()
+        if not in_parameter(pointer) and pointer not in constants and pointer not in seen:
+            seen.add(pointer)
+            by_layer[running[-1] if running else ""] += int(tensor.numel()) * tensor.element_size()
         return tensor
 
     def entering(name: str):
@@ -61,11 +60,6 @@ def saved_activation_bytes(model: nn.Layer, run: Callable[[], object], constants
         for handle in handles:
             handle.remove()
     return dict(by_layer)
-
-
-def _base(tensor) -> int:
-    """The start of the allocation `tensor` lives in (a view's lies before its own data)."""
-    return tensor.data_ptr() - tensor._offset()
 
 
 def decoder_layer_activations(model: nn.Layer, vocab_size: int, batch: int, seq_len: int) -> dict[str, int]:
