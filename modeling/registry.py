@@ -145,7 +145,7 @@ def _check_context_parallel(config, layout: Layout) -> None:
     trained without its biases). Recurrent layers carry their state and conv window between the parts."""
     for index in range(config.num_hidden_layers):
         mixer = config.decoder_layer(index).attention
-        if getattr(mixer, "recurrent", False):  # its state and conv window cross the parts (modeling/recurrent_cp.py)
+        if mixer.recurrent:  # its state and conv window cross the parts (modeling/recurrent_cp.py)
             continue
         problem = context_parallel_refusal(mixer.spec)
         if problem:
@@ -182,7 +182,7 @@ def core_notes(config, run: Execution) -> list[str]:
     by_reason: dict[str, list[int]] = {}
     for index in range(config.num_hidden_layers):
         attention = config.decoder_layer(index).attention
-        if getattr(attention, "recurrent", False):  # no attention core
+        if attention.recurrent:  # no attention core
             continue
         reason = run.attention.refusal(attention.spec, attention.sinks, attention.local_heads(run))
         if reason:

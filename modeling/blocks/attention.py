@@ -8,6 +8,7 @@ core where the run's cannot compute the layer: `AttentionCore.serving`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import paddle
 import paddle.nn.functional as F
@@ -70,7 +71,8 @@ class Attention(Declared):
     rotary: Rotary | None = None
     sinks: bool = False
     clip_qkv: float | None = None
-    output_gate: bool = False  # q_proj also emits a gate per head (after each head's q); out * sigmoid(gate)
+    output_gate: bool = False
+    recurrent: ClassVar[bool] = False  # a token mixer with an attention core (a recurrent one: blocks/gated_delta.py)  # q_proj also emits a gate per head (after each head's q); out * sigmoid(gate)
 
     @property
     def v_dim(self) -> int:

@@ -106,7 +106,7 @@ def layer_activations(layer, run: Execution, batch: int, seq_len: int, dtype_byt
     if granularity == "full_attn":
         attention = sum(value for key, value in saved.items() if key.split(".")[0] == layer.attention_name)
         return LayerActivations(total - attention + hidden, attention)
-    if getattr(layer.attention, "recurrent", False):  # no attention core to recompute
+    if layer.attention.recurrent:  # no attention core to recompute
         return LayerActivations(total)
     kept, inputs, output = layer.attention.core_bytes(run, batch, seq_len, dtype_bytes)
     new_output = output if layer.attention.core(run).keeps_output(run.sequence_first) else 0

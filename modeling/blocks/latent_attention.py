@@ -28,6 +28,7 @@ forward and backward, for each of the cp - 1 steps.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import paddle
 from paddle.distributed import collective
@@ -43,6 +44,7 @@ from modeling.sequence_parallel import gather_tokens
 
 @dataclass(frozen=True)
 class LatentAttention(Declared):
+    recurrent: ClassVar[bool] = False  # a token mixer with an attention core (see blocks/gated_delta.py)
     hidden: int
     heads: int
     q_lora_rank: int | None
