@@ -37,18 +37,21 @@ def decoder_family(config_class: type, architecture: str, prefix: str, paddlenlp
                    paddlenlp_fused: tuple[str, ...] = (), renamed: dict[str, str] | None = None,
                    aliases: dict[str, str] | None = None, fuse: Callable[[Stored, Any], Stored] | None = None,
                    fixed: dict[str, Any] | None = None, layers_past_last: str | None = None,
-                   prediction_layers: bool = False) -> ModelFamily:
+                   prediction_layers: bool = False, recut: tuple[tuple[str, ...], ...] = (),
+                   unread: tuple[str, ...] = ()) -> ModelFamily:
     """`config_class`'s family of decoder layers (as its config declares them), named `architecture`
     in both transformers and PaddleNLP (whose model of it fuses the projections `paddlenlp_fused` names
     on request); `renamed` and `aliases` are its transformers config fields spelled otherwise than ours,
     `fuse` where its transformers folders fuse our tensors, `fixed` fields only one value of which is
     modelled (besides a zero `attention_dropout`), `layers_past_last` what its released folders store
     as decoder layers past the config's last (left unread when the config does not count them),
-    `prediction_layers` whether its folders' multi-token prediction layers store DeepSeek-V3's copies."""
+    `prediction_layers` whether its folders' multi-token prediction layers store DeepSeek-V3's copies,
+    `recut` the groups of stored tensors some of its folders cut elsewhere (`interop.recut`), `unread`
+    the name prefixes of tensors its folders carry that the model does not use (left unread, noted)."""
     skeleton = Skeleton(tokens=f"{prefix}.embed_tokens", layers=f"{prefix}.layers", norm=f"{prefix}.norm")
     adapter = TransformersAdapter(
         model_type=config_class.model_type, architecture=architecture, locate=partial(_stored, prefix),
         renamed=renamed or {}, aliases=aliases or {}, fixed={"attention_dropout": 0.0, **(fixed or {})},
         accepted={"pretraining_tp": any_value, **(accepted or {})}, buffers=("rotary_emb.inv_freq",), fuse=fuse,
-        layers_past_last=layers_past_last, copies=partial(prediction_copies, prefix) if prediction_layers else None)
+        recut=recut, unread=unread, layers_past_last=layers_past_last, copies=partial(prediction_copies, prefix) if prediction_layers else None)
     return ModelFamily(config_class, architecture, skeleton, adapter, paddlenlp, frozenset(paddlenlp_fused))

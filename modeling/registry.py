@@ -22,11 +22,13 @@ from modeling.glm4_moe import GLM4_MOE
 from modeling.gpt import GPT
 from modeling.gpt_oss import GPT_OSS
 from modeling.granite import GRANITE
+from modeling.kimi_linear import KIMI_LINEAR
 from modeling.llama import LLAMA
 from modeling.mistral import MISTRAL
 from modeling.mixtral import MIXTRAL
 from modeling.mpt import MPT
 from modeling.olmo2 import OLMO2
+from modeling.olmo_hybrid import OLMO_HYBRID
 from modeling.olmoe import OLMOE
 from modeling.phi3 import PHI3
 from modeling.pipeline import check_stage_split
@@ -48,7 +50,7 @@ if TYPE_CHECKING:
 FAMILIES: dict[str, ModelFamily] = {family.model_type: family for family in (
     LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GPT, GEMMA2, GEMMA3_TEXT, PHI3, OLMO2, SMOLLM3, GRANITE, ERNIE4_5, MPT, QWEN2_MOE,
     QWEN3_MOE, MIXTRAL, OLMOE, DEEPSEEK_V3, DEEPSEEK_V2, GLM4_MOE, GPT_OSS, ERNIE4_5_MOE, QWEN3_5_TEXT,
-    QWEN3_5_MOE_TEXT, QWEN3_NEXT)}
+    QWEN3_5_MOE_TEXT, QWEN3_NEXT, OLMO_HYBRID, KIMI_LINEAR)}
 BY_TRANSFORMERS_TYPE = {family.transformers.model_type: family for family in FAMILIES.values() if family.transformers}
 ALIASES = {"kimi_k2": DEEPSEEK_V3}  # Kimi-K2's folders are DeepSeek-V3's (transformers' kimi_k25 rewrites it so)
 
@@ -66,14 +68,12 @@ NOT_YET = {  # families users bring that are refused with why
                "model.language_model and carrying the vision tower is not yet; train a qwen3_5_text folder",
     "qwen3_5_moe": "a Qwen3.5-MoE multimodal folder: its language model is modelled (qwen3_5_moe_text) but reading it "
                    "out of model.language_model and carrying the vision tower is not yet; train a qwen3_5_moe_text folder",
-    "olmo_hybrid": "Olmo-Hybrid's layers are not modelled yet (its Gated DeltaNet is Qwen3.5's with beta doubled; its "
-                   "folders store the three convs apart, split unevenly by transformers 5.23's save)",
     "nemotron_h": "Nemotron-H's Mamba-2 layers are not modelled yet",
     "falcon_h1": "Falcon-H1's Mamba-2 layers are not modelled yet",
     "granitemoehybrid": "Granite 4.0-H's Mamba-2 layers are not modelled yet",
     "gemma3n": "Gemma 3n's per-layer embeddings and AltUp are not modelled",
     "deepseek_v32": "DeepSeek-V3.2's sparse attention (its indexer) is not modelled",
-    "deepseek_v4": "DeepSeek-V4 is not modelled", "kimi_linear": "Kimi-Linear's linear attention is not modelled",
+    "deepseek_v4": "DeepSeek-V4 is not modelled",
 }
 
 
@@ -153,6 +153,23 @@ def _check_context_parallel(config, layout: Layout) -> None:
                 f"--context_parallel_degree {layout.cp} with {family_of(config).architecture}: decoder layer {index} "
                 f"has {problem}, which ring attention does not compute (its blocks carry no distances across "
                 "ranks). Use --context_parallel_degree 1")
+
+
+def check_context_parts(config, layout: Layout, seq_len: int) -> None:
+    """Under context parallelism a recurrent layer's conv takes its window's first kernel - 1 inputs
+    from the part before (`recurrent_cp.conv_halos`): each of the 2 x cp parts of a sequence must
+    hold that many tokens."""
+    if layout.cp == 1:
+        return
+    part = seq_len // (2 * layout.cp)
+    for index in range(config.num_hidden_layers):
+        mixer = config.decoder_layer(index).attention
+        if mixer.recurrent and mixer.conv_kernel - 1 > part:
+            raise LayoutModelError(
+                f"--context_parallel_degree {layout.cp} cuts --max_seq_length {seq_len} into parts of {part} tokens, "
+                f"and decoder layer {index}'s conv (kernel {mixer.conv_kernel}) takes {mixer.conv_kernel - 1} from "
+                f"the part before; use --max_seq_length of at least {2 * layout.cp * (mixer.conv_kernel - 1)} or a "
+                "smaller --context_parallel_degree")
 
 
 def _check_moe_layout(config, layout: Layout) -> None:

@@ -98,7 +98,10 @@ class TransformersAdapter:
     accepted: dict[str, Callable[[Any, dict], bool]] = field(default_factory=dict)  # read, checked, dropped
     buffers: tuple[str, ...] = ()  # name suffixes of non-parameter tensors some folders store (recomputed here)
     fuse: Callable[[Stored, Any], Stored] | None = None  # (where `locate` says, our config) -> where fused tensors put it
+    recut: tuple[tuple[str, ...], ...] = ()  # stored-name suffixes of groups some folders cut elsewhere (interop.recut)
     layers_past_last: str | None = None  # what the decoder layers some folders store past the config's last are
+    unread: tuple[str, ...] = ()  # name prefixes of tensors its folders carry that the model leaves unread, as
+    # transformers does (Qwen3.5's and Qwen3-Next's multi-token prediction layer, `mtp.`)
     copies: Callable[[Any], dict[str, str]] | None = None  # (our config) -> {stored name: our tensor it copies}
 
     def stored_copies(self, config) -> dict[str, str]:

@@ -14,7 +14,7 @@ from checkpoint.format import tokenizer_files
 from paddle_pp.runtime.launch import launch
 
 import hf_models
-from runs import CORPUS, RESUME_STEP, TOKENIZER, Run, pretrain
+from runs import CONTINUED, CORPUS, RESUME_STEP, TOKENIZER, Run, pretrain
 
 WORKERS = Path(__file__).parent / "workers"
 
@@ -106,7 +106,8 @@ def pretrain_run(tmp_path_factory, data_cache):
         flags = description.flags
         if description.resume_from is not None:
             _, saved = run(description.resume_from)
-            flags += ("--resume_from_checkpoint", str(saved / f"checkpoint-{RESUME_STEP}"))
+            flags += ("--resume_from_checkpoint", str(saved / f"checkpoint-{RESUME_STEP}"), "--exit_after_steps",
+                      str(CONTINUED))
         out = tmp_path_factory.mktemp(description.tag)
         return pretrain(launcher, data_cache, out, description.nproc, flags, description.tag, description.nnodes), out
 

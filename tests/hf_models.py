@@ -131,6 +131,10 @@ HYBRID_KINDS = {
         linear_key_head_dim=16, linear_value_head_dim=16, layer_types=[LINEAR, FULL, LINEAR, FULL],
         rope_parameters={"rope_type": "default", "rope_theta": 50000.0, "partial_rotary_factor": 0.25,
                          "mrope_section": [2, 1, 1], "mrope_interleaved": True})),
+    # Olmo-Hybrid as released: no rotary (rope_parameters null), beta doubled, OLMo-2's attention layers
+    "olmo_hybrid": ("OlmoHybridForCausalLM", "OlmoHybridConfig", dict(
+        SHAPE, num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, layer_types=[LINEAR, FULL, LINEAR, FULL], pad_token_id=1, eos_token_id=2)),
 }
 # the MoE kinds of those (transformers 5 only): Qwen3.5-MoE, the same layers with 4 experts (top-2) and a gated shared
 # expert in every layer; Qwen3-Next, with Qwen2-MoE's experts (a dense MLP in layer 1) and its grouped projections
@@ -140,13 +144,21 @@ HYBRID_MOE_KINDS = {
     "qwen3_5_moe_text": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", dict(HYBRID_LAYERS, **HYBRID_EXPERTS)),
     "qwen3_next": ("Qwen3NextForCausalLM", "Qwen3NextConfig", dict(HYBRID_LAYERS, intermediate_size=128,
                                                                     mlp_only_layers=[1], **HYBRID_EXPERTS)),
+    # Kimi Linear: Kimi Delta Attention (a decay per key channel) in layers 1 and 3, latent attention without
+    # rotary in 2 and 4 (1-based, as its linear_attn_config counts), DeepSeek-V3's experts after a dense layer 1
+    "kimi_linear": ("KimiLinearForCausalLM", "KimiLinearConfig", dict(
+        SHAPE, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+        first_k_dense_replace=1, linear_attn_config={"kda_layers": [1, 3], "full_attn_layers": [2, 4],
+                                                     "num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4},
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }
 ROUTED_KINDS = {**MOE_KINDS, **HYBRID_MOE_KINDS}  # their router weights spread (ROUTER_SCALE)
 STACKED_ON_DISK = ("gpt_oss",)  # kinds whose experts both versions store stacked (no per-expert layout)
 FUSED = "_fused"  # suffix of a kind's folder re-saved by transformers 5 in its in-memory layout (fused experts)
 ROUTER_SCALE = 30.0  # router weights times this: scores spread, so test tokens sit far from top-k ties
 SIGMOID_ROUTER_SCALE = 10.0  # sigmoid routers' (30 would saturate their scores at 0 and 1: ties again)
-SIGMOID_ROUTED = ("deepseek_v3", "glm4_moe")
+SIGMOID_ROUTED = ("deepseek_v3", "glm4_moe", "kimi_linear")
 BIAS_SCALE = 0.05  # correction biases drawn from U(0, this): they change which experts are chosen, and none is
 # negative, where transformers 4.55 (groups left out filled with 0.0) and 5 (-inf) would route differently
 SEEDS = {"qwen2_moe": 1, "deepseek_v3": 5, "gpt_oss": 6}  # kinds whose seed-0 weights route some token of the layout runs within 1e-4 of a tie

@@ -1,6 +1,6 @@
 """Context parallelism (`--context_parallel_degree`, ring attention over the cp ranks) on CPU processes:
 ring attention equals the blockwise core on the whole sequence; LLaMA (GQA) under cp2 x tp2 + SP,
-cp2 x pp2, cp2 x sharding2 stage1 (recomputing attention cores, reentrant) and stage3, and tied GPT
+cp2 x pp2, cp2 x sharding2 stage3 (recomputing attention cores, reentrant), and tied GPT
 under cp2 x pp2 (recomputing attention blocks) stay on the single-card curve over 20 steps (losses,
 evaluation, grad norms, final weights); cp4 trains per document in tests/test_documents.py (its ring
 of plain causal attention at cp4 is the ring worker's here);
@@ -28,6 +28,7 @@ from runs import (
     CP2_PP2,
     FINAL_SAVE,
     GPT_CP2_PP2,
+    MICRO4,
     MODEL,
     PP2,
     RESUME_STEP,
@@ -59,13 +60,13 @@ def stage(name: str) -> tuple[str, ...]:
         ("--stage3_segment_size", "1024") if name == "stage3" else ())
 
 
-CP2_TP2_SP = Run("cp2_tp2_sp", 4, cp(2) + TP2 + ("--sequence_parallel",) + SAVE)
+CP2_TP2_SP = Run("cp2_tp2_sp", 4, cp(2) + TP2 + ("--sequence_parallel",) + MICRO4 + SAVE)
 LAYOUTS = [
     (CP2_TP2_SP, SINGLE),
     (CP2_PP2, SINGLE),
-    (Run("cp2_sharding2_stage1_recompute", 4, cp(2) + stage("stage1") + FINAL_SAVE + (
+    # cp beside stage1 is DeepSeek's cp2 x sharding2 stage1 x ep2 run (tests/test_moe_runs.py)
+    (Run("cp2_sharding2_stage3_recompute", 4, cp(2) + stage("stage3") + FINAL_SAVE + (
         "--recompute", "true", "--recompute_granularity", "core_attn", "--recompute_use_reentrant", "1")), SINGLE),
-    (Run("cp2_sharding2_stage3", 4, cp(2) + stage("stage3") + FINAL_SAVE), SINGLE),
     (GPT_CP2_PP2, SINGLE_GPT),
 ]
 RESUMES = {  # cp ranks hold whole weights: the checkpoint is the same whichever the cp degree

@@ -44,6 +44,15 @@ FAMILIES = {  # model_type -> our config fields (layer 0 sliding where the famil
     # Gated DeltaNet (layer 0: fewer key heads than value heads, d_k 16, d_v 8) and gated attention (layer 1)
     "qwen3_5_text": dict(BASE, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                          linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"]),
+    # its Gated DeltaNet with the write strength doubled (layer 0), OLMo-2's post-norm attention (layer 1)
+    "olmo_hybrid": dict(BASE, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                        linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"]),
+    # Kimi Delta Attention (layer 0: a decay per key channel through a rank-8 projection, the sigmoid-gated norm)
+    # and latent attention without rotary (layer 1), dense MLPs
+    "kimi_linear": dict(BASE, num_key_value_heads=6, q_lora_rank=None, kv_lora_rank=20, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=2, num_experts=4,
+                        num_experts_per_tok=2, linear_attn_config={"kda_layers": [1], "full_attn_layers": [2],
+                                                                    "num_heads": 6, "head_dim": 8}),
     "deepseek_v2": dict(BASE, num_key_value_heads=6, q_lora_rank=None, kv_lora_rank=20, qk_nope_head_dim=16,
                         qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=2, num_experts=4, n_group=1,
                         topk_group=1, num_experts_per_tok=2),

@@ -195,7 +195,12 @@ def test_a_paddlenlp_moe_folder_loads_exactly_its_tensors(name, tmp_path):
         theirs(paddle.to_tensor(IDS))
 
 
-@pytest.mark.parametrize("model_type", list(FAMILIES))
+# From flags a family takes its released sizes for what no flag sets: Kimi Linear's 256 experts of 1024 (and
+# 32 Kimi Delta heads of 128) take 30 s to build and run here; its folders build in tests/test_moe_starts.py
+BUILT_FROM_FOLDERS_ONLY = ("kimi_linear",)
+
+
+@pytest.mark.parametrize("model_type", [name for name in FAMILIES if name not in BUILT_FROM_FOLDERS_ONLY])
 def test_every_family_builds_from_flags(model_type):
     latent = model_type in ("deepseek_v3", "deepseek_v2")  # MLA: kv heads are the heads, head sizes its own fields
     args = parse_args(["--model_type", model_type, "--hidden_size", "64", "--num_attention_heads", "4",

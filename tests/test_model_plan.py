@@ -60,7 +60,13 @@ CONFIGS |= {"qwen3_5_text": HYBRID,
             "qwen3_5_moe_text": dict(HYBRID, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                                      shared_expert_intermediate_size=24),
             "qwen3_next": dict(HYBRID, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                               shared_expert_intermediate_size=24, mlp_only_layers=[1])}
+                               shared_expert_intermediate_size=24, mlp_only_layers=[1]),
+            "olmo_hybrid": {key: value for key, value in HYBRID.items() if key != "head_dim"},
+            "kimi_linear": dict(SHAPE, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=8, qk_nope_head_dim=8,
+                                qk_rope_head_dim=4, v_head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=16, linear_attn_config={"kda_layers": [1, 3],
+                                                                               "full_attn_layers": [2, 4],
+                                                                               "num_heads": 4, "head_dim": 8})}
 
 
 @pytest.fixture(params=sorted(FAMILIES))
@@ -101,7 +107,8 @@ def test_linears_split_by_column_or_row_and_every_layer_sits_on_one_stage(built)
     routers = {name for name in plan
                if name.endswith((".gate.weight", ".shared_expert_gate.weight", ".router.weight", ".router.bias"))}
     assert all(plan[name].placement.tp is None for name in routers), "every tp rank routes the same tokens"
-    latents = {name for name in plan if name.endswith(("q_a_proj.weight", "kv_a_proj_with_mqa.weight"))}
+    latents = {name for name in plan if name.endswith(("q_a_proj.weight", "kv_a_proj_with_mqa.weight",
+                                                       "f_a_proj.weight", "g_a_proj.weight"))}  # Kimi Delta's low ranks
     assert all(plan[name].placement.tp is None for name in latents), "every head reads the whole latent"
     assert all(row.placement.tp in (COLUMN, ROW) for name, row in plan.items()
                if row.linear and len(row.shape) == 2 and name not in routers | latents)

@@ -230,6 +230,29 @@ def test_a_released_folders_mtp_layer_is_left_unread_when_the_config_does_not_co
         open_pretrained(other)
 
 
+def test_a_hybrid_folders_mtp_layer_is_left_unread_as_transformers_leaves_it(moe_folders, tmp_path):
+    """Released Qwen3.5 / Qwen3-Next folders carry their multi-token prediction layer under `mtp.*` (sized
+    by `mtp_num_hidden_layers`), which transformers' models leave unread: so do we, with a note, and
+    the folder gives its logits without it; a tensor under no such prefix is still refused."""
+    from safetensors.numpy import load_file, save_file
+
+    source, folder = moe_folders["transformers5"] / "qwen3_next", tmp_path / "qwen3_next"
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+    tensors = load_file(str(folder / "model.safetensors"))
+    hidden = tensors["model.norm.weight"].shape[0]
+    tensors |= {"mtp.fc.weight": np.ones((hidden, 2 * hidden), np.float32), "mtp.norm.weight": np.ones(hidden, np.float32)}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    opened = open_pretrained(folder)
+    assert len(opened.notes) == 1 and "2 tensors under mtp. left unread" in opened.notes[0]
+    np.testing.assert_array_equal(our_logits(folder, IDS), our_logits(source, IDS))
+    save_file({**tensors, "mtpx.weight": np.ones(hidden, np.float32)}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="mtpx.weight: not a tensor of"):
+        open_pretrained(folder)
+
+
 def test_received_rows_are_regrouped_by_expert_then_source():
     """Rank-local expert order of the rows an expert-parallel rank received: source 0 sent 1 row for
     expert 0 and 2 for expert 1, source 1 sent 3 for expert 0 and none for expert 1."""

@@ -47,7 +47,8 @@ def moe_starts(moe_folders, run_workers_module, tmp_path_factory):
     """Every MoE kind started in one launch per layout (`workers/folders_worker.py`): from transformers
     5's folders under ep2 x dp2 x tp2 x pp2 + SP recomputing whole layers (8 ranks; its checkpoints
     saved in transformers' layout), from both versions' on one card, both with one row per micro-batch
-    (the Switch aux loss is a micro-batch's statistic). A 4.x folder differs from a 5 one in its
+    (the Switch aux loss is a micro-batch's statistic; with two rows GPT-OSS's expert biases, whose
+    gradients are near zero, drift 2.2e-4 apart after Adam's two steps). A 4.x folder differs from a 5 one in its
     config's spelling and its weights, both read before any layout is applied: its start under the
     split layout would run the 5 folder's code paths again (and cost 7 s a folder on 8 ranks here).
     Per layout: (the results by folder name `<kind>-<version>`, the folder of their checkpoints)."""
@@ -95,11 +96,13 @@ def test_an_moe_folder_starts_under_ep2_tp2_pp2_sp_at_its_loss_and_trains_like_s
 @pytest.mark.parametrize("kind", HYBRID_KINDS)
 def test_a_hybrid_moe_folder_starts_under_ep2_tp2_pp2_sp_at_its_loss_and_trains_like_single_card(
         kind, moe_starts, moe_folders, transformers5_checkpoint_logits):
-    """Qwen3.5-MoE (Gated DeltaNet and gated attention layers, one of each per stage, its experts over
-    ep2 and a gated shared expert) from transformers 5's folder: on one card and under ep2 x dp2 x tp2
-    x pp2 + SP, recomputing whole layers, at transformers' loss (1e-5); the split layout's two steps
-    and checkpoint are one card's, and transformers 5 loads that checkpoint (in its layout: q, k, v
-    and their convs fused again) with our logits (1e-4)."""
+    """Qwen3.5-MoE and Qwen3-Next (Gated DeltaNet and gated attention layers, one of each per stage,
+    their experts over ep2 and a gated shared expert) and Kimi Linear (Kimi Delta Attention beside
+    latent attention without rotary, DeepSeek-V3's experts after a dense layer) from transformers 5's
+    folders: on one card and under ep2 x dp2 x tp2 x pp2 + SP, recomputing whole layers, at
+    transformers' loss (1e-5); the split layout's two steps and checkpoint are one card's, and
+    transformers 5 loads that checkpoint (in its layout: Qwen's q, k, v and their convs fused again,
+    Kimi's stored apart, with its tensor names) with our logits (1e-4)."""
     expected = json.loads((moe_folders[SPLIT_VERSION] / f"{kind}.json").read_text())["loss"]
     single, _ = moe_starts["single"]
     name = f"{kind}-{SPLIT_VERSION}"

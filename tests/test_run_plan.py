@@ -31,6 +31,9 @@ MODELS = {
                 max_position_embeddings=256),
     "mpt": dict(model_type="mpt", vocab_size=4096, d_model=64, n_heads=4, n_layers=2, max_seq_len=256),
     "llama8_tied": dict(model_type="llama", num_hidden_layers=8, tie_word_embeddings=True, **SHAPE),
+    "qwen3_5": dict(model_type="qwen3_5_text", num_hidden_layers=2, head_dim=16, linear_num_key_heads=2,
+                    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                    layer_types=["linear_attention", "full_attention"], **SHAPE),
 }
 SEQ = ("--max_seq_length", "64")
 PP2, PP4 = ("--pipeline_parallel_degree", "2"), ("--pipeline_parallel_degree", "4")
@@ -64,6 +67,8 @@ REFUSED = [
     ("llama8", 2, ("--sharding_parallel_degree", "2"), "needs --sharding stage1"),
     ("llama8", 2, ("--context_parallel_degree", "2", "--max_seq_length", "66"), "is not divisible by 2 x"),
     ("mpt", 2, ("--context_parallel_degree", "2"), "decoder layer 0 has ALiBi position biases"),
+    ("qwen3_5", 4, ("--context_parallel_degree", "4", "--max_seq_length", "16"),
+     "parts of 2 tokens, and decoder layer 0's conv (kernel 4) takes 3 from the part before"),
     ("llama8", 2, ("--sequence_parallel",), "--sequence_parallel needs --tensor_parallel_degree >= 2"),
     # the pipeline schedules (planning/schedules.py, Layout._check_schedule)
     ("llama8", 4, PP4 + VPP2 + accumulate(6), "FThenB asserts a multiple of --pipeline_parallel_degree 4"),

@@ -21,6 +21,7 @@ from paddle_pp.training.run_plan import plan_for
 
 from runs import (
     GPT,
+    MICRO4,
     PP2,
     RESUME_STEP,
     SINGLE,
@@ -40,7 +41,7 @@ RESUME_RTOL = 1e-5
 ZERO_GRADIENT = ".self_attn.k_proj.bias"
 SP = ("--sequence_parallel", "--save_steps", str(RESUME_STEP))
 
-TP2_PP2_SP = Run("tp2_pp2_sp_recompute", 4, TP2 + PP2 + SP + ("--recompute",))
+TP2_PP2_SP = Run("tp2_pp2_sp_recompute", 4, TP2 + PP2 + SP + MICRO4 + ("--recompute",))
 GPT_TP2_SP = Run("gpt_tp2_sp", 2, GPT + TP2 + SP)
 
 

@@ -29,18 +29,23 @@ HEAD_NORM, PROJECTION_NORM = "head", "projection"  # q/k norms over each head, o
 class HeadVector(Leaf):
     """One parameter per head (sink logits; a recurrent mixer's decay rate and time-step bias), split
     over tp with the heads; a parameter of its block under the part's own name (transformers'
-    `self_attn.sinks`, `linear_attn.A_log`), starting as `init` says."""
+    `self_attn.sinks`, `linear_attn.A_log`), starting as `init` says. `unit_axes` (before, after):
+    axes of size 1 around the heads, as a family stores them (Kimi Linear's A_log: [1, 1, heads, 1])."""
 
     heads: int
     init: str = ZEROS
+    unit_axes: tuple[int, int] = (0, 0)
 
     def tensors(self) -> dict[str, TensorPlan]:
-        return {"": TensorPlan((self.heads,), Placement(VECTOR_SPLIT), init=self.init)}
+        before, after = self.unit_axes
+        return {"": TensorPlan((1,) * before + (self.heads,) + (1,) * after, Placement(VECTOR_SPLIT + before),
+                               init=self.init)}
 
     def build(self, config, run: Execution):
         """Drawn from Paddle's generator (`paddle.seed` makes a model's build repeatable); a trainer
         run sets every tensor from its plan afterwards (`init_single_card_weights`)."""
-        shape = [self.heads // run.tp]
+        before, after = self.unit_axes
+        shape = [1] * before + [self.heads // run.tp] + [1] * after
         if self.init == A_LOG:
             param = paddle.create_parameter(shape, "float32", default_initializer=paddle.nn.initializer.Uniform(0.01, 16.0))
             param.set_value(paddle.log(param))
@@ -48,7 +53,7 @@ class HeadVector(Leaf):
             param = paddle.create_parameter(shape, "float32", default_initializer=paddle.nn.initializer.Constant(
                 1.0 if self.init == ONES else 0.0))
         if run.tp > 1:
-            param.is_distributed, param.split_axis = True, 0
+            param.is_distributed, param.split_axis = True, before
         return param
 
 

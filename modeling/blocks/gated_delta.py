@@ -1,14 +1,16 @@
-"""Gated DeltaNet (Qwen3.5, Qwen3-Next; Olmo-Hybrid's is the same rule): a token mixer with a d_k x d_v state per value
-head in place of attention (`GatedDelta`, built as `GatedDeltaMixer`).
+"""Gated DeltaNet (Qwen3.5, Qwen3-Next, Olmo-Hybrid) and Kimi Delta Attention (Kimi Linear): token mixers
+with a d_k x d_v state per value head in place of attention (`GatedDelta`, built as `GatedDeltaMixer`;
+`KimiDelta`, its decay per key channel and its gate through low-rank projections, as `KimiDeltaMixer`).
 
     q, k, v = silu(causal depthwise conv(in_proj_q/k/v(x)))        (kernel `conv_kernel`, no bias)
     q, k = l2norm(q), l2norm(k); q = q d_k^-1/2
-    beta = sigmoid(in_proj_b(x)); g = -exp(A_log) softplus(in_proj_a(x) + dt_bias)   (per value head)
+    beta = beta_scale sigmoid(in_proj_b(x)); g = -exp(A_log) softplus(in_proj_a(x) + dt_bias)   (per value head)
     o = the gated delta rule (the run's `recurrent_core.RecurrentCore`) on q, k, v, g, beta
     out_proj(RMSNorm_dv(o) * silu(in_proj_z(x)))                      (the norm's weight over d_v)
 
-transformers stores q, k and v's projection fused (`in_proj_qkv`: q's rows, k's, v's) and their conv
-likewise (`conv1d`, channels q | k | v); ours are separate, so tp splits each by its heads (key heads
+Qwen3.5's folders store q, k and v's projection fused (`in_proj_qkv`: q's rows, k's, v's) and their conv
+likewise (`conv1d`, channels q | k | v; Olmo-Hybrid's and Kimi Linear's store each apart, under the
+names `SEPARATE_NAMES` gives); ours are separate, so tp splits each by its heads (key heads
 for q and k, value heads for v, z, a, b, `A_log`, `dt_bias` and out_proj's rows) and the family's
 adapter reads and writes the fused tensors. A value head reads key head h // (value heads / key
 heads): contiguous shares of both keep each rank's pairs together when tp divides the key heads.
@@ -32,7 +34,7 @@ from paddle import nn
 
 from modeling.blocks.attention import HeadVector
 from modeling.blocks.norms import FP32_BYTES, rms_norm_saved_bytes
-from modeling.blocks.parts import Block, ColumnLinear, Declared, Leaf, Norm, Part, RowLinear
+from modeling.blocks.parts import Block, ColumnLinear, Declared, Leaf, Norm, Part, RowLinear, WholeLinear
 from modeling.execution import Execution
 from modeling.placement import A_LOG, ONES, VECTOR_SPLIT, Placement, TensorPlan
 from modeling.recurrent_core import document_ids
@@ -40,6 +42,11 @@ from modeling.recurrent_cp import conv_by_parts, rule_across_parts
 from modeling.sequence_parallel import gather_tokens
 
 L2_EPS = 1e-6  # transformers' (and fla's) l2norm inside the rule
+# transformers' names of the mixer's parts in the families that store each projection and conv apart
+# (Olmo-Hybrid, Kimi Linear), ours -> theirs; the rest (A_log, dt_bias, f_a_proj...) are named alike
+SEPARATE_NAMES = {"in_proj_q": "q_proj", "in_proj_k": "k_proj", "in_proj_v": "v_proj", "in_proj_z": "g_proj",
+                  "in_proj_a": "a_proj", "in_proj_b": "b_proj", "out_proj": "o_proj", "norm": "o_norm",
+                  "conv_q": "q_conv1d", "conv_k": "k_conv1d", "conv_v": "v_conv1d"}
 
 
 @dataclass(frozen=True)
@@ -88,7 +95,9 @@ class DepthwiseCausalConv(nn.Layer):
 @dataclass(frozen=True)
 class GatedDelta(Declared):
     """One layer's Gated DeltaNet: `key_heads` q/k heads of `key_dim`, `value_heads` value heads of
-    `value_dim`, the conv's `conv_kernel`, the gated norm's `eps`."""
+    `value_dim`, the conv's `conv_kernel`, the gated norm's `eps`; `beta_scale` 2 lets the write
+    strength reach 2, so the rule's transition I - beta k k^T has eigenvalues down to -1 (Olmo-Hybrid's
+    `linear_allow_neg_eigval`)."""
 
     hidden: int
     key_heads: int
@@ -97,7 +106,9 @@ class GatedDelta(Declared):
     value_dim: int
     conv_kernel: int
     eps: float
+    beta_scale: float = 1.0
     recurrent: ClassVar[bool] = True  # no attention core: core_attn recompute leaves the layer as it is
+    channel_decay: ClassVar[bool] = False  # a decay per value head (Kimi Delta's: per key channel)
 
     def parts(self) -> dict[str, Part]:
         keys, values = self.key_heads * self.key_dim, self.value_heads * self.value_dim
@@ -139,10 +150,14 @@ class GatedDelta(Declared):
 
         own = tokens * (2 * keys + values) * dtype_bytes  # the convs' outputs
         own += 2 * tokens * (keys + key_heads) * dtype_bytes  # l2norm of q and of k
+        decay_width = self.key_dim if self.channel_decay else 1
         own += run.recurrent.kept_bytes(batch, seq_len, key_heads, value_heads, self.key_dim, self.value_dim,
-                                        dtype_bytes)
-        own += 2 * tokens * value_heads * FP32_BYTES + 2 * value_heads * FP32_BYTES  # softplus; exp(A_log) and its negation
+                                        dtype_bytes, decay_width)
+        own += 2 * tokens * value_heads * decay_width * FP32_BYTES  # softplus's input and output
+        own += 2 * value_heads * FP32_BYTES  # exp(A_log) and its negation
         own += 3 * tokens * values * dtype_bytes  # the gate, and the gated product's factors
+        if self.beta_scale != 1.0:  # sigmoid keeps its output, the rule the scaled copy
+            own += tokens * value_heads * dtype_bytes
         return {"in_proj_q": tokens * self.hidden * dtype_bytes, "conv_q": conv(keys), "conv_k": conv(keys),
                 "conv_v": conv(values), "": own,
                 "norm": rms_norm_saved_bytes(tokens, self.value_dim, dtype_bytes, False, value_heads),
@@ -165,17 +180,75 @@ class GatedDeltaMixer(Block):
         q, k = (_l2norm(x.reshape([batch, length, -1, declared.key_dim])) for x in (q, k))
         v = v.reshape([batch, length, -1, declared.value_dim])
         beta = F.sigmoid(self.in_proj_b(hidden))
-        g = -paddle.exp(self.A_log.astype("float32")) * F.softplus(self.in_proj_a(hidden).astype("float32") + self.dt_bias)
+        if declared.beta_scale != 1.0:
+            beta = beta * declared.beta_scale
+        g = self.decay(hidden)
         q = q * declared.key_dim ** -0.5
         if run.ring is None:
             out, _ = run.recurrent(q, k, v, g, beta, segments=None if positions is None else document_ids(positions))
         else:
             out = rule_across_parts(run.recurrent, q, k, v, g, beta, positions, run.ring)
-        gate = self.in_proj_z(hidden).reshape([batch, length, -1, declared.value_dim])
-        out = (self.norm(out.astype(hidden.dtype)) * F.silu(gate)).reshape([batch, length, -1])
+        gate = self.output_gate(hidden).reshape([batch, length, -1, declared.value_dim])
+        out = (self.norm(out.astype(hidden.dtype)) * self.gated(gate)).reshape([batch, length, -1])
         if run.sequence_first:
             out = out.transpose([1, 0, 2])
         return self.out_proj(out)
+
+    def decay(self, hidden):
+        """g [batch, seq, value heads] (fp32): -exp(A_log) softplus(in_proj_a(x) + dt_bias)."""
+        return -paddle.exp(self.A_log.astype("float32")) * F.softplus(self.in_proj_a(hidden).astype("float32")
+                                                                       + self.dt_bias)
+
+    def output_gate(self, hidden):
+        return self.in_proj_z(hidden)
+
+    gated = staticmethod(F.silu)  # the gated norm's activation of the output gate
+
+
+@dataclass(frozen=True)
+class KimiDelta(GatedDelta):
+    """One layer's Kimi Delta Attention (Kimi Linear): Gated DeltaNet with a decay per key channel,
+    g = -exp(A_log[h]) softplus(f_b(f_a(x)) + dt_bias) (a rank-`key_dim` projection; `dt_bias` per
+    channel, `A_log` per head, stored [1, 1, heads, 1]), an output gate through a rank-`key_dim`
+    projection (g_a, g_b) and a sigmoid in the gated norm; as many key heads as value heads, of one
+    size. The low-rank inputs (f_a, g_a) stay whole on every tp rank, as latent attention's do."""
+
+    channel_decay: ClassVar[bool] = True
+
+    def parts(self) -> dict[str, Part]:
+        channels = self.key_heads * self.key_dim
+        parts = {name: part for name, part in super().parts().items() if name not in ("in_proj_a", "in_proj_z")}
+        return {**parts, "f_a_proj": WholeLinear(self.hidden, self.key_dim),
+                "f_b_proj": ColumnLinear(self.key_dim, channels),
+                "g_a_proj": WholeLinear(self.hidden, self.key_dim),
+                "g_b_proj": ColumnLinear(self.key_dim, self.value_heads * self.value_dim),
+                "A_log": HeadVector(self.value_heads, A_LOG, unit_axes=(2, 1)), "dt_bias": HeadVector(channels, ONES)}
+
+    def own_tp_units(self) -> dict[str, int]:
+        return {"linear_num_heads": self.key_heads}
+
+    def saved_bytes(self, run: Execution, batch: int, seq_len: int, dtype_bytes: int) -> dict[str, int]:
+        """Gated DeltaNet's (its decays per key channel), with the low-rank projections' inputs (f_b's
+        and g_b's), and the sigmoid gate keeping only its output (the gated product's factor)."""
+        saved = super().saved_bytes(run, batch, seq_len, dtype_bytes)
+        tokens, values = batch * seq_len, self.value_heads * self.value_dim // run.tp
+        saved[""] -= tokens * values * dtype_bytes
+        return saved | {"f_b_proj": tokens * self.key_dim * dtype_bytes, "g_b_proj": tokens * self.key_dim * dtype_bytes}
+
+
+class KimiDeltaMixer(GatedDeltaMixer):
+    def decay(self, hidden):
+        """g [batch, seq, heads, key_dim] (fp32): a decay per key channel."""
+        declared = self.declared
+        rates = paddle.exp(self.A_log.astype("float32")).reshape([1, 1, -1, 1])
+        forget = (self.f_b_proj(self.f_a_proj(hidden)).astype("float32") + self.dt_bias).reshape(
+            hidden.shape[:2] + [-1, declared.key_dim])
+        return -rates * F.softplus(forget)
+
+    def output_gate(self, hidden):
+        return self.g_b_proj(self.g_a_proj(hidden))
+
+    gated = staticmethod(F.sigmoid)
 
 
 def _l2norm(x):
@@ -183,3 +256,4 @@ def _l2norm(x):
 
 
 GatedDelta.layer = GatedDeltaMixer
+KimiDelta.layer = KimiDeltaMixer

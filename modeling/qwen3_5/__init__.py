@@ -23,7 +23,7 @@ from dataclasses import replace
 from modeling.blocks.decoder import Decoder
 from modeling.blocks.gated_delta import GatedDelta
 from modeling.config import FULL, DecoderConfig, ModelConfigError
-from modeling.config_fields import MOE_ACCEPTED
+from modeling.config_fields import MOE_ACCEPTED, any_value
 from modeling.decoder_family import decoder_family
 from modeling.moe_config import MoEConfig
 from modeling.transformers_adapter import Stored
@@ -32,6 +32,10 @@ LINEAR = "linear_attention"  # transformers' layer type of a Gated DeltaNet laye
 _FUSED_QKV = {"in_proj_q": ("in_proj_qkv", 0), "in_proj_k": ("in_proj_qkv", 1), "in_proj_v": ("in_proj_qkv", 2),
               "conv_q": ("conv1d", 0), "conv_k": ("conv1d", 1), "conv_v": ("conv1d", 2)}
 _MULTIMODAL_ROTARY = ("mrope_section", "mrope_interleaved")
+# The multi-token prediction layer released Qwen3.5 / Qwen3-Next folders carry (`mtp.*`, sized by these config
+# fields): left unread with a note, as transformers leaves it (`_keys_to_ignore_on_load_unexpected`)
+MTP_UNREAD = ("mtp.",)
+MTP_FIELDS = dict.fromkeys(("mtp_num_hidden_layers", "mtp_use_dedicated_embeddings"), any_value)
 
 
 class Qwen3_5TextConfig(DecoderConfig):
@@ -77,14 +81,20 @@ class Qwen3_5TextConfig(DecoderConfig):
                        attention_name="linear_attn", norms=self.norms)
 
     def validate(self) -> None:
-        unknown = sorted(set(self.layer_types) - {LINEAR, FULL})
-        if unknown or len(self.layer_types) != self.num_hidden_layers:
-            raise ModelConfigError(f"layer_types must name {self.num_hidden_layers} layers, each {LINEAR!r} or "
-                                   f"{FULL!r}" + (f" ({', '.join(unknown)} not modelled)" if unknown else ""))
-        if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ModelConfigError(f"linear_num_value_heads={self.linear_num_value_heads} is not divisible by "
-                                   f"linear_num_key_heads={self.linear_num_key_heads}")
+        check_linear_layers(self)
         super().validate()
+
+
+def check_linear_layers(config) -> None:
+    """A hybrid config's `layer_types` name each layer Gated DeltaNet (LINEAR) or attention (FULL), and
+    its key heads divide its value heads (each key head serves a run of value heads)."""
+    unknown = sorted(set(config.layer_types) - {LINEAR, FULL})
+    if unknown or len(config.layer_types) != config.num_hidden_layers:
+        raise ModelConfigError(f"layer_types must name {config.num_hidden_layers} layers, each {LINEAR!r} or "
+                               f"{FULL!r}" + (f" ({', '.join(unknown)} not modelled)" if unknown else ""))
+    if config.linear_num_value_heads % config.linear_num_key_heads:
+        raise ModelConfigError(f"linear_num_value_heads={config.linear_num_value_heads} is not divisible by "
+                               f"linear_num_key_heads={config.linear_num_key_heads}")
 
 
 def _text_rotary(scaling: dict | None) -> dict | None:
@@ -128,8 +138,8 @@ class Qwen3_5MoeTextConfig(MoEConfig, Qwen3_5TextConfig):
 
 
 QWEN3_5_TEXT = decoder_family(Qwen3_5TextConfig, "Qwen3_5ForCausalLM", "qwen3_5", paddlenlp=False,
-                              fuse=fused_linear_inputs)
+                              fuse=fused_linear_inputs, accepted=MTP_FIELDS, unread=MTP_UNREAD)
 Qwen3_5ForCausalLM, Qwen3_5ForCausalLMPipe = QWEN3_5_TEXT.causal_lm, QWEN3_5_TEXT.pipe
 QWEN3_5_MOE_TEXT = decoder_family(Qwen3_5MoeTextConfig, "Qwen3_5MoeForCausalLM", "qwen3_5_moe", paddlenlp=False,
-                                  fuse=fused_linear_inputs, accepted=MOE_ACCEPTED)
+                                  fuse=fused_linear_inputs, accepted={**MOE_ACCEPTED, **MTP_FIELDS}, unread=MTP_UNREAD)
 Qwen3_5MoeForCausalLM, Qwen3_5MoeForCausalLMPipe = QWEN3_5_MOE_TEXT.causal_lm, QWEN3_5_MOE_TEXT.pipe

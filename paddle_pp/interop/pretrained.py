@@ -42,6 +42,7 @@ from modeling.registry import UnknownModelError, config_from_dict, family, plan_
 from modeling.transformers_adapter import RUN_FIELDS, ConfigFieldError, Stored
 from paddle_pp.interop.pickled import load_pickled
 from paddle_pp.interop.quantized import dequantizing
+from paddle_pp.interop.recut import recut
 from paddle_pp.runtime.topology import Topology
 
 UNIFIED, PADDLENLP, TRANSFORMERS = "paddle-pp unified checkpoint", "PaddleNLP", "transformers"
@@ -108,8 +109,12 @@ def open_pretrained(folder: Path, weights: bool = True, allow_unsafe_pickle: boo
         locate = lambda name: model_family.transformers.stored(name, plan[name], ours)  # noqa: E731
         if stores_fused_experts(shapes):
             locate = lambda name, per_expert=locate: fused_expert_stored(per_expert(name), ours)  # noqa: E731
-        return _checked(folder, TRANSFORMERS, config, shapes, read, locate, model_family.transformers.buffers,
-                        model_family.transformers.layers_past_last, model_family.transformers.stored_copies(ours))
+        if model_family.transformers.recut:
+            expected = {locate(name).name: stored_shape(plan[name].shape, locate(name)) for name in plan}
+            shapes, read = recut(shapes, read, model_family.transformers.recut, expected)
+        adapter = model_family.transformers
+        return _checked(folder, TRANSFORMERS, config, shapes, read, locate, adapter.buffers, adapter.layers_past_last,
+                        adapter.stored_copies(ours), adapter.unread)
     return _checked(folder, PADDLENLP, config, shapes, read, paddlenlp_locate)
 
 
@@ -257,11 +262,12 @@ def stored_shape(shape, stored: Stored) -> list[int]:
 
 def _checked(folder: Path, kind: str, config: dict, shapes: dict[str, list[int]], read_stored: Read,
              locate: Callable[[str], Stored], buffers: tuple[str, ...] = (),
-             layers_past_last: str | None = None, copies: dict[str, str] | None = None) -> PretrainedFolder:
+             layers_past_last: str | None = None, copies: dict[str, str] | None = None,
+             unread: tuple[str, ...] = ()) -> PretrainedFolder:
     """The folder's reader under our names, after every planned tensor is found in its stored shape
     and no stored tensor is left over (a tied head's second name, recomputed buffers and `copies` of
-    ours aside, and the layers a family's folders store past the config's last, `layers_past_last`:
-    left unread, noted)."""
+    ours aside, and the layers a family's folders store past the config's last, `layers_past_last`,
+    and the tensors under its `unread` prefixes: left unread, noted)."""
     plan = plan_of(config_from_dict(config))
     problems = []
     for name in plan:
@@ -278,7 +284,9 @@ def _checked(folder: Path, kind: str, config: dict, shapes: dict[str, list[int]]
     left_over = [key for key in sorted(shapes) if key not in expected and not key.endswith(buffers)]
     past = {key: index for key in left_over if layers_past_last
             and (index := _layer_index(key, config["num_hidden_layers"])) is not None}
-    problems += [f"{key}: not a tensor of {plan.architecture}" for key in left_over if key not in past]
+    skipped = [key for key in left_over if unread and key.startswith(unread)]
+    problems += [f"{key}: not a tensor of {plan.architecture}" for key in left_over
+                 if key not in past and key not in skipped]
     if problems:
         raise CheckpointError(f"--model_name_or_path {folder} ({kind}) does not match the model its config.json "
                               "describes: " + "; ".join(problems[:6])
@@ -307,6 +315,9 @@ def _checked(folder: Path, kind: str, config: dict, shapes: dict[str, list[int]]
     notes = (f"{folder}: {len(past)} tensors of layers {', '.join(map(str, sorted(set(past.values()))))} left unread: {layers_past_last} "
              "layers past the model's last, which this config does not count (transformers leaves them unread too)",
              ) if past else ()
+    if skipped:
+        notes += (f"{folder}: {len(skipped)} tensors under {', '.join(p for p in unread if any(k.startswith(p) for k in skipped))} "
+                  f"left unread: {plan.architecture} does not model them (transformers leaves them unread too)",)
     return PretrainedFolder(folder, kind, config, read, notes)
 
 

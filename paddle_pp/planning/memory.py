@@ -13,7 +13,7 @@ import numpy as np
 from modeling.attention_core.ring import ring_traffic_bytes
 from modeling.execution import Execution
 from modeling.placement import layer_stage
-from modeling.registry import execution_for, family_of, plan_of, validate_layout
+from modeling.registry import check_context_parts, execution_for, family_of, plan_of, validate_layout
 from modeling.sequence_parallel import sequence_shards
 from paddle_pp.planning.schedules import in_flight, resolve_schedule
 from paddle_pp.runtime.layout import Layout
@@ -110,6 +110,7 @@ def plan_layout(config, layout: Layout, compute_bytes: int = 4, workload: Worklo
     validate_layout(config, layout)
     if workload:
         layout.check_sequence_length(workload.seq_len)
+        check_context_parts(config, layout, workload.seq_len)
     plan = plan_of(config)
     mesh = plan.mesh(layout.pp, layout.vpp, layout.ep, layout.tp, layout.dualpipev)
     counts = np.zeros([layout.pp, layout.tp], dtype=np.int64)

@@ -12,7 +12,8 @@ It decides, in this order:
    over the data replicas is refused), and the warmup within the steps;
 3. the compute dtype (`precision.compute_dtype`: bf16/fp16 need a GPU, master gradients a half dtype);
 4. the model's fit to the flags and the layout: dropout, fp16 with experts, `validate_layout` (tp,
-   pp x vpp, ep, cp against every layer's attention);
+   pp x vpp, ep, cp against every layer's attention), each cp part long enough for a recurrent
+   layer's conv window (`check_context_parts`);
 5. the execution: the attention core (per layer where the run's core cannot compute a layer),
    recompute, kernels, documents, accumulation (`run_execution`);
 6. the pipeline schedule fleet will run for these micro-batches, and what it cannot take of them or
@@ -28,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from modeling.attention_core import CORES, DenseCost, Heads
 from modeling.execution import Execution, choose_execution
-from modeling.registry import core_notes, validate_layout
+from modeling.registry import check_context_parts, core_notes, validate_layout
 from paddle_pp.planning.memory import Workload
 from paddle_pp.planning.schedules import check_schedule_model, resolve_schedule
 from paddle_pp.runtime.errors import UserError
@@ -183,6 +184,7 @@ def plan_run(args: PretrainArguments, config, end_of_document: int | None, world
         raise TrainingConfigError("--fp16 with a mixture-of-experts model: the aux loss's gradient is injected at "
                                   "each layer without the fp16 loss scale (not implemented); train with --bf16")
     validate_layout(config, layout)
+    check_context_parts(config, layout, data.max_seq_length)
     dense_cost = dense_cost_of(config, layout, batches.micro_batch, batches.accumulate_steps, data.max_seq_length,
                                model.recompute)
     execution, notes = run_execution(model, layout, compute_dtype, config.head_dim, end_of_document, dense_cost)

@@ -1,0 +1,130 @@
+"""Kimi Linear (`kimi_linear`: Kimi-Linear-48B-A3B): Kimi Delta Attention layers (`linear_attention`:
+Gated DeltaNet with a decay per key channel, `blocks/gated_delta.KimiDelta`) beside latent attention
+without rotary (`full_attention`: DeepSeek-V3's MLA with its rope slice left unrotated, scale
+qk_head_dim^-1/2), and DeepSeek-V3's mixture of experts (sigmoid routing with a correction bias, shared
+experts, `routed_scaling_factor`) after dense MLPs, each layer's by `mlp_layer_types` (from
+`first_k_dense_replace` when absent). Both mixers sit under `self_attn`, both feed-forward kinds under
+`block_sparse_moe` (experts' projections w1, w3, w2, as Mixtral's).
+
+`linear_attn_config` is where the released configs put the layer pattern (`kda_layers`,
+`full_attn_layers`: 1-based) and the mixer's `num_heads`, `head_dim` and `short_conv_kernel_size`; as
+in transformers, its sizes win over the `linear_*` fields and `layer_types`, when given, over its
+pattern. The config's other spellings (`model_max_length`, `num_expert_group`,
+`num_experts_per_token`, `num_shared_experts`, `moe_renormalize`) are transformers' attribute map's."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from modeling.attention_core.spec import CoreSpec
+from modeling.blocks.decoder import Decoder
+from modeling.blocks.gated_delta import SEPARATE_NAMES, KimiDelta
+from modeling.blocks.latent_attention import LatentAttention
+from modeling.blocks.mlp import GatedMLP
+from modeling.blocks.moe import Experts
+from modeling.config import FULL, ModelConfigError
+from modeling.config_fields import MOE_ACCEPTED, any_value
+from modeling.decoder_family import decoder_family
+from modeling.deepseek import DeepseekV3Config
+from modeling.qwen3_5 import LINEAR
+from modeling.transformers_adapter import Stored
+
+DENSE, SPARSE = "dense", "sparse"  # mlp_layer_types
+LATENT_NORM_EPS = 1e-6
+_PATTERN_KEYS = {"kda_layers", "full_attn_layers", "num_heads", "head_dim", "short_conv_kernel_size"}
+
+
+class KimiLinearConfig(DeepseekV3Config):
+    model_type = "kimi_linear"
+    # no rotary anywhere: the rotary fields a DeepSeek config carries are not Kimi Linear's
+    derived_fields = (*DeepseekV3Config.derived_fields, "rope_theta", "rope_scaling", "rope_interleave")
+    moe_block = "block_sparse_moe"  # the dense MLPs' name too
+    expert_names = ("w1", "w3", "w2")
+
+    def __init__(self, vocab_size: int = 163840, hidden_size: int = 2304, intermediate_size: int = 9216,
+                 moe_intermediate_size: int = 1024, num_hidden_layers: int = 27, num_attention_heads: int = 32,
+                 num_key_value_heads: int | None = 32, num_experts: int = 256, n_shared_experts: int = 1,
+                 routed_scaling_factor: float = 2.446, kv_lora_rank: int = 512, q_lora_rank: int | None = None,
+                 n_group: int | None = 1, topk_group: int | None = 1, first_k_dense_replace: int = 1,
+                 max_position_embeddings: int = 1048576, rms_norm_eps: float = 1e-5, pad_token_id: int | None = 163839,
+                 bos_token_id: int | None = 163584, eos_token_id: int | None = 163586,
+                 layer_types: list[str] | None = None, mlp_layer_types: list[str] | None = None,
+                 linear_attn_config: dict | None = None, linear_head_dim: int = 128, linear_num_heads: int = 32,
+                 linear_conv_kernel_dim: int = 4, **kwargs):
+        pattern = dict(linear_attn_config or {})
+        self.linear_attn_config = linear_attn_config
+        self.linear_head_dim = pattern.get("head_dim", linear_head_dim)
+        self.linear_num_heads = pattern.get("num_heads", linear_num_heads)
+        self.linear_conv_kernel_dim = pattern.get("short_conv_kernel_size", linear_conv_kernel_dim)
+        if layer_types is None and {"kda_layers", "full_attn_layers"} <= set(pattern):
+            layer_types = [None] * num_hidden_layers
+            for layers, kind in ((pattern["full_attn_layers"], FULL), (pattern["kda_layers"], LINEAR)):
+                for layer in layers:
+                    if 1 <= layer <= num_hidden_layers:
+                        layer_types[layer - 1] = kind
+        self.layer_types = list(layer_types or [FULL if i and i % 4 == 0 else LINEAR for i in range(num_hidden_layers)])
+        self.mlp_layer_types = list(mlp_layer_types or [DENSE if i < first_k_dense_replace else SPARSE
+                                                        for i in range(num_hidden_layers)])
+        super().__init__(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                         moe_intermediate_size=moe_intermediate_size, num_hidden_layers=num_hidden_layers,
+                         num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+                         num_experts=num_experts, n_shared_experts=n_shared_experts,
+                         routed_scaling_factor=routed_scaling_factor, kv_lora_rank=kv_lora_rank,
+                         q_lora_rank=q_lora_rank, n_group=n_group, topk_group=topk_group,
+                         first_k_dense_replace=first_k_dense_replace, max_position_embeddings=max_position_embeddings,
+                         rms_norm_eps=rms_norm_eps, pad_token_id=pad_token_id, bos_token_id=bos_token_id,
+                         eos_token_id=eos_token_id, **kwargs)
+
+    def attention(self, index: int) -> LatentAttention:
+        """Latent attention with its rope slice unrotated, and its latents' norms at eps 1e-6 whatever
+        `rms_norm_eps` says (transformers' KimiLinearAttention builds them with RMSNorm's default)."""
+        return replace(super().attention(index), spec=CoreSpec((self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5),
+                       rotary=None, eps=LATENT_NORM_EPS)
+
+    def feed_forward(self, index: int):
+        if self.mlp_layer_types[index] == DENSE:
+            return self.moe_block, GatedMLP(self.hidden_size, self.intermediate_size, self.hidden_act)
+        _, moe = super().feed_forward(max(index, self.first_k_dense_replace))  # DeepSeek-V3's, as it builds them
+        expert = replace(moe.experts.expert, names=self.expert_names)
+        return self.moe_block, replace(moe, index=index, experts=Experts(moe.experts.count, expert))
+
+    def decoder_layer(self, index: int) -> Decoder:
+        if self.layer_types[index] != LINEAR:
+            return super().decoder_layer(index)
+        mixer = KimiDelta(self.hidden_size, self.linear_num_heads, self.linear_num_heads, self.linear_head_dim,
+                          self.linear_head_dim, self.linear_conv_kernel_dim, self.rms_norm_eps)
+        name, part = self.feed_forward(index)
+        return Decoder(index, mixer, part, self.hidden_norm(), feed_forward_name=name, attention_name="self_attn")
+
+    def validate(self) -> None:
+        unknown = sorted(set(self.linear_attn_config or {}) - _PATTERN_KEYS)
+        if unknown:
+            raise ModelConfigError(f"linear_attn_config has {', '.join(unknown)}, which paddle-pp does not model "
+                                   f"(it reads {', '.join(sorted(_PATTERN_KEYS))})")
+        if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - {LINEAR, FULL}:
+            raise ModelConfigError(f"layer_types (or linear_attn_config's kda_layers and full_attn_layers) must name "
+                                   f"each of the {self.num_hidden_layers} layers {LINEAR!r} or {FULL!r}: "
+                                   f"{self.layer_types}")
+        if len(self.mlp_layer_types) != self.num_hidden_layers or set(self.mlp_layer_types) - {DENSE, SPARSE}:
+            raise ModelConfigError(f"mlp_layer_types must name each of the {self.num_hidden_layers} layers {DENSE!r} "
+                                   f"or {SPARSE!r}: {self.mlp_layer_types}")
+        super().validate()
+
+
+def stored_names(stored: Stored, config: KimiLinearConfig) -> Stored:
+    """Its folders' names of the Kimi Delta mixer's parts (`SEPARATE_NAMES`) in its linear layers."""
+    module, _, param = stored.name.rpartition(".")
+    prefix, _, part = module.rpartition(".")
+    layer = prefix.rsplit(".", 2)
+    if part in SEPARATE_NAMES and layer[-1] == "self_attn" and config.layer_types[int(layer[-2])] == LINEAR:
+        return replace(stored, name=f"{prefix}.{SEPARATE_NAMES[part]}.{param}")
+    return stored
+
+
+KIMI_LINEAR = decoder_family(
+    KimiLinearConfig, "KimiLinearForCausalLM", "kimi_linear", paddlenlp=False,
+    renamed={"model_max_length": "max_position_embeddings", "num_expert_group": "n_group",
+             "num_experts_per_token": "num_experts_per_tok", "num_shared_experts": "n_shared_experts",
+             "moe_renormalize": "norm_topk_prob"},
+    accepted={**MOE_ACCEPTED, "head_dim": any_value, "qk_head_dim": any_value}, fuse=stored_names)
+KimiLinearForCausalLM, KimiLinearForCausalLMPipe = KIMI_LINEAR.causal_lm, KIMI_LINEAR.pipe
