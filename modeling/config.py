@@ -30,6 +30,15 @@ class ModelConfigError(UserError, ValueError):
     """A model config whose shapes do not fit together, or that asks for what the model does not do."""
 
 
+def check_layer_kinds(field: str, kinds: list, allowed: tuple[str, ...], num_layers: int) -> None:
+    """A per-layer list of the config (`layer_types`, Kimi Linear's `mlp_layer_types`) names each of the
+    `num_layers` layers by one of `allowed`."""
+    unknown = sorted({str(kind) for kind in kinds} - set(allowed))
+    if unknown or len(kinds) != num_layers:
+        raise ModelConfigError(f"{field} must name {num_layers} layers, each " + " or ".join(map(repr, allowed))
+                               + (f" ({', '.join(unknown)} not modelled)" if unknown else ""))
+
+
 class CausalLMConfig(PretrainedConfig):
     """Fields common to every family, under PaddleNLP's names; families add their own."""
 
@@ -180,10 +189,7 @@ class DecoderConfig(CausalLMConfig):
                                    f"num_key_value_heads={self.num_key_value_heads} (GQA groups must be equal)")
         if self.hidden_act not in ACTIVATIONS:
             raise ModelConfigError(f"hidden_act={self.hidden_act!r} is not modelled; use one of {sorted(ACTIVATIONS)}")
-        unknown = sorted(set(self.attention_types()) - {FULL, SLIDING})
-        if unknown or len(self.attention_types()) != self.num_hidden_layers:
-            raise ModelConfigError(f"layer_types must name {self.num_hidden_layers} layers, each {FULL!r} or "
-                                   f"{SLIDING!r}" + (f" ({', '.join(unknown)} not modelled)" if unknown else ""))
+        check_layer_kinds("layer_types", self.attention_types(), (FULL, SLIDING), self.num_hidden_layers)
         for index in range(self.num_hidden_layers):
             rope = self.rope(index)
             problem = rope_scaling_error(rope[1]) if rope else None

@@ -53,5 +53,6 @@ def decoder_family(config_class: type, architecture: str, prefix: str, paddlenlp
         model_type=config_class.model_type, architecture=architecture, locate=partial(_stored, prefix),
         renamed=renamed or {}, aliases=aliases or {}, fixed={"attention_dropout": 0.0, **(fixed or {})},
         accepted={"pretraining_tp": any_value, **(accepted or {})}, buffers=("rotary_emb.inv_freq",), fuse=fuse,
-        recut=recut, unread=unread, layers_past_last=layers_past_last, copies=partial(prediction_copies, prefix) if prediction_layers else None)
+        recut=recut, unread=unread, layers_past_last=layers_past_last,
+        copies=partial(prediction_copies, prefix) if prediction_layers else None)
     return ModelFamily(config_class, architecture, skeleton, adapter, paddlenlp, frozenset(paddlenlp_fused))

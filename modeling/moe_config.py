@@ -124,14 +124,20 @@ class DeepSeekMoEFields(MoEConfig):
     def window(self, index: int) -> int | None:
         return None if index >= self.num_hidden_layers else super().window(index)
 
+    def is_dense(self, index: int) -> bool:
+        """Whether layer `index` has a dense MLP: the first `first_k_dense_replace` (prediction layers, past
+        the last, have experts)."""
+        return index < self.first_k_dense_replace
+
     def feed_forward(self, index: int) -> tuple[str, Part]:
-        if index < self.first_k_dense_replace:
-            return "mlp", GatedMLP(self.hidden_size, self.intermediate_size, self.hidden_act)
-        expert = GatedMLP(self.hidden_size, self.moe_intermediate_size, self.hidden_act, unit="moe_intermediate_size")
+        if self.is_dense(index):
+            return self.moe_block, GatedMLP(self.hidden_size, self.intermediate_size, self.hidden_act)
+        expert = GatedMLP(self.hidden_size, self.moe_intermediate_size, self.hidden_act, names=self.expert_names,
+                          unit="moe_intermediate_size")
         shared = GatedMLP(self.hidden_size, self.moe_intermediate_size * self.n_shared_experts, self.hidden_act,
                           unit="moe_intermediate_size") if self.n_shared_experts else None
-        return "mlp", MoE(index, self.hidden_size, Experts(self.num_experts, expert), self.routing(), shared,
-                          shared_gate=False, names=("gate", "shared_experts"))
+        return self.moe_block, MoE(index, self.hidden_size, Experts(self.num_experts, expert), self.routing(), shared,
+                                   shared_gate=False, names=("gate", "shared_experts"))
 
     def validate(self) -> None:
         super().validate()

@@ -76,8 +76,8 @@ class Attention(Declared):
     rotary: Rotary | None = None
     sinks: bool = False
     clip_qkv: float | None = None
-    output_gate: bool = False
-    recurrent: ClassVar[bool] = False  # a token mixer with an attention core (a recurrent one: blocks/gated_delta.py)  # q_proj also emits a gate per head (after each head's q); out * sigmoid(gate)
+    output_gate: bool = False  # q_proj also emits a gate per head (after each head's q); out * sigmoid(gate)
+    recurrent: ClassVar[bool] = False  # a token mixer with an attention core (a recurrent one: blocks/gated_delta.py)
 
     @property
     def v_dim(self) -> int:

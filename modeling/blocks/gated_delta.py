@@ -25,8 +25,8 @@ before them leave (`recurrent_cp`: the conv's last inputs and the rule's state, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, ClassVar
 
 import paddle
 import paddle.nn.functional as F
@@ -41,12 +41,26 @@ from modeling.recurrent_core import document_ids
 from modeling.recurrent_cp import conv_by_parts, rule_across_parts
 from modeling.sequence_parallel import gather_tokens
 
+if TYPE_CHECKING:
+    from modeling.transformers_adapter import Stored
+
 L2_EPS = 1e-6  # transformers' (and fla's) l2norm inside the rule
 # transformers' names of the mixer's parts in the families that store each projection and conv apart
 # (Olmo-Hybrid, Kimi Linear), ours -> theirs; the rest (A_log, dt_bias, f_a_proj...) are named alike
 SEPARATE_NAMES = {"in_proj_q": "q_proj", "in_proj_k": "k_proj", "in_proj_v": "v_proj", "in_proj_z": "g_proj",
                   "in_proj_a": "a_proj", "in_proj_b": "b_proj", "out_proj": "o_proj", "norm": "o_norm",
                   "conv_q": "q_conv1d", "conv_k": "k_conv1d", "conv_v": "v_conv1d"}
+
+
+def stored_apart(stored: Stored, mixer: str) -> Stored:
+    """Where such a family stores one of our tensors: a part of the mixer (a decoder layer's `mixer`
+    block) under its name in `SEPARATE_NAMES`, anything else where `stored` says (no attention block
+    has a part of those names)."""
+    module, _, param = stored.name.rpartition(".")
+    prefix, _, part = module.rpartition(".")
+    if part in SEPARATE_NAMES and prefix.endswith(f".{mixer}"):
+        return replace(stored, name=f"{prefix}.{SEPARATE_NAMES[part]}.{param}")
+    return stored
 
 
 @dataclass(frozen=True)

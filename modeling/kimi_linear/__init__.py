@@ -18,11 +18,9 @@ from dataclasses import replace
 
 from modeling.attention_core.spec import CoreSpec
 from modeling.blocks.decoder import Decoder
-from modeling.blocks.gated_delta import SEPARATE_NAMES, KimiDelta
+from modeling.blocks.gated_delta import KimiDelta, stored_apart
 from modeling.blocks.latent_attention import LatentAttention
-from modeling.blocks.mlp import GatedMLP
-from modeling.blocks.moe import Experts
-from modeling.config import FULL, ModelConfigError
+from modeling.config import FULL, ModelConfigError, check_layer_kinds
 from modeling.config_fields import MOE_ACCEPTED, any_value
 from modeling.decoder_family import decoder_family
 from modeling.deepseek import DeepseekV3Config
@@ -81,12 +79,8 @@ class KimiLinearConfig(DeepseekV3Config):
         return replace(super().attention(index), spec=CoreSpec((self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5),
                        rotary=None, eps=LATENT_NORM_EPS)
 
-    def feed_forward(self, index: int):
-        if self.mlp_layer_types[index] == DENSE:
-            return self.moe_block, GatedMLP(self.hidden_size, self.intermediate_size, self.hidden_act)
-        _, moe = super().feed_forward(max(index, self.first_k_dense_replace))  # DeepSeek-V3's, as it builds them
-        expert = replace(moe.experts.expert, names=self.expert_names)
-        return self.moe_block, replace(moe, index=index, experts=Experts(moe.experts.count, expert))
+    def is_dense(self, index: int) -> bool:
+        return index < self.num_hidden_layers and self.mlp_layer_types[index] == DENSE
 
     def decoder_layer(self, index: int) -> Decoder:
         if self.layer_types[index] != LINEAR:
@@ -101,24 +95,15 @@ class KimiLinearConfig(DeepseekV3Config):
         if unknown:
             raise ModelConfigError(f"linear_attn_config has {', '.join(unknown)}, which paddle-pp does not model "
                                    f"(it reads {', '.join(sorted(_PATTERN_KEYS))})")
-        if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - {LINEAR, FULL}:
-            raise ModelConfigError(f"layer_types (or linear_attn_config's kda_layers and full_attn_layers) must name "
-                                   f"each of the {self.num_hidden_layers} layers {LINEAR!r} or {FULL!r}: "
-                                   f"{self.layer_types}")
-        if len(self.mlp_layer_types) != self.num_hidden_layers or set(self.mlp_layer_types) - {DENSE, SPARSE}:
-            raise ModelConfigError(f"mlp_layer_types must name each of the {self.num_hidden_layers} layers {DENSE!r} "
-                                   f"or {SPARSE!r}: {self.mlp_layer_types}")
+        check_layer_kinds("layer_types (or linear_attn_config's kda_layers and full_attn_layers)", self.layer_types,
+                          (LINEAR, FULL), self.num_hidden_layers)
+        check_layer_kinds("mlp_layer_types", self.mlp_layer_types, (DENSE, SPARSE), self.num_hidden_layers)
         super().validate()
 
 
 def stored_names(stored: Stored, config: KimiLinearConfig) -> Stored:
-    """Its folders' names of the Kimi Delta mixer's parts (`SEPARATE_NAMES`) in its linear layers."""
-    module, _, param = stored.name.rpartition(".")
-    prefix, _, part = module.rpartition(".")
-    layer = prefix.rsplit(".", 2)
-    if part in SEPARATE_NAMES and layer[-1] == "self_attn" and config.layer_types[int(layer[-2])] == LINEAR:
-        return replace(stored, name=f"{prefix}.{SEPARATE_NAMES[part]}.{param}")
-    return stored
+    """Its folders' names of the Kimi Delta mixer's parts (`stored_apart`: its linear layers' `self_attn`)."""
+    return stored_apart(stored, "self_attn")
 
 
 KIMI_LINEAR = decoder_family(

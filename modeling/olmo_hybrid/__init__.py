@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from modeling.blocks.decoder import PRE_NORMS, Decoder
-from modeling.blocks.gated_delta import SEPARATE_NAMES, GatedDelta
+from modeling.blocks.gated_delta import GatedDelta, stored_apart
 from modeling.config import FULL
 from modeling.config_fields import any_value
 from modeling.decoder_family import decoder_family
@@ -77,14 +77,12 @@ class OlmoHybridConfig(Olmo2Config):
 
 
 def stored_names(stored: Stored, config: OlmoHybridConfig) -> Stored:
-    """Its folders' names of our layer norms and of the mixer's parts (`_LAYER_NORMS`, `SEPARATE_NAMES`)."""
+    """Its folders' names of our layer norms (`_LAYER_NORMS`) and of the mixer's parts (`stored_apart`)."""
     module, _, param = stored.name.rpartition(".")
     prefix, _, part = module.rpartition(".")
     if part in _LAYER_NORMS and ".layers." in prefix:
         return replace(stored, name=f"{prefix}.{_LAYER_NORMS[part]}.{param}")
-    if part in SEPARATE_NAMES and prefix.endswith(".linear_attn"):
-        return replace(stored, name=f"{prefix}.{SEPARATE_NAMES[part]}.{param}")
-    return stored
+    return stored_apart(stored, "linear_attn")
 
 
 OLMO_HYBRID = decoder_family(OlmoHybridConfig, "OlmoHybridForCausalLM", "olmo_hybrid", paddlenlp=False,

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from modeling.blocks.decoder import Decoder
 from modeling.blocks.gated_delta import GatedDelta
-from modeling.config import FULL, DecoderConfig, ModelConfigError
+from modeling.config import FULL, DecoderConfig, ModelConfigError, check_layer_kinds
 from modeling.config_fields import MOE_ACCEPTED, any_value
 from modeling.decoder_family import decoder_family
 from modeling.moe_config import MoEConfig
@@ -88,10 +88,7 @@ class Qwen3_5TextConfig(DecoderConfig):
 def check_linear_layers(config) -> None:
     """A hybrid config's `layer_types` name each layer Gated DeltaNet (LINEAR) or attention (FULL), and
     its key heads divide its value heads (each key head serves a run of value heads)."""
-    unknown = sorted(set(config.layer_types) - {LINEAR, FULL})
-    if unknown or len(config.layer_types) != config.num_hidden_layers:
-        raise ModelConfigError(f"layer_types must name {config.num_hidden_layers} layers, each {LINEAR!r} or "
-                               f"{FULL!r}" + (f" ({', '.join(unknown)} not modelled)" if unknown else ""))
+    check_layer_kinds("layer_types", config.layer_types, (LINEAR, FULL), config.num_hidden_layers)
     if config.linear_num_value_heads % config.linear_num_key_heads:
         raise ModelConfigError(f"linear_num_value_heads={config.linear_num_value_heads} is not divisible by "
                                f"linear_num_key_heads={config.linear_num_key_heads}")
