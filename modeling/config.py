@@ -30,6 +30,15 @@ class ModelConfigError(UserError, ValueError):
     """A model config whose shapes do not fit together, or that asks for what the model does not do."""
 
 
+# transformers 5's remap of older layer-type names (`remap_legacy_layer_types`: Granite 4.0-H's, Bamba's)
+LEGACY_LAYER_TYPES = {"mamba": "linear_attention", "attention": FULL}
+
+
+def remapped_layer_types(kinds: list | None) -> list | None:
+    """A per-layer list of layer types with the older names read as transformers 5 reads them."""
+    return None if kinds is None else [LEGACY_LAYER_TYPES.get(kind, kind) for kind in kinds]
+
+
 def check_layer_kinds(field: str, kinds: list, allowed: tuple[str, ...], num_layers: int) -> None:
     """A per-layer list of the config (`layer_types`, Kimi Linear's `mlp_layer_types`) names each of the
     `num_layers` layers by one of `allowed`."""

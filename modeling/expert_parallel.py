@@ -16,7 +16,6 @@ from typing import Any, Callable
 import numpy as np
 import paddle
 import paddle.distributed as dist
-import paddle.nn.functional as F
 from paddle import nn
 from paddle.distributed.fleet.utils import sequence_parallel_utils as sp_utils
 
@@ -83,17 +82,13 @@ def run_experts(rows: paddle.Tensor, counts: list[int], experts: nn.Layer,
 
 
 def expert_partial_sum(expert: nn.Layer, rows: paddle.Tensor) -> paddle.Tensor:
-    """A gated expert (`blocks.mlp.GatedMLPLayer`, its projections split over tp as fleet's column
-    and row linears split them) on `rows` every tp rank holds, without their collectives: this rank's
-    share of the intermediate, then its partial sum of the output (the output bias left out: added
-    once the partial sums are)."""
-    gate, up, down = (getattr(expert, name) for name in expert.declared.names)
-    inner = expert.gated(F.linear(rows, gate.weight, gate.bias), F.linear(rows, up.weight, up.bias))
-    return F.linear(inner, down.weight)
+    """An expert (`blocks.mlp`'s layers, their projections split over tp as fleet's column and row
+    linears split them) on `rows` every tp rank holds, without their collectives (`partial_sum`)."""
+    return expert.partial_sum(rows)
 
 
 def _output_bias(expert: nn.Layer) -> paddle.Tensor | None:
-    return getattr(expert, expert.declared.names[2]).bias
+    return getattr(expert, expert.declared.names[-1]).bias
 
 
 def run_experts_over_tp(rows: paddle.Tensor, counts: list[int], experts: nn.Layer, group: Any,
@@ -117,20 +112,22 @@ def run_experts_over_tp(rows: paddle.Tensor, counts: list[int], experts: nn.Laye
     most, own = max(int(every.sum(axis=1).max()), 1), rows.shape[0]  # never an empty gather: one zero row at least
     tokens = shared[1] if shared is not None else rows[:0]
     stride = most + tokens.shape[0]  # a rank's block: its rows padded to `most`, then its positions
-    block = paddle.concat([rows, paddle.zeros([most - own, rows.shape[1]], rows.dtype), tokens])
-    gathered = sp_utils.AllGatherOp.apply(block.contiguous())  # [tp x stride, hidden]
+    # rows narrower than the tokens (latent experts: Nemotron-H's) ride with zero columns after theirs
+    width, narrow = max(rows.shape[1], tokens.shape[1]), rows.shape[1]
+    block = paddle.concat([_widened(rows, width), paddle.zeros([most - own, width], rows.dtype), _widened(tokens, width)])
+    gathered = sp_utils.AllGatherOp.apply(block.contiguous())  # [tp x stride, width]
     by_expert = paddle.to_tensor(expert_order(every, stride))
-    outputs, idle = run_experts(paddle.gather(gathered, by_expert), every.sum(axis=0).tolist(), experts,
+    outputs, idle = run_experts(paddle.gather(gathered, by_expert)[:, :narrow], every.sum(axis=0).tolist(), experts,
                                 expert_partial_sum)
     summed = paddle.zeros_like(gathered)
     if outputs is not None:
-        summed = paddle.scatter(summed, by_expert, outputs)
+        summed = paddle.scatter(summed, by_expert, _widened(outputs, width))
     if shared is not None:
         positions = paddle.to_tensor(np.concatenate([np.arange(t * stride + most, (t + 1) * stride)
                                                      for t in range(group.nranks)]))
         summed = paddle.scatter(summed, positions, expert_partial_sum(shared[0], paddle.gather(gathered, positions)))
     mine = sp_utils.ReduceScatterOp.apply(summed)
-    routed, shared_out = mine[:own], (mine[most:] if shared is not None else None)
+    routed, shared_out = mine[:own, :narrow], (mine[most:] if shared is not None else None)
     biases = [_output_bias(expert) for expert in experts.children()]
     if biases[0] is not None:  # through one gather, so every bias has a gradient (a zero where no row chose it)
         expert_of_row = paddle.to_tensor(np.repeat(np.arange(len(counts)), counts).astype(np.int64))
@@ -138,3 +135,10 @@ def run_experts_over_tp(rows: paddle.Tensor, counts: list[int], experts: nn.Laye
     if shared is not None and _output_bias(shared[0]) is not None:
         shared_out = shared_out + _output_bias(shared[0])
     return routed, idle, shared_out
+
+
+def _widened(x: paddle.Tensor, width: int) -> paddle.Tensor:
+    """x [rows, w] with zero columns after its own up to `width` (itself when w is that)."""
+    if x.shape[1] == width:
+        return x
+    return paddle.concat([x, paddle.zeros([x.shape[0], width - x.shape[1]], x.dtype)], axis=1)

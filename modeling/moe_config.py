@@ -74,6 +74,15 @@ class QwenMoEFields(MoEConfig):
 V3_AUX_ALPHA = 1e-4  # DeepSeek-V3's sequence-wise balance weight; its released configs omit aux_loss_alpha
 
 
+def v3_routing(config, alpha: float | None) -> Routing:
+    """DeepSeek-V3's router on `config`'s fields (`num_experts_per_tok`, `norm_topk_prob`,
+    `routed_scaling_factor`, `n_group`, `topk_group`): sigmoid scores with a correction bias, groups,
+    renormalised, scaled; the sequence-wise balance loss at `alpha` (V3's when None)."""
+    return Routing(config.num_experts_per_tok, SIGMOID, renormalize=config.norm_topk_prob, renormalize_eps=1e-20,
+                   scale=config.routed_scaling_factor, groups=config.n_group, kept_groups=config.topk_group,
+                   correction_bias=True, aux=SEQUENCE, aux_coef=V3_AUX_ALPHA if alpha is None else alpha)
+
+
 class DeepSeekMoEFields(MoEConfig):
     """DeepSeek-V3's mixture of experts (also GLM-4.5's): dense MLPs in the first
     `first_k_dense_replace` layers, then experts of `moe_intermediate_size` with `n_shared_experts`
@@ -103,10 +112,7 @@ class DeepSeekMoEFields(MoEConfig):
         super().__init__(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok, **kwargs)
 
     def routing(self) -> Routing:
-        alpha = V3_AUX_ALPHA if self.aux_loss_alpha is None else self.aux_loss_alpha
-        return Routing(self.num_experts_per_tok, SIGMOID, renormalize=self.norm_topk_prob, renormalize_eps=1e-20,
-                       scale=self.routed_scaling_factor, groups=self.n_group, kept_groups=self.topk_group,
-                       correction_bias=True, aux=SEQUENCE, aux_coef=alpha)
+        return v3_routing(self, self.aux_loss_alpha)
 
     @property
     def mtp_depth(self) -> int:

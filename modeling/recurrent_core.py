@@ -55,13 +55,13 @@ class RecurrentCore:
         return part_summary(k, v, g, beta, segments, self.chunk_size, self.span_chunks)
 
     def kept_bytes(self, batch: int, seq_len: int, key_heads: int, value_heads: int, key_dim: int, value_dim: int,
-                   dtype_bytes: int, decay_width: int = 1) -> int:
+                   dtype_bytes: int, decay_width: int = 1, with_beta: bool = True) -> int:
         """What a training call keeps for backward (`_SpanRecompute`): its inputs q and k (per key
         head), v, the decays g (fp32, `decay_width` per value head: 1, or key_dim for a decay per key
-        channel) and beta, the document ids (int64), and the state before each span (fp32; the first a
-        zero state)."""
+        channel) and beta (the delta rule's), the document ids (int64), and the state before each span
+        (fp32; the first a zero state)."""
         tokens, spans = batch * seq_len, -(-seq_len // (self.chunk_size * self.span_chunks))
-        inputs = tokens * (2 * key_heads * key_dim + value_heads * value_dim + value_heads) * dtype_bytes
+        inputs = tokens * (2 * key_heads * key_dim + value_heads * value_dim + value_heads * with_beta) * dtype_bytes
         states = spans * batch * value_heads * key_dim * value_dim * FP32_BYTES
         return inputs + tokens * value_heads * decay_width * FP32_BYTES + tokens * INDEX_BYTES + states
 

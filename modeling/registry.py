@@ -22,11 +22,13 @@ from modeling.glm4_moe import GLM4_MOE
 from modeling.gpt import GPT
 from modeling.gpt_oss import GPT_OSS
 from modeling.granite import GRANITE
+from modeling.granitemoehybrid import GRANITEMOEHYBRID
 from modeling.kimi_linear import KIMI_LINEAR
 from modeling.llama import LLAMA
 from modeling.mistral import MISTRAL
 from modeling.mixtral import MIXTRAL
 from modeling.mpt import MPT
+from modeling.nemotron_h import NEMOTRON_H
 from modeling.olmo2 import OLMO2
 from modeling.olmo_hybrid import OLMO_HYBRID
 from modeling.olmoe import OLMOE
@@ -50,7 +52,7 @@ if TYPE_CHECKING:
 FAMILIES: dict[str, ModelFamily] = {family.model_type: family for family in (
     LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GPT, GEMMA2, GEMMA3_TEXT, PHI3, OLMO2, SMOLLM3, GRANITE, ERNIE4_5, MPT, QWEN2_MOE,
     QWEN3_MOE, MIXTRAL, OLMOE, DEEPSEEK_V3, DEEPSEEK_V2, GLM4_MOE, GPT_OSS, ERNIE4_5_MOE, QWEN3_5_TEXT,
-    QWEN3_5_MOE_TEXT, QWEN3_NEXT, OLMO_HYBRID, KIMI_LINEAR)}
+    QWEN3_5_MOE_TEXT, QWEN3_NEXT, OLMO_HYBRID, KIMI_LINEAR, NEMOTRON_H, GRANITEMOEHYBRID)}
 BY_TRANSFORMERS_TYPE = {family.transformers.model_type: family for family in FAMILIES.values() if family.transformers}
 ALIASES = {"kimi_k2": DEEPSEEK_V3}  # Kimi-K2's folders are DeepSeek-V3's (transformers' kimi_k25 rewrites it so)
 
@@ -68,9 +70,7 @@ NOT_YET = {  # families users bring that are refused with why
                "model.language_model and carrying the vision tower is not yet; train a qwen3_5_text folder",
     "qwen3_5_moe": "a Qwen3.5-MoE multimodal folder: its language model is modelled (qwen3_5_moe_text) but reading it "
                    "out of model.language_model and carrying the vision tower is not yet; train a qwen3_5_moe_text folder",
-    "nemotron_h": "Nemotron-H's Mamba-2 layers are not modelled yet",
     "falcon_h1": "Falcon-H1's Mamba-2 layers are not modelled yet",
-    "granitemoehybrid": "Granite 4.0-H's Mamba-2 layers are not modelled yet",
     "gemma3n": "Gemma 3n's per-layer embeddings and AltUp are not modelled",
     "deepseek_v32": "DeepSeek-V3.2's sparse attention (its indexer) is not modelled",
     "deepseek_v4": "DeepSeek-V4 is not modelled",
@@ -145,7 +145,7 @@ def _check_context_parallel(config, layout: Layout) -> None:
     trained without its biases). Recurrent layers carry their state and conv window between the parts."""
     for index in range(config.num_hidden_layers):
         mixer = config.decoder_layer(index).attention
-        if mixer.recurrent:  # its state and conv window cross the parts (modeling/recurrent_cp.py)
+        if mixer is None or mixer.recurrent:  # its state and conv window cross the parts (modeling/recurrent_cp.py)
             continue
         problem = context_parallel_refusal(mixer.spec)
         if problem:
@@ -164,7 +164,7 @@ def check_context_parts(config, layout: Layout, seq_len: int) -> None:
     part = seq_len // (2 * layout.cp)
     for index in range(config.num_hidden_layers):
         mixer = config.decoder_layer(index).attention
-        if mixer.recurrent and mixer.conv_kernel - 1 > part:
+        if mixer is not None and mixer.recurrent and mixer.conv_kernel - 1 > part:
             raise LayoutModelError(
                 f"--context_parallel_degree {layout.cp} cuts --max_seq_length {seq_len} into parts of {part} tokens, "
                 f"and decoder layer {index}'s conv (kernel {mixer.conv_kernel}) takes {mixer.conv_kernel - 1} from "
@@ -199,7 +199,7 @@ def core_notes(config, run: Execution) -> list[str]:
     by_reason: dict[str, list[int]] = {}
     for index in range(config.num_hidden_layers):
         attention = config.decoder_layer(index).attention
-        if attention.recurrent:  # no attention core
+        if attention is None or attention.recurrent:  # no attention core
             continue
         reason = run.attention.refusal(attention.spec, attention.sinks, attention.local_heads(run))
         if reason:

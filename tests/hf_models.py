@@ -18,6 +18,7 @@ so both generations save the folders and compute the references. Nothing here re
                                                              (transformers 5) its chunked and token-by-token
                                                              functions of RULE (gated_delta, kimi_delta) on
                                                              INPUTS: outputs, states, gradients
+    python hf_models.py ssd INPUTS.npz ANSWERS.npz         (transformers 5) Mamba-2's scan on INPUTS (`ssd_answers`)
     python hf_models.py prediction_answers ROWS.npy IDS.npy FOLDER...
                                                              (transformers 5) MtpModel's answers on each
                                                              folder with one (FOLDER.mtp.npz)
@@ -125,6 +126,12 @@ MOE_KINDS = {
 # kinds of transformers 5 only whose token mixers differ per layer (recurrent beside attention): both mixer kinds on
 # each of two pipeline stages; Gated DeltaNet with fewer key heads than value heads
 LINEAR, FULL = "linear_attention", "full_attention"
+MAMBA2 = dict(mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, n_groups=2)
+GRANITE_HYBRID = dict(SHAPE, intermediate_size=32, num_key_value_heads=2, layer_types=["mamba", "attention"] * 2,
+                      mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, shared_intermediate_size=48,
+                      num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.01, embedding_multiplier=12.0,
+                      residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=8.0,
+                      time_step_limit=(0.0, 1.3))
 HYBRID_KINDS = {
     "qwen3_5_text": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", dict(
         SHAPE, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -135,6 +142,9 @@ HYBRID_KINDS = {
     "olmo_hybrid": ("OlmoHybridForCausalLM", "OlmoHybridConfig", dict(
         SHAPE, num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
         linear_value_head_dim=16, layer_types=[LINEAR, FULL, LINEAR, FULL], pad_token_id=1, eos_token_id=2)),
+    # Nemotron-H: each layer one part (Mamba-2 in 2 groups of 4 heads, attention without rotary, a ReLU^2 MLP)
+    "nemotron_h": ("NemotronHForCausalLM", "NemotronHConfig", dict(
+        SHAPE, num_key_value_heads=2, head_dim=16, hybrid_override_pattern="M*-M*-", **MAMBA2)),
 }
 # the MoE kinds of those (transformers 5 only): Qwen3.5-MoE, the same layers with 4 experts (top-2) and a gated shared
 # expert in every layer; Qwen3-Next, with Qwen2-MoE's experts (a dense MLP in layer 1) and its grouped projections
@@ -152,13 +162,25 @@ HYBRID_MOE_KINDS = {
         first_k_dense_replace=1, linear_attn_config={"kda_layers": [1, 3], "full_attn_layers": [2, 4],
                                                      "num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4},
         pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Nemotron 3's layers: Mamba-2, attention and latent experts (ReLU^2, routed at 32 of 64 wide) on each stage
+    "nemotron_h_moe": ("NemotronHForCausalLM", "NemotronHConfig", dict(
+        SHAPE, num_key_value_heads=2, head_dim=16, hybrid_override_pattern="M*EM*E", n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, moe_latent_size=32,
+        **MAMBA2)),
+    # Granite 4.0-H as released: NoPE, Granite's multipliers, legacy layer names, dt clamped above, GraniteMoE's experts
+    # beside the shared MLP
+    "granitemoehybrid": ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig", GRANITE_HYBRID),
 }
+# transformers 5 only, compared on logits in one process (tests/test_model_folders.py): Granite 4.0-H without experts,
+# rotary on its attention layers
+VARIANT_KINDS = {"granitemoehybrid_dense": ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig", dict(
+    GRANITE_HYBRID, num_local_experts=0, position_embedding_type="rope"))}
 ROUTED_KINDS = {**MOE_KINDS, **HYBRID_MOE_KINDS}  # their router weights spread (ROUTER_SCALE)
 STACKED_ON_DISK = ("gpt_oss",)  # kinds whose experts both versions store stacked (no per-expert layout)
 FUSED = "_fused"  # suffix of a kind's folder re-saved by transformers 5 in its in-memory layout (fused experts)
 ROUTER_SCALE = 30.0  # router weights times this: scores spread, so test tokens sit far from top-k ties
 SIGMOID_ROUTER_SCALE = 10.0  # sigmoid routers' (30 would saturate their scores at 0 and 1: ties again)
-SIGMOID_ROUTED = ("deepseek_v3", "glm4_moe", "kimi_linear")
+SIGMOID_ROUTED = ("deepseek_v3", "glm4_moe", "kimi_linear", "nemotron_h_moe")
 BIAS_SCALE = 0.05  # correction biases drawn from U(0, this): they change which experts are chosen, and none is
 # negative, where transformers 4.55 (groups left out filled with 0.0) and 5 (-inf) would route differently
 SEEDS = {"qwen2_moe": 1, "deepseek_v3": 5, "gpt_oss": 6}  # kinds whose seed-0 weights route some token of the layout runs within 1e-4 of a tie
@@ -194,7 +216,7 @@ def make(kind: str, folder: Path, seed: int = 0) -> Path:
     import torch
     import transformers
 
-    model_class, config_class, fields = {**KINDS, **ROUTED_KINDS, **HYBRID_KINDS}[kind]
+    model_class, config_class, fields = {**KINDS, **ROUTED_KINDS, **HYBRID_KINDS, **VARIANT_KINDS}[kind]
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(getattr(transformers, config_class)(**fields))
     with torch.no_grad():
@@ -440,6 +462,26 @@ def recurrent_rule_answers(rule: str, inputs: Path, answers: Path) -> None:
     np.savez(answers, **out)
 
 
+SSD_INPUTS = ("x", "dt", "A", "B", "C")
+
+
+def ssd_answers(inputs: Path, answers: Path) -> None:
+    """(transformers 5) Nemotron-H's Mamba-2 scan (`mamba2_chunk_scan`, torch's reference form) on
+    INPUTS.npz (x [B, T, H, P], dt [B, T, H] after its softplus, A [H], B and C [B, T, G, N], `chunk`,
+    output weights `w`): its output, final state [B, H, P, N] and the gradients of (output * w).sum()
+    by each input, into ANSWERS.npz."""
+    import torch
+    from transformers.models.nemotron_h import modeling_nemotron_h
+
+    given = dict(np.load(inputs))
+    tensors = {key: torch.tensor(given[key], requires_grad=True) for key in SSD_INPUTS}
+    output, state = modeling_nemotron_h.mamba2_chunk_scan(*(tensors[key] for key in SSD_INPUTS),
+                                                          chunk_size=int(given["chunk"]), return_final_states=True)
+    (output * torch.tensor(given["w"])).sum().backward()
+    np.savez(answers, output=output.detach().numpy(), state=state.detach().numpy(),
+             **{f"d{key}": tensors[key].grad.numpy() for key in SSD_INPUTS})
+
+
 if __name__ == "__main__":
     command, *rest = sys.argv[1:]
     if command == "make":
@@ -456,6 +498,9 @@ if __name__ == "__main__":
     elif command == "loss":
         rows, answer, folder = rest
         Path(answer).write_text(json.dumps({"loss": loss(Path(folder), np.load(rows))}))
+    elif command == "ssd":
+        inputs, answers = rest
+        ssd_answers(Path(inputs), Path(answers))
     elif command == "recurrent_rule":
         rule, inputs, answers = rest
         recurrent_rule_answers(rule, Path(inputs), Path(answers))

@@ -53,6 +53,9 @@ FAMILIES = {  # model_type -> our config fields (layer 0 sliding where the famil
                         qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=2, num_experts=4,
                         num_experts_per_tok=2, linear_attn_config={"kda_layers": [1], "full_attn_layers": [2],
                                                                     "num_heads": 6, "head_dim": 8}),
+    # Mamba-2 (layer 0: 3 groups of 2 heads, a conv bias) and attention without rotary (layer 1), each alone
+    "nemotron_h": dict(BASE, head_dim=16, mamba_num_heads=6, mamba_head_dim=8, ssm_state_size=8, n_groups=3,
+                       layers_block_type=["linear_attention", "full_attention"]),
     "deepseek_v2": dict(BASE, num_key_value_heads=6, q_lora_rank=None, kv_lora_rank=20, qk_nope_head_dim=16,
                         qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=2, num_experts=4, n_group=1,
                         topk_group=1, num_experts_per_tok=2),

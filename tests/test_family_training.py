@@ -50,10 +50,15 @@ SP = ("--sequence_parallel",)
 STAGE3_TP2 = TP2 + ("--sharding_parallel_degree", "2", "--sharding", "stage3")
 # family -> the layout its tp2 x pp2 run's step-10 checkpoint resumes under (Gemma 3's q/k norms are summed
 # over tp after backward, which stage2/3 refuse beside tp: tests/test_sequence_parallel.py): Gemma 3's windows and
-# Qwen3.5's recurrent layers (their state and conv windows carried between the parts) under cp2 x tp2 + SP
-RESUMED_UNDER = {"gemma3_text": (4, ("--context_parallel_degree", "2") + TP2 + SP), "phi3": (4, STAGE3_TP2),
-                 "qwen3_5_text": (4, ("--context_parallel_degree", "2") + TP2 + SP)}
-SPLIT_WITH = {"qwen3_5_text": SP}  # what a family's tp2 x pp2 run adds
+# Qwen3.5's and Nemotron-H's recurrent layers (their state and conv windows carried between the parts) under
+# cp2 x tp2 + SP
+CP2_TP2_SP = (4, ("--context_parallel_degree", "2") + TP2 + SP)
+RESUMED_UNDER = {"gemma3_text": CP2_TP2_SP, "phi3": (4, STAGE3_TP2), "qwen3_5_text": CP2_TP2_SP, "nemotron_h": CP2_TP2_SP}
+# what a family's tp2 x pp2 run adds: the hybrids' recurrent layers (their span recompute inside) and gated attention
+# under full recompute and SP
+SPLIT_WITH = {"qwen3_5_text": SP + ("--recompute",), "nemotron_h": SP + ("--recompute",)}
+# folders whose layer count is not the runs' (their MODEL flags say 4): Nemotron-H's M * - on each of two stages
+LAYERS = {"nemotron_h": ("--num_hidden_layers", "6")}
 # the run whose last checkpoint a PaddleNLP family exports and PaddleNLP loads (their transformers 5 starts)
 EXPORTED = {"qwen2": "qwen2:transformers5", "gemma": "gemma:transformers5"}
 # the kinds whose attention differs per layer, started from both versions' folders in one launch
@@ -80,7 +85,8 @@ def runs(pretrain_run, transformers4_folders, transformers5_folders):
     def get(name: str):
         kind, _, which = name.partition(":")
         if which in ("single", "tp2pp2", "resumed"):
-            start = ("--model_name_or_path", str(_root(kind, transformers4_folders, transformers5_folders) / kind))
+            start = ("--model_name_or_path", str(_root(kind, transformers4_folders, transformers5_folders) / kind),
+                     *LAYERS.get(kind, ()))
             full = Run(f"{kind}_tp2pp2", 4, start + TP2 + PP2 + SPLIT_WITH.get(kind, ()) + MICRO4 +
                        ("--save_steps", str(RESUME_STEP), "--save_to_hf"))
             nproc, flags = RESUMED_UNDER[kind]
@@ -178,7 +184,8 @@ def _transformers_loss(folder, data_cache, steps: int, eval_steps: int) -> float
 def test_a_new_family_starts_at_transformers_loss_and_trains_like_single_card_under_tp2_pp2(
         kind, runs, transformers4_folders, transformers5_folders, data_cache):
     """Gemma 3 and Phi-3 under tp2 x pp2, Qwen3.5 (a Gated DeltaNet and a gated attention layer per
-    stage) under tp2 x pp2 + SP: step 1's loss is that of the transformers that saved the folder (1e-5),
+    stage) and Nemotron-H (a Mamba-2, an attention and an MLP layer per stage) under tp2 x pp2 + SP
+    recomputing whole layers: step 1's loss is that of the transformers that saved the folder (1e-5),
     and 20 steps' losses, gradient norms and evaluations are one card's (1e-4)."""
     single, _ = runs(f"{kind}:single")
     hybrid, _ = runs(f"{kind}:tp2pp2")
@@ -194,10 +201,11 @@ def test_a_new_family_starts_at_transformers_loss_and_trains_like_single_card_un
 def test_a_new_familys_checkpoint_resumes_under_another_layout_on_the_single_card_curve(kind, runs):
     """Gemma 3 (q/k norms, tied; windows of 8 keys, which under cp2 reach from each rank's 8-token part
     into the one before) under cp2 x tp2 + SP, Phi-3 (untied, fused projections on disk) under stage3 x
-    tp2, Qwen3.5 (fused q/k/v projection and conv on disk) under cp2 x tp2 + SP, from the tp2 x pp2
-    run's checkpoint in transformers' layout: every weight and Adam state read back exact, and steps
-    11-14 continue the single-card run (Qwen3.5's under context parallelism: its recurrent layers run
-    each rank's parts from the states and conv windows the parts before leave)."""
+    tp2, Qwen3.5 (fused q/k/v projection and conv on disk) and Nemotron-H (fused in_proj and conv1d)
+    under cp2 x tp2 + SP, from the tp2 x pp2 run's checkpoint in transformers' layout: every weight and
+    Adam state read back exact, and steps 11-14 continue the single-card run (the hybrids' under context
+    parallelism: their recurrent layers run each rank's parts from the states and conv windows the parts
+    before leave)."""
     single, _ = runs(f"{kind}:single")
     resumed, _ = runs(f"{kind}:resumed")
     assert resumed["resumed_exactly"] is True
@@ -259,9 +267,10 @@ def test_a_transformers_folder_starts_at_transformers_loss_and_exports_back(
 def test_a_transformers_5_folder_starts_at_its_loss_and_its_checkpoint_loads_back(
         kind, per_layer_starts, transformers5_folders, transformers5_checkpoint_logits):
     """Llama 3's rope, linear rope with biases, Qwen2's layer_types, Gemma's norms and GPT-2 from
-    transformers 5's folders under tp2 x pp2 + SP, and Qwen3.5's Gated DeltaNet and gated attention
+    transformers 5's folders under tp2 x pp2 + SP, Qwen3.5's Gated DeltaNet and gated attention
     layers (one of each per stage; its linear layers' fused q/k/v projection and conv cut by heads
-    over tp): the loss transformers 5 computed on the rows (1e-5), and the checkpoint, in
+    over tp) and Olmo-Hybrid's, and Nemotron-H's Mamba-2, attention and MLP layers (its fused in_proj
+    and conv1d cut by heads and groups): the loss transformers 5 computed on the rows (1e-5), and the checkpoint, in
     transformers' layout, loads in transformers 5 with our logits (1e-4), a tied model's with one
     embedding."""
     started, out = per_layer_starts

@@ -52,6 +52,7 @@ CONFIGS = {  # each family with what sets it apart: GQA, tied embeddings, biases
     "mpt": dict(vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
                 max_position_embeddings=16, attn_config={"clip_qkv": 0.5}),
 }
+NEMOTRON_LAYERS = ["linear_attention", "full_attention", "mlp", "moe"]
 # Gated DeltaNet beside gated attention (fewer key heads than value heads), dense and with experts
 HYBRID = dict(SHAPE, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
               linear_key_head_dim=8, linear_value_head_dim=8,
@@ -66,7 +67,16 @@ CONFIGS |= {"qwen3_5_text": HYBRID,
                                 qk_rope_head_dim=4, v_head_dim=8, num_experts=4, num_experts_per_tok=2,
                                 moe_intermediate_size=16, linear_attn_config={"kda_layers": [1, 3],
                                                                                "full_attn_layers": [2, 4],
-                                                                               "num_heads": 4, "head_dim": 8})}
+                                                                               "num_heads": 4, "head_dim": 8}),
+            # Mamba-2 (2 groups of 2 heads), attention without rotary, a ReLU^2 MLP, latent experts
+            "nemotron_h": dict(SHAPE, num_key_value_heads=2, head_dim=8, layers_block_type=NEMOTRON_LAYERS,
+                               mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=2, num_experts=4,
+                               num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=24,
+                               moe_latent_size=16),
+            # Mamba-2 beside attention, GraniteMoE's experts beside a shared MLP (a fused gate | up on disk)
+            "granitemoehybrid": dict(SHAPE, num_key_value_heads=2, layer_types=["mamba", "attention"] * 2,
+                                     mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=2, num_experts=4,
+                                     num_experts_per_tok=2, shared_intermediate_size=24)}
 
 
 @pytest.fixture(params=sorted(FAMILIES))
@@ -108,7 +118,8 @@ def test_linears_split_by_column_or_row_and_every_layer_sits_on_one_stage(built)
                if name.endswith((".gate.weight", ".shared_expert_gate.weight", ".router.weight", ".router.bias"))}
     assert all(plan[name].placement.tp is None for name in routers), "every tp rank routes the same tokens"
     latents = {name for name in plan if name.endswith(("q_a_proj.weight", "kv_a_proj_with_mqa.weight",
-                                                       "f_a_proj.weight", "g_a_proj.weight"))}  # Kimi Delta's low ranks
+                                                       "f_a_proj.weight", "g_a_proj.weight",  # Kimi Delta's low ranks
+                                                       "fc1_latent_proj.weight", "fc2_latent_proj.weight"))}  # latent MoE
     assert all(plan[name].placement.tp is None for name in latents), "every head reads the whole latent"
     assert all(row.placement.tp in (COLUMN, ROW) for name, row in plan.items()
                if row.linear and len(row.shape) == 2 and name not in routers | latents)

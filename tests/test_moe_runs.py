@@ -151,8 +151,9 @@ def test_a_kill_during_an_expert_parallel_save_leaves_the_last_checkpoint_resuma
 @pytest.fixture(scope="module")
 def switch_runs(moe_folders):
     """Qwen2-MoE (softmax router with the Switch aux loss, a gated shared expert, a dense layer) from
-    its transformers 5 folder, one row per micro-batch: 20 steps on one card and under cp2 x dp2 x ep2."""
-    start = start_flags("qwen2_moe", moe_folders["transformers5"]) + MICRO1 + ("--save_steps", "20")
+    its transformers 5 folder, two rows per micro-batch (four a step on one card, two on each data rank):
+    20 steps on one card and under cp2 x dp2 x ep2."""
+    start = start_flags("qwen2_moe", moe_folders["transformers5"]) + ("--save_steps", "20")
     return {"single": Run("qwen2_moe_single", 1, start),
             "cp2_ep2": Run("qwen2_moe_cp2_ep2", 4, start + EP2 + ("--context_parallel_degree", "2"))}
 

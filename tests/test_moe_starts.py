@@ -45,8 +45,9 @@ EXPERT_COUNT_FIELD = {"qwen3_moe": "num_experts", "qwen2_moe": "num_experts", "m
 @pytest.fixture(scope="module")
 def moe_starts(moe_folders, run_workers_module, tmp_path_factory):
     """Every MoE kind started in one launch per layout (`workers/folders_worker.py`): from transformers
-    5's folders under ep2 x dp2 x tp2 x pp2 + SP recomputing whole layers (8 ranks; its checkpoints
-    saved in transformers' layout), from both versions' on one card, both with one row per micro-batch
+    5's folders under ep2 x dp2 x tp2 x pp2 + SP (8 ranks; its checkpoints saved in transformers' layout;
+    experts under recompute: tests/test_moe_runs.py, recurrent layers: the hybrids' tp2 x pp2 runs in
+    tests/test_family_training.py), from both versions' on one card, both with one row per micro-batch
     (the Switch aux loss is a micro-batch's statistic; with two rows GPT-OSS's expert biases, whose
     gradients are near zero, drift 2.2e-4 apart after Adam's two steps). A 4.x folder differs from a 5 one in its
     config's spelling and its weights, both read before any layout is applied: its start under the
@@ -61,7 +62,7 @@ def moe_starts(moe_folders, run_workers_module, tmp_path_factory):
     rows = moe_folders["transformers5"] / "rows.npy"
     started = {}
     for name, nproc, started_folders, layout in (
-            ("split", 8, folders[SPLIT_VERSION], (*EP2, *DP2_TP2_PP2_SP, "--recompute", "--save_to_hf")),
+            ("split", 8, folders[SPLIT_VERSION], (*EP2, *DP2_TP2_PP2_SP, "--save_to_hf")),
             ("single", 1, [folder for version in VERSIONS for folder in folders[version]], ())):
         results = run_workers_module("folders_worker.py", nproc, [rows, links / name, 8, *started_folders, *layout,
                                                                   "--micro_batch_size", 1],
@@ -79,7 +80,7 @@ def test_an_moe_folder_starts_under_ep2_tp2_pp2_sp_at_its_loss_and_trains_like_s
     DeepSeek-V3's latent attention with sigmoid group-limited routing and correction biases that change
     the choice, V2's greedy groups, GLM-4.5's, GPT-OSS's sinks and stacked experts) start on one card
     at the loss of the transformers that saved them; transformers 5's start under ep2 x dp2 x tp2 x pp2
-    + SP, recomputing whole layers, at that loss, and their two steps and the checkpoint's weights are
+    + SP at that loss, and their two steps and the checkpoint's weights are
     one card's (every q/k norm and correction bias to 1e-5; other weights to 1e-4: Adam's first steps
     turn near-zero gradients' summation noise into lr-sized moves)."""
     rows = np.load(moe_folders["transformers5"] / "rows.npy")
@@ -97,12 +98,15 @@ def test_an_moe_folder_starts_under_ep2_tp2_pp2_sp_at_its_loss_and_trains_like_s
 def test_a_hybrid_moe_folder_starts_under_ep2_tp2_pp2_sp_at_its_loss_and_trains_like_single_card(
         kind, moe_starts, moe_folders, transformers5_checkpoint_logits):
     """Qwen3.5-MoE and Qwen3-Next (Gated DeltaNet and gated attention layers, one of each per stage,
-    their experts over ep2 and a gated shared expert) and Kimi Linear (Kimi Delta Attention beside
-    latent attention without rotary, DeepSeek-V3's experts after a dense layer) from transformers 5's
-    folders: on one card and under ep2 x dp2 x tp2 x pp2 + SP, recomputing whole layers, at
+    their experts over ep2 and a gated shared expert), Kimi Linear (Kimi Delta Attention beside
+    latent attention without rotary, DeepSeek-V3's experts after a dense layer), Nemotron 3's layers
+    (Mamba-2, attention without rotary and latent ReLU^2 experts, one of each per stage; tp over the
+    Mamba groups) and Granite 4.0-H (Mamba-2 and NoPE attention, its multipliers, GraniteMoE's experts
+    beside a shared MLP) from transformers 5's folders: on one card and under ep2 x dp2 x tp2 x pp2 + SP at
     transformers' loss (1e-5); the split layout's two steps and checkpoint are one card's, and
     transformers 5 loads that checkpoint (in its layout: Qwen's q, k, v and their convs fused again,
-    Kimi's stored apart, with its tensor names) with our logits (1e-4)."""
+    Kimi's stored apart, the Mamba-2 in_proj and conv1d fused, Granite's experts stacked, with its
+    tensor names) with our logits (1e-4)."""
     expected = json.loads((moe_folders[SPLIT_VERSION] / f"{kind}.json").read_text())["loss"]
     single, _ = moe_starts["single"]
     name = f"{kind}-{SPLIT_VERSION}"
@@ -136,7 +140,7 @@ def test_the_correction_bias_moves_by_the_rule_from_the_steps_global_counts_on_e
                                                                                           moe_folders):
     """After step 1 every rank's correction bias of every MoE layer it holds is b0 + 1e-3 x sign(mean(c)
     - c), with c counted here by routing the step's whole batch on one card (8 sequences: 2 data ranks,
-    4 micro-batches each under ep2 x tp2 x pp2 + SP, every layer recomputed, so counted once)."""
+    4 micro-batches each under ep2 x tp2 x pp2 + SP)."""
     rows = np.load(moe_folders["transformers5"] / "rows.npy")
     split, _ = moe_starts["split"]
     model, config = our_model(moe_folders[SPLIT_VERSION] / kind, train=True)
@@ -212,7 +216,7 @@ def test_an_moe_checkpoint_loads_in_both_transformers_as_saved_and_exported(kind
 def test_multi_token_prediction_trains_under_ep2_tp2_pp2_sp_like_single_card(moe_starts, moe_folders):
     """The prediction layer on the last pipeline stage, fed the next tokens' embeddings from the first
     (carried between the stages beside the hidden states), its experts over ep2 and its projection and
-    norms sequence-parallel, recomputed: one card's first training loss is transformers 5's next-token
+    norms sequence-parallel (recomputed in tests/test_moe_runs.py's ep2 x pp2 run): one card's first training loss is transformers 5's next-token
     loss plus MtpModel's, the split layout's evaluation and two training losses are one card's, and so
     are all its weights after them (the prediction layer's and its correction bias among them)."""
     answers = np.load(f"{moe_folders['transformers5'] / MTP_KIND}.mtp.npz")

@@ -2,8 +2,9 @@
 rules, made inside the test (run under transformers 5: `hf_models.recurrent_rule_answers`): Qwen3.5's
 gated delta rule with fewer key heads than value heads, Kimi Linear's with a decay per key channel,
 each chunked with chunks that do not divide the length (all at once, and span by span with each span
-run again in the backward), and token by token. Packed documents give
-each document's own outputs, and the rule without its delta term (Mamba-2's) its token-by-token
+run again in the backward), and token by token; the rule without its delta term is Nemotron-H's
+Mamba-2 scan (transformers' `mamba2_chunk_scan`, with B and C in fewer groups than heads). Packed
+documents give each document's own outputs, and the rule without its delta term its token-by-token
 definition; parts of a sequence run from their folded summaries give the whole run (context
 parallelism's algebra). Forward within 1e-5, gradients of every input within 1e-4 (fp32)."""
 
@@ -168,3 +169,40 @@ def test_parts_run_from_their_folded_summaries_give_the_whole_run(rule, with_del
     for index, (parts, whole) in enumerate(zip(results[1], results[0])):
         tol = FORWARD_TOL if index == 0 else GRADIENT_TOL
         np.testing.assert_allclose(parts, whole, rtol=tol, atol=tol, err_msg=str(index))
+
+
+@pytest.fixture(scope="module")
+def ssd(tmp_path_factory) -> tuple[dict, dict]:
+    """Mamba-2's scan inputs (2 groups of B and C for 4 heads, chunks of 8 over 29 tokens) and
+    transformers 5's answers on them."""
+    folder = tmp_path_factory.mktemp("ssd")
+    rng = np.random.default_rng(11)
+    batch, tokens, heads, groups, head_dim, state_size = 2, 29, 4, 2, 6, 8
+    given = {"x": rng.standard_normal((batch, tokens, heads, head_dim)),
+             "dt": np.log1p(np.exp(rng.standard_normal((batch, tokens, heads)))), "A": -np.exp(rng.standard_normal(heads)),
+             "B": rng.standard_normal((batch, tokens, groups, state_size)),
+             "C": rng.standard_normal((batch, tokens, groups, state_size)),
+             "w": rng.standard_normal((batch, tokens, heads, head_dim))}
+    given = {key: value.astype(np.float32) for key, value in given.items()} | {"chunk": np.array(8)}
+    np.savez(folder / "ssd.npz", **given)
+    hf_models.transformers5("ssd", folder / "ssd.npz", folder / "answers.npz")
+    return given, dict(np.load(folder / "answers.npz"))
+
+
+@pytest.mark.parametrize("form", ["chunked", "spans", "token"])
+def test_without_the_delta_term_the_rule_is_mamba2s_scan(ssd, form):
+    """Mamba-2 as its mixer hands the rule (`blocks/mamba2.py`: q = C, k = B, v = dt x, g = dt A) against
+    transformers 5's scan on the same inputs: output and final state (1e-5), the gradients of x, dt,
+    A, B and C (1e-4)."""
+    given, theirs = ssd
+    tensors = {key: paddle.to_tensor(given[key], stop_gradient=False) for key in hf_models.SSD_INPUTS}
+    x, dt, a = tensors["x"], tensors["dt"], tensors["A"]
+    args = (tensors["C"], tensors["B"], x * dt.unsqueeze(-1), dt * a, None)
+    output, state = recurrent_reference(*args) if form == "token" else \
+        chunked(*args, chunk_size=int(given["chunk"]), span_chunks=SPAN_CHUNKS[form])
+    (output * paddle.to_tensor(given["w"])).sum().backward()
+    np.testing.assert_allclose(output.numpy(), theirs["output"], rtol=FORWARD_TOL, atol=FORWARD_TOL)
+    np.testing.assert_allclose(state.numpy(), theirs["state"].transpose(0, 1, 3, 2), rtol=FORWARD_TOL, atol=FORWARD_TOL)
+    for key, tensor in tensors.items():
+        np.testing.assert_allclose(tensor.grad.numpy(), theirs[f"d{key}"], rtol=GRADIENT_TOL, atol=GRADIENT_TOL,
+                                   err_msg=key)

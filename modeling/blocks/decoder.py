@@ -1,6 +1,7 @@
-"""The decoder layer every family is built from, declared per layer (`Decoder`): its attention part,
-its feed-forward part (a gated MLP, a plain MLP, or a mixture of experts) under the family's name for
-it, where its norms sit around them (`NormPlacement`: LLaMA's pre-norms, Gemma 2/3's four, OLMo-2's
+"""The decoder layer every family is built from, declared per layer (`Decoder`): its token mixer
+(attention, or a recurrent mixer), its feed-forward part (a gated MLP, a plain MLP, or a mixture of
+experts), each under the family's name for it and either absent in a layer that has only the other
+(Nemotron-H's), where its norms sit around them (`NormPlacement`: LLaMA's pre-norms, Gemma 2/3's four, OLMo-2's
 post-norms only) and what multiplies the residual branches (Granite); and what a decoder layer keeps
 for backward under each recompute granularity (the planner's model).
 """
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from modeling.blocks.attention import Attention
 from modeling.blocks.norms import layer_norm_saved_bytes, rms_norm_saved_bytes
 from modeling.blocks.parts import Block, Declared, Norm, Part
 from modeling.documents import unpack, with_hidden
@@ -55,11 +55,13 @@ class LayerActivations:
 @dataclass(frozen=True)
 class Decoder(Declared):
     """Decoder layer `index`: x + m * post(attention(pre(x))), then the same around the feed-forward
-    part named `feed_forward_name`, with m the `residual_multiplier` (Granite; 1 elsewhere)."""
+    part named `feed_forward_name`, with m the `residual_multiplier` (Granite; 1 elsewhere). A layer
+    without a token mixer or without a feed-forward part (None) has only the other branch, and only
+    the norms `norms` names around it."""
 
     index: int
-    attention: Attention
-    feed_forward: Part
+    attention: Part | None
+    feed_forward: Part | None
     norm: Norm
     feed_forward_name: str = "mlp"
     attention_name: str = "self_attn"
@@ -67,7 +69,8 @@ class Decoder(Declared):
     residual_multiplier: float = 1.0
 
     def parts(self) -> dict[str, Part]:
-        return {self.attention_name: self.attention, self.feed_forward_name: self.feed_forward,
+        branches = {self.attention_name: self.attention, self.feed_forward_name: self.feed_forward}
+        return {**{name: part for name, part in branches.items() if part is not None},
                 **dict.fromkeys(self.norms.names(), self.norm)}
 
     def saved_bytes(self, run: Execution, batch: int, seq_len: int, dtype_bytes: int) -> dict[str, int]:
@@ -82,9 +85,12 @@ class Decoder(Declared):
         else:
             norm = rms_norm_saved_bytes(local, self.norm.dim, dtype_bytes, self.norm.offset,
                                         fused=run.kernels.fused_rms_norm)
-        return {**dict.fromkeys(self.norms.names(), norm),
-                **prefixed(self.attention_name, self.attention.saved_bytes(run, batch, seq_len, dtype_bytes)),
-                **prefixed(self.feed_forward_name, self.feed_forward.saved_bytes(run, tokens, dtype_bytes))}
+        saved = dict.fromkeys(self.norms.names(), norm)
+        if self.attention is not None:
+            saved |= prefixed(self.attention_name, self.attention.saved_bytes(run, batch, seq_len, dtype_bytes))
+        if self.feed_forward is not None:
+            saved |= prefixed(self.feed_forward_name, self.feed_forward.saved_bytes(run, tokens, dtype_bytes))
+        return saved
 
     def activations(self, run: Execution, batch: int, seq_len: int, dtype_bytes: int) -> LayerActivations:
         return layer_activations(self, run, batch, seq_len, dtype_bytes)
@@ -98,15 +104,17 @@ def layer_activations(layer, run: Execution, batch: int, seq_len: int, dtype_byt
     has no attention core (its rule keeps only its inputs already): core_attn keeps all of it."""
     saved = layer.saved_bytes(run, batch, seq_len, dtype_bytes)
     total, granularity = sum(saved.values()), run.recompute.granularity
-    hidden = batch * seq_len // sequence_shards(run.tp, run.sequence_parallel) * layer.attention.hidden * dtype_bytes
+    hidden = batch * seq_len // sequence_shards(run.tp, run.sequence_parallel) * layer.norm.dim * dtype_bytes
     if granularity is None:
         return LayerActivations(total)
     if granularity == "full":
         return LayerActivations(hidden, total)
     if granularity == "full_attn":
+        if layer.attention is None:
+            return LayerActivations(total)
         attention = sum(value for key, value in saved.items() if key.split(".")[0] == layer.attention_name)
         return LayerActivations(total - attention + hidden, attention)
-    if layer.attention.recurrent:  # no attention core to recompute
+    if layer.attention is None or layer.attention.recurrent:  # no attention core to recompute
         return LayerActivations(total)
     kept, inputs, output = layer.attention.core_bytes(run, batch, seq_len, dtype_bytes)
     new_output = output if layer.attention.core(run).keeps_output(run.sequence_first) else 0
@@ -130,9 +138,12 @@ class DecoderLayer(Block):
 
     def _block(self, hidden, positions=None):
         declared, norms = self.declared, self.declared.norms
-        attention = getattr(self, declared.attention_name)
-        hidden = self._branch(hidden, norms.before_attention, lambda normed: attention(normed, positions),
-                              norms.after_attention, "full_attn")
+        if declared.attention is not None:
+            attention = getattr(self, declared.attention_name)
+            hidden = self._branch(hidden, norms.before_attention, lambda normed: attention(normed, positions),
+                                  norms.after_attention, "full_attn")
+        if declared.feed_forward is None:
+            return hidden
         return self._branch(hidden, norms.before_feed_forward, getattr(self, declared.feed_forward_name),
                             norms.after_feed_forward)
 

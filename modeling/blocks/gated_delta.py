@@ -36,7 +36,7 @@ from modeling.blocks.attention import HeadVector
 from modeling.blocks.norms import FP32_BYTES, rms_norm_saved_bytes
 from modeling.blocks.parts import Block, ColumnLinear, Declared, Leaf, Norm, Part, RowLinear, WholeLinear
 from modeling.execution import Execution
-from modeling.placement import A_LOG, ONES, VECTOR_SPLIT, Placement, TensorPlan
+from modeling.placement import A_LOG, ONES, VECTOR_SPLIT, ZEROS, Placement, TensorPlan
 from modeling.recurrent_core import document_ids
 from modeling.recurrent_cp import conv_by_parts, rule_across_parts
 from modeling.sequence_parallel import gather_tokens
@@ -66,16 +66,19 @@ def stored_apart(stored: Stored, mixer: str) -> Stored:
 @dataclass(frozen=True)
 class CausalConv(Leaf):
     """A depthwise causal conv1d over `channels` (weight [channels, 1, kernel] as torch's Conv1d with
-    groups = channels), channels split over tp with their heads."""
+    groups = channels; a bias per channel with `bias`, Mamba-2's), channels split over tp with their
+    heads."""
 
     channels: int
     kernel: int
+    bias: bool = False
 
     def tensors(self) -> dict[str, TensorPlan]:
-        return {"weight": TensorPlan((self.channels, 1, self.kernel), Placement(VECTOR_SPLIT))}
+        weight = {"weight": TensorPlan((self.channels, 1, self.kernel), Placement(VECTOR_SPLIT))}
+        return weight | ({"bias": TensorPlan((self.channels,), Placement(VECTOR_SPLIT), init=ZEROS)} if self.bias else {})
 
     def build(self, config, run: Execution) -> nn.Layer:
-        return DepthwiseCausalConv(self.channels // run.tp, self.kernel, distributed=run.tp > 1)
+        return DepthwiseCausalConv(self.channels // run.tp, self.kernel, distributed=run.tp > 1, bias=self.bias)
 
 
 class DepthwiseCausalConv(nn.Layer):
@@ -84,11 +87,13 @@ class DepthwiseCausalConv(nn.Layer):
     would; token t - s is in t's document when t's position in it is at least s). `halo`: the K-1
     rows before x (the previous part's, under context parallelism), zeros when None."""
 
-    def __init__(self, channels: int, kernel: int, distributed: bool):
+    def __init__(self, channels: int, kernel: int, distributed: bool, bias: bool = False):
         super().__init__()
         self.weight = self.create_parameter([channels, 1, kernel])
-        if distributed:
-            self.weight.is_distributed, self.weight.split_axis = True, 0
+        self.bias = self.create_parameter([channels], is_bias=True) if bias else None
+        for param in (self.weight, self.bias):
+            if distributed and param is not None:
+                param.is_distributed, param.split_axis = True, 0
 
     def forward(self, x, positions=None, halo=None):
         """x [batch, seq, channels]; `positions` [batch, seq] each token's position in its document, or None."""
@@ -103,7 +108,15 @@ class DepthwiseCausalConv(nn.Layer):
             if positions is not None:
                 earlier = earlier * (positions >= shift).astype(x.dtype).unsqueeze(-1)
             out = out + earlier * taps[:, kernel - 1 - shift]
-        return out
+        return out if self.bias is None else out + self.bias
+
+
+def convolver(run: Execution, positions):
+    """conv(layer, x): a `DepthwiseCausalConv` on x [batch, seq, channels] as the run needs it: on the
+    whole sequence, or under context parallelism on each of the rank's parts after the part before."""
+    if run.ring is None:
+        return lambda conv, x: conv(x, positions)
+    return lambda conv, x: conv_by_parts(conv, x, positions, run.ring)
 
 
 @dataclass(frozen=True)
@@ -187,8 +200,7 @@ class GatedDeltaMixer(Block):
             hidden = hidden.transpose([1, 0, 2])
         batch, length = hidden.shape[:2]
         positions = positions if run.within_documents else None  # else one stream, as attention spans the row
-        convolve = (lambda conv, x: conv(x, positions)) if run.ring is None else \
-            (lambda conv, x: conv_by_parts(conv, x, positions, run.ring))
+        convolve = convolver(run, positions)
         q, k, v = (F.silu(convolve(getattr(self, f"conv_{name}"), getattr(self, f"in_proj_{name}")(hidden)))
                    for name in "qkv")
         q, k = (_l2norm(x.reshape([batch, length, -1, declared.key_dim])) for x in (q, k))

@@ -14,9 +14,16 @@ from modeling.blocks.parts import Block, ColumnLinear, Declared, Part, RowLinear
 from modeling.execution import Execution
 from modeling.sequence_parallel import gather_tokens
 
+
 # transformers' `hidden_act` names -> the function (gelu_new and gelu_pytorch_tanh are both GeLU's tanh form)
+def relu_squared(x):
+    """relu(x)^2 (transformers' `relu2`: Nemotron-H's MLPs and experts)."""
+    return F.relu(x).square()
+
+
 ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": partial(F.gelu, approximate=False),
-               "gelu_pytorch_tanh": partial(F.gelu, approximate=True), "gelu_new": partial(F.gelu, approximate=True)}
+               "gelu_pytorch_tanh": partial(F.gelu, approximate=True), "gelu_new": partial(F.gelu, approximate=True),
+               "relu2": relu_squared}
 SILU = ("silu", "swish")  # what Paddle's fused swiglu computes: silu(gate) * up
 GATED_NAMES = ("gate_proj", "up_proj", "down_proj")  # transformers' LLaMA names (Mixtral's experts: w1, w3, w2)
 
@@ -74,6 +81,14 @@ class GatedMLPLayer(Block):
         x = gather_tokens(x, self.run)
         return down(self.gated(gate(x), up(x)))
 
+    def partial_sum(self, rows):
+        """This tp rank's share of the MLP on `rows` every tp rank holds, without the collectives of its
+        split projections: its share of the intermediate, then its partial sum of the output (the output
+        bias left out: added once the partial sums are). What experts under SP run."""
+        gate, up, down = (getattr(self, name) for name in self.declared.names)
+        return F.linear(self.gated(F.linear(rows, gate.weight, gate.bias), F.linear(rows, up.weight, up.bias)),
+                        down.weight)
+
 
 GatedMLP.layer = GatedMLPLayer
 
@@ -95,13 +110,14 @@ class PlainMLP(Declared):
     activation: str = "gelu_new"
     bias: bool = True
     names: tuple[str, str] = ("up_proj", "down_proj")
+    unit: str = "intermediate_size"  # the config field its width is (named when tp does not divide it)
 
     def parts(self) -> dict[str, Part]:
         up, down = self.names
         return {up: ColumnLinear(self.hidden, self.width, self.bias), down: RowLinear(self.width, self.hidden, self.bias)}
 
     def own_tp_units(self) -> dict[str, int]:
-        return {"intermediate_size": self.width}
+        return {self.unit: self.width}
 
     def saved_bytes(self, run: Execution, tokens: int, dtype_bytes: int) -> dict[str, int]:
         """The input (full-size under SP), the activation's input and its output."""
@@ -114,6 +130,11 @@ class PlainMLPLayer(Block):
     def forward(self, x):
         up, down = (getattr(self, name) for name in self.declared.names)
         return down(ACTIVATIONS[self.declared.activation](up(gather_tokens(x, self.run))))
+
+    def partial_sum(self, rows):
+        """As `GatedMLPLayer.partial_sum`."""
+        up, down = (getattr(self, name) for name in self.declared.names)
+        return F.linear(ACTIVATIONS[self.declared.activation](F.linear(rows, up.weight, up.bias)), down.weight)
 
 
 PlainMLP.layer = PlainMLPLayer

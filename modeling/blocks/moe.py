@@ -31,8 +31,8 @@ from paddle.distributed.fleet.utils import sequence_parallel_utils as sp_utils
 
 from modeling import tp_gradients
 from modeling.autocast import full_precision
-from modeling.blocks.mlp import GatedMLP
-from modeling.blocks.parts import Block, Declared, Part
+from modeling.blocks.mlp import GatedMLP, PlainMLP
+from modeling.blocks.parts import Block, Declared, Part, WholeLinear
 from modeling.blocks.router import Router, Routing
 from modeling.execution import Execution, recomputing
 from modeling.expert_parallel import run_dispatched, run_experts, run_experts_over_tp
@@ -49,7 +49,7 @@ class Experts(Declared):
     under the same global names, so checkpoints keep single-card names whatever the ep."""
 
     count: int
-    expert: GatedMLP
+    expert: GatedMLP | PlainMLP
 
     def parts(self) -> dict[str, Part]:
         return {str(e): self.expert for e in range(self.count)}
@@ -91,15 +91,19 @@ class MoE(Declared):
     """Decoder layer `index`'s mixture of experts: a router over `experts` routing as the family's
     `Routing` says, and a shared expert (Qwen2-MoE's gated by sigmoid(shared_expert_gate(x)),
     DeepSeek's `shared_experts` ungated) whose output is added; `names` are the router's and the
-    shared expert's (transformers' names of the family)."""
+    shared expert's (transformers' names of the family). With `latent` (Nemotron-H's latent MoE) the
+    routed tokens go down to that width before the experts (`fc1_latent_proj`, whole on every tp rank)
+    and their weighted sum back up after (`fc2_latent_proj`); the router and the shared expert read
+    the hidden states."""
 
     index: int
     hidden: int
     experts: Experts
     routing: Routing
-    shared: GatedMLP | None = None
+    shared: GatedMLP | PlainMLP | None = None
     shared_gate: bool = True
     names: tuple[str, str] = ("gate", "shared_expert")
+    latent: int | None = None
 
     @property
     def top_k(self) -> int:
@@ -112,6 +116,9 @@ class MoE(Declared):
             parts[shared] = self.shared
             if self.shared_gate:
                 parts[f"{shared}_gate"] = Router(self.hidden, 1)
+        if self.latent is not None:
+            parts |= {"fc1_latent_proj": WholeLinear(self.hidden, self.latent),
+                      "fc2_latent_proj": WholeLinear(self.latent, self.hidden)}
         return parts
 
     def saved_bytes(self, run: Execution, tokens: int, dtype_bytes: int) -> dict[str, int]:
@@ -140,9 +147,12 @@ class SparseMoE(Block):
             tp_gradients.mark(self.router_layer, run)
             if declared.shared is not None and declared.shared_gate:
                 tp_gradients.mark(getattr(self, f"{declared.names[1]}_gate"), run)
+            if declared.latent is not None:  # on this rank's positions, as the router
+                tp_gradients.mark(self.fc1_latent_proj, run)
+                tp_gradients.mark(self.fc2_latent_proj, run)
             shared = [getattr(self, declared.names[1])] if declared.shared is not None else []
             for expert in [*self.experts.children(), *shared]:  # a bias after the sum: added to this rank's rows
-                down = getattr(expert, expert.declared.names[2])
+                down = getattr(expert, expert.declared.names[-1])
                 if down.bias is not None:
                     sp_utils.mark_as_sequence_parallel_parameter(down.bias)
 
@@ -177,8 +187,11 @@ class SparseMoE(Block):
             outputs, idle, shared_out = run_experts_over_tp(rows, counts, self.experts, self.run.tp_group, shared)
             return outputs, idle
 
-        out, counts = (self._local(flat, chosen, weights, compute) if self.run.experts is None
-                       else run_dispatched(flat, chosen, weights, compute, self.run.experts, declared.experts.count))
+        rows = flat if declared.latent is None else self.fc1_latent_proj(flat)
+        out, counts = (self._local(rows, chosen, weights, compute) if self.run.experts is None
+                       else run_dispatched(rows, chosen, weights, compute, self.run.experts, declared.experts.count))
+        if declared.latent is not None:
+            out = self.fc2_latent_proj(out)
         if shared_layer is not None:
             shared = shared_out if self.sequence_first else shared_layer(flat)
             if declared.shared_gate:
@@ -238,11 +251,15 @@ def moe_saved_bytes(moe: MoE, run: Execution, tokens: int, dtype_bytes: int) -> 
     """What an MoE block keeps for backward with balanced routing (each expert gets tokens x k / E):
     the router's input and fp32 probabilities (of this rank's positions under SP), each expert's
     gated-MLP activations on its tokens (every tp rank's rows under SP), the gathered rows and the
-    weighted outputs (the planner's model; not measured)."""
+    weighted outputs (at the latent width, whose projections keep their inputs: the planner's
+    model; not measured)."""
     routed, local = tokens * moe.top_k, tokens // sequence_shards(run.tp, run.sequence_parallel)
     expert = moe.experts.expert.saved_bytes(run, routed, dtype_bytes)
+    width = moe.hidden if moe.latent is None else moe.latent
     saved = {"gate": local * moe.hidden * dtype_bytes + local * moe.experts.count * 4,
-             "experts": sum(expert.values()) + 2 * routed * moe.hidden * dtype_bytes}
+             "experts": sum(expert.values()) + 2 * routed * width * dtype_bytes}
+    if moe.latent is not None:
+        saved |= {"fc1_latent_proj": local * moe.hidden * dtype_bytes, "fc2_latent_proj": local * width * dtype_bytes}
     if moe.shared is not None:
         shared = moe.shared.saved_bytes(run, tokens, dtype_bytes)
         saved["shared_expert"] = sum(shared.values()) + 2 * tokens * moe.hidden * dtype_bytes

@@ -62,6 +62,25 @@ class SplitRMSNorm(RMSNorm):
         return whole / self.full_dim
 
 
+class GroupRMSNorm(RMSNorm):
+    """RMSNorm over each `group_size` entries of the last axis (Mamba-2's gated norm: one group per
+    B/C group of heads), a weight over all of them; tp splits whole groups (`distributed`), so each
+    rank's statistics are complete. The cast before the scale is LLaMA's, as transformers' gated norm."""
+
+    def __init__(self, dim: int, eps: float, group_size: int, distributed: bool):
+        super().__init__(dim, eps)
+        self.group_size = group_size
+        if distributed:
+            self.weight.is_distributed, self.weight.split_axis = True, 0
+
+    def forward(self, hidden):
+        shape = hidden.shape
+        with full_precision():
+            wide = hidden.astype("float32").reshape(shape[:-1] + [-1, self.group_size])
+            normed = (wide * paddle.rsqrt(self.mean_square(wide) + self.eps)).reshape(shape)
+        return normed.astype(self.weight.dtype) * self.weight
+
+
 def rms_norm_saved_bytes(tokens: int, dim: int, dtype_bytes: int, offset: bool, rows: int = 1,
                          fused: bool = False) -> int:
     """What `RMSNorm` keeps for backward over `tokens` x `rows` vectors of `dim`: its input, the

@@ -20,7 +20,7 @@ from typing import ClassVar, Protocol
 from paddle import nn
 
 from modeling import tp_gradients, tp_layers
-from modeling.blocks.norms import RMSNorm, SplitRMSNorm
+from modeling.blocks.norms import GroupRMSNorm, RMSNorm, SplitRMSNorm
 from modeling.execution import Execution
 from modeling.placement import (
     ALWAYS,
@@ -173,7 +173,8 @@ class Norm(Leaf):
     them (its gradient is then summed over tp); over a head (`per_head`, q/k norms) each rank sees only
     its heads, so always. Over a whole projection that tp splits by heads (`split`, OLMoE's and
     OLMo-2's q/k norms) the weight is split with the projection's columns, each rank's block complete,
-    and the mean square is summed over tp."""
+    and the mean square is summed over tp; with `group_size` (Mamba-2's gated norm) each group of that
+    many entries is normalised alone, tp splitting whole groups."""
 
     dim: int
     eps: float
@@ -182,9 +183,10 @@ class Norm(Leaf):
     per_head: bool = False
     split: bool = False
     bias: bool = True  # a LayerNorm's (MPT's have none)
+    group_size: int | None = None
 
     def tensors(self) -> dict[str, TensorPlan]:
-        if self.split:
+        if self.split or self.group_size is not None:
             return {"weight": TensorPlan((self.dim,), Placement(VECTOR_SPLIT), init=ONES)}
         partial = ALWAYS if self.per_head else UNDER_SEQUENCE_PARALLEL
         scale = TensorPlan((self.dim,), Placement(REPLICATED), init=ZEROS if self.offset else ONES, tp_partial_grad=partial)
@@ -192,6 +194,8 @@ class Norm(Leaf):
         return {"weight": scale, "bias": bias} if self.layer_norm and self.bias else {"weight": scale}
 
     def build(self, config, run: Execution) -> nn.Layer:
+        if self.group_size is not None:
+            return GroupRMSNorm(self.dim // run.tp, self.eps, self.group_size, distributed=run.tp > 1)
         if self.split and run.tp > 1:
             return SplitRMSNorm(self.dim, self.eps, run.tp_group)
         if self.layer_norm:
