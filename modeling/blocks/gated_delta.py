@@ -26,6 +26,7 @@ before them leave (`recurrent_cp`: the conv's last inputs and the rule's state, 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING, ClassVar
 
 import paddle
@@ -111,6 +112,14 @@ class DepthwiseCausalConv(nn.Layer):
         return out if self.bias is None else out + self.bias
 
 
+def conv_saved_bytes(run: Execution, tokens: int, kernel: int, dtype_bytes: int, channels: int) -> int:
+    """What a `DepthwiseCausalConv` over `channels` keeps for backward: its input and each earlier tap's
+    shifted copy; with packed documents each tap's mask and masked copy too."""
+    documents, taps = run.documents is not None and run.within_documents, kernel - 1
+    copies = 1 + taps * (2 if documents else 1)
+    return (tokens * channels * copies + (tokens * taps if documents else 0)) * dtype_bytes
+
+
 def convolver(run: Execution, positions):
     """conv(layer, x): a `DepthwiseCausalConv` on x [batch, seq, channels] as the run needs it: on the
     whole sequence, or under context parallelism on each of the rank's parts after the part before."""
@@ -168,12 +177,7 @@ class GatedDelta(Declared):
         tokens, tp = batch * seq_len, run.tp
         keys, values = self.key_heads * self.key_dim // tp, self.value_heads * self.value_dim // tp
         key_heads, value_heads = self.key_heads // tp, self.value_heads // tp
-        documents = run.documents is not None and run.within_documents
-        taps = self.conv_kernel - 1
-
-        def conv(channels: int) -> int:  # its input and each earlier tap's shifted copy
-            copies = 1 + taps * (2 if documents else 1)
-            return (tokens * channels * copies + (tokens * taps if documents else 0)) * dtype_bytes
+        conv = partial(conv_saved_bytes, run, tokens, self.conv_kernel, dtype_bytes)
 
         own = tokens * (2 * keys + values) * dtype_bytes  # the convs' outputs
         own += 2 * tokens * (keys + key_heads) * dtype_bytes  # l2norm of q and of k
@@ -191,34 +195,51 @@ class GatedDelta(Declared):
                 "out_proj": tokens * values * dtype_bytes}
 
 
-class GatedDeltaMixer(Block):
+class RecurrentMixer(Block):
+    """What every recurrent token mixer does around its own arithmetic: the whole sequences in
+    [batch, seq, hidden] (gathered under SP), the convs on the projections (each part after the part
+    before under context parallelism), the run's rule (across the cp group's parts), and out_proj in
+    the run's layout."""
+
+    def whole_sequences(self, hidden, positions):
+        """(hidden [batch, seq, hidden], `positions` under per-document training, else None: one stream)."""
+        hidden = gather_tokens(hidden, self.run)
+        if self.run.sequence_first:  # [seq, batch, hidden] -> [batch, seq, hidden]
+            hidden = hidden.transpose([1, 0, 2])
+        return hidden, positions if self.run.within_documents else None
+
+    def convolved(self, hidden, names: str, positions) -> list:
+        """silu(conv_n(in_proj_n(hidden))) for each n of `names`."""
+        convolve = convolver(self.run, positions)
+        return [F.silu(convolve(getattr(self, f"conv_{name}"), getattr(self, f"in_proj_{name}")(hidden)))
+                for name in names]
+
+    def rule(self, q, k, v, g, beta, positions):
+        run = self.run
+        if run.ring is None:
+            return run.recurrent(q, k, v, g, beta, segments=None if positions is None else document_ids(positions))[0]
+        return rule_across_parts(run.recurrent, q, k, v, g, beta, positions, run.ring)
+
+    def projected_out(self, out):
+        """out_proj of out [batch, seq, channels], in the run's layout."""
+        return self.out_proj(out.transpose([1, 0, 2]) if self.run.sequence_first else out)
+
+
+class GatedDeltaMixer(RecurrentMixer):
     def forward(self, hidden, positions=None):
         """`positions`: each token's position in its document under per-document training, else None."""
-        declared, run = self.declared, self.run
-        hidden = gather_tokens(hidden, run)
-        if run.sequence_first:  # [seq, batch, hidden] -> [batch, seq, hidden]
-            hidden = hidden.transpose([1, 0, 2])
+        declared = self.declared
+        hidden, positions = self.whole_sequences(hidden, positions)
         batch, length = hidden.shape[:2]
-        positions = positions if run.within_documents else None  # else one stream, as attention spans the row
-        convolve = convolver(run, positions)
-        q, k, v = (F.silu(convolve(getattr(self, f"conv_{name}"), getattr(self, f"in_proj_{name}")(hidden)))
-                   for name in "qkv")
+        q, k, v = self.convolved(hidden, "qkv", positions)
         q, k = (_l2norm(x.reshape([batch, length, -1, declared.key_dim])) for x in (q, k))
         v = v.reshape([batch, length, -1, declared.value_dim])
         beta = F.sigmoid(self.in_proj_b(hidden))
         if declared.beta_scale != 1.0:
             beta = beta * declared.beta_scale
-        g = self.decay(hidden)
-        q = q * declared.key_dim ** -0.5
-        if run.ring is None:
-            out, _ = run.recurrent(q, k, v, g, beta, segments=None if positions is None else document_ids(positions))
-        else:
-            out = rule_across_parts(run.recurrent, q, k, v, g, beta, positions, run.ring)
+        out = self.rule(q * declared.key_dim ** -0.5, k, v, self.decay(hidden), beta, positions)
         gate = self.output_gate(hidden).reshape([batch, length, -1, declared.value_dim])
-        out = (self.norm(out.astype(hidden.dtype)) * self.gated(gate)).reshape([batch, length, -1])
-        if run.sequence_first:
-            out = out.transpose([1, 0, 2])
-        return self.out_proj(out)
+        return self.projected_out((self.norm(out.astype(hidden.dtype)) * self.gated(gate)).reshape([batch, length, -1]))
 
     def decay(self, hidden):
         """g [batch, seq, value heads] (fp32): -exp(A_log) softplus(in_proj_a(x) + dt_bias)."""

@@ -24,20 +24,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import ClassVar
 
 import paddle
 import paddle.nn.functional as F
 
 from modeling.blocks.attention import HeadVector
-from modeling.blocks.gated_delta import CausalConv, convolver
+from modeling.blocks.gated_delta import CausalConv, RecurrentMixer, conv_saved_bytes
 from modeling.blocks.norms import FP32_BYTES, rms_norm_saved_bytes
-from modeling.blocks.parts import Block, ColumnLinear, Declared, Norm, Part, RowLinear
+from modeling.blocks.parts import ColumnLinear, Declared, Norm, Part, RowLinear
 from modeling.execution import Execution
 from modeling.placement import A_LOG, ONES
-from modeling.recurrent_core import document_ids
-from modeling.recurrent_cp import rule_across_parts
-from modeling.sequence_parallel import gather_tokens
 from modeling.transformers_adapter import Stored
 
 IN_PROJ = ("in_proj_z", "in_proj_x", "in_proj_B", "in_proj_C", "in_proj_dt")  # transformers' fused in_proj, in order
@@ -97,12 +95,7 @@ class Mamba2(Declared):
         input), the gated product's factors; the norm's and out_proj's inputs."""
         tokens, tp = batch * seq_len, run.tp
         inner, states, heads = self.inner // tp, self.groups * self.state_size // tp, self.heads // tp
-        documents = run.documents is not None and run.within_documents
-        taps = self.conv_kernel - 1
-
-        def conv(channels: int) -> int:  # its input and each earlier tap's shifted copy
-            copies = 1 + taps * (2 if documents else 1)
-            return (tokens * channels * copies + (tokens * taps if documents else 0)) * dtype_bytes
+        conv = partial(conv_saved_bytes, run, tokens, self.conv_kernel, dtype_bytes)
 
         own = tokens * (inner + 2 * states) * dtype_bytes  # the convs' outputs
         own += 3 * tokens * heads * FP32_BYTES  # softplus's input and output, the clamp's output
@@ -117,32 +110,20 @@ class Mamba2(Declared):
                 "out_proj": tokens * inner * dtype_bytes}
 
 
-class Mamba2Mixer(Block):
+class Mamba2Mixer(RecurrentMixer):
     def forward(self, hidden, positions=None):
         """`positions`: each token's position in its document under per-document training, else None."""
-        declared, run = self.declared, self.run
-        hidden = gather_tokens(hidden, run)
-        if run.sequence_first:  # [seq, batch, hidden] -> [batch, seq, hidden]
-            hidden = hidden.transpose([1, 0, 2])
+        declared = self.declared
+        hidden, positions = self.whole_sequences(hidden, positions)
         batch, length = hidden.shape[:2]
-        positions = positions if run.within_documents else None  # else one stream, as attention spans the row
-        convolve = convolver(run, positions)
-        x, b, c = (F.silu(convolve(getattr(self, f"conv_{name}"), getattr(self, f"in_proj_{name}")(hidden)))
-                   for name in "xBC")
+        x, b, c = self.convolved(hidden, "xBC", positions)
         x = x.reshape([batch, length, -1, declared.head_dim])
         b, c = (part.reshape([batch, length, -1, declared.state_size]) for part in (b, c))
         dt = paddle.clip(F.softplus(self.in_proj_dt(hidden).astype("float32") + self.dt_bias), *declared.dt_limit)
-        g = dt * -paddle.exp(self.A_log.astype("float32"))
-        v = x.astype("float32") * dt.unsqueeze(-1)
-        if run.ring is None:
-            out, _ = run.recurrent(c, b, v, g, segments=None if positions is None else document_ids(positions))
-        else:
-            out = rule_across_parts(run.recurrent, c, b, v, g, None, positions, run.ring)
+        out = self.rule(c, b, x.astype("float32") * dt.unsqueeze(-1), dt * -paddle.exp(self.A_log.astype("float32")),
+                        None, positions)
         out = (out + x.astype("float32") * self.D.unsqueeze(-1)).reshape([batch, length, -1])
-        out = self.norm(out * F.silu(self.in_proj_z(hidden).astype("float32"))).astype(hidden.dtype)
-        if run.sequence_first:
-            out = out.transpose([1, 0, 2])
-        return self.out_proj(out)
+        return self.projected_out(self.norm(out * F.silu(self.in_proj_z(hidden).astype("float32"))).astype(hidden.dtype))
 
 
 Mamba2.layer = Mamba2Mixer
