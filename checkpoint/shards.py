@@ -560,6 +560,16 @@ class ShardReader:
             return bf16_to_float32(array)
         return array.view(FLOAT8_E4M3).astype(np.float32) if entry["dtype"] == FLOAT8_CODE else array
 
+    def read_stored(self, name: str) -> np.ndarray:
+        """The tensor as stored, bit for bit (bfloat16 as ml_dtypes' bfloat16): a tensor carried, not
+        computed with. A float8 one is refused: safetensors files here are not written in it."""
+        entry = self._entry(name)
+        if entry["dtype"] == FLOAT8_CODE:
+            raise CheckpointError(f"{self.path}: {name} is float8, which paddle-pp reads only to dequantize")
+        out = np.empty(entry["shape"], _stored_dtype(entry["dtype"]))
+        self._read_into(out, self._data_start + entry["data_offsets"][0])
+        return out.view(BFLOAT16) if entry["dtype"] == "BF16" else out
+
     def read(self, name: str, piece: Piece = WHOLE, out: np.ndarray | None = None) -> np.ndarray:
         """The tensor's `piece` (the whole tensor by default); read into `out` when given (an array of
         the stored dtype and the TP piece's size). A stage3 slice is cut from its TP piece once read."""

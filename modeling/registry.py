@@ -66,10 +66,6 @@ NOT_YET = {  # families users bring that are refused with why
               "model; save it as one (transformers' Gemma3ForCausalLM) and pass that folder",
     "llama4": "Llama 4's chunked attention, NoPE temperature tuning and input-side routing are not modelled",
     "llama4_text": "Llama 4's chunked attention, NoPE temperature tuning and input-side routing are not modelled",
-    "qwen3_5": "a Qwen3.5 multimodal folder: its language model is modelled (qwen3_5_text) but reading it out of "
-               "model.language_model and carrying the vision tower is not yet; train a qwen3_5_text folder",
-    "qwen3_5_moe": "a Qwen3.5-MoE multimodal folder: its language model is modelled (qwen3_5_moe_text) but reading it "
-                   "out of model.language_model and carrying the vision tower is not yet; train a qwen3_5_moe_text folder",
     "falcon_h1": "Falcon-H1's Mamba-2 layers are not modelled yet",
     "gemma3n": "Gemma 3n's per-layer embeddings and AltUp are not modelled",
     "deepseek_v32": "DeepSeek-V3.2's sparse attention (its indexer) is not modelled",

@@ -82,13 +82,13 @@ def transformers4_folders(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def transformers5_folders(tmp_path_factory, data_cache) -> Path:
-    """Every model kind of `hf_models.KINDS`, `HYBRID_KINDS` and `VARIANT_KINDS` saved by transformers 5, with transformers
+    """Every model kind of `hf_models.KINDS`, `HYBRID_KINDS`, `VARIANT_KINDS` and `MULTIMODAL_KINDS` saved by transformers 5, with transformers
     5's loss on the first batch of a FOLDER_STEPS run and its logits on IDS beside each folder (one
     subprocess)."""
     root = tmp_path_factory.mktemp("transformers5")
     np.save(root / "rows.npy", first_batch(data_cache, TOKENIZER, FOLDER_STEPS))
     np.save(root / "ids.npy", IDS)
-    kinds = [*hf_models.KINDS, *hf_models.HYBRID_KINDS, *hf_models.VARIANT_KINDS]
+    kinds = [*hf_models.KINDS, *hf_models.HYBRID_KINDS, *hf_models.VARIANT_KINDS, *hf_models.MULTIMODAL_KINDS]
     hf_models.transformers5("make", root, root / "rows.npy", root / "ids.npy", *kinds)
     for kind in kinds:
         shutil.copy(TOKENIZER / "tokenizer.model", root / kind)

@@ -175,6 +175,11 @@ HYBRID_MOE_KINDS = {
 # rotary on its attention layers
 VARIANT_KINDS = {"granitemoehybrid_dense": ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig", dict(
     GRANITE_HYBRID, num_local_experts=0, position_embedding_type="rope"))}
+# multimodal folders (transformers 5 only) whose language model trains: Qwen3.5's, a vision tower of two blocks beside
+MULTIMODAL_KINDS = {"qwen3_5_multimodal": ("Qwen3_5ForConditionalGeneration", "Qwen3_5Config", dict(
+    text_config=HYBRID_KINDS["qwen3_5_text"][2], vision_config=dict(
+        depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+        spatial_merge_size=2, temporal_patch_size=2)))}
 ROUTED_KINDS = {**MOE_KINDS, **HYBRID_MOE_KINDS}  # their router weights spread (ROUTER_SCALE)
 STACKED_ON_DISK = ("gpt_oss",)  # kinds whose experts both versions store stacked (no per-expert layout)
 FUSED = "_fused"  # suffix of a kind's folder re-saved by transformers 5 in its in-memory layout (fused experts)
@@ -216,7 +221,7 @@ def make(kind: str, folder: Path, seed: int = 0) -> Path:
     import torch
     import transformers
 
-    model_class, config_class, fields = {**KINDS, **ROUTED_KINDS, **HYBRID_KINDS, **VARIANT_KINDS}[kind]
+    model_class, config_class, fields = {**KINDS, **ROUTED_KINDS, **HYBRID_KINDS, **VARIANT_KINDS, **MULTIMODAL_KINDS}[kind]
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(getattr(transformers, config_class)(**fields))
     with torch.no_grad():
@@ -236,13 +241,23 @@ def make(kind: str, folder: Path, seed: int = 0) -> Path:
     return Path(folder)
 
 
-def loss(folder: Path, rows: np.ndarray) -> float:
-    """transformers' mean next-token cross entropy of `rows` (inputs rows[:, :-1], labels rows[:, 1:]),
-    with its eager attention (the reference: transformers 4.x's default SDPA drops Gemma 2's soft-cap)."""
-    import torch
+def reference_model(folder: Path):
+    """The folder's model as transformers builds it for text (a multimodal folder's own class, a text
+    folder's causal LM), with eager attention (the reference: transformers 4.x's default SDPA drops
+    Gemma 2's soft-cap), in eval mode."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager").eval()
+    architecture = json.loads((Path(folder) / "config.json").read_text()).get("architectures", [""])[0]
+    model_class = getattr(transformers, architecture) if architecture.endswith("ForConditionalGeneration") \
+        else transformers.AutoModelForCausalLM
+    return model_class.from_pretrained(str(folder), attn_implementation="eager").eval()
+
+
+def loss(folder: Path, rows: np.ndarray) -> float:
+    """transformers' mean next-token cross entropy of `rows` (inputs rows[:, :-1], labels rows[:, 1:])."""
+    import torch
+
+    model = reference_model(folder)
     with torch.no_grad():
         logits = model(torch.tensor(rows[:, :-1])).logits
         return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
@@ -250,13 +265,12 @@ def loss(folder: Path, rows: np.ndarray) -> float:
 
 
 def logits(folder: Path, ids: np.ndarray, position_ids: np.ndarray | None = None) -> np.ndarray:
-    """transformers' logits of `ids` (eager attention), at `position_ids` when given: then with a mask of
-    ones, which keeps attention causal over the whole row (without one, transformers reads restarting
-    position ids as packed documents and masks across them)."""
+    """transformers' logits of `ids`, at `position_ids` when given: then with a mask of ones, which keeps
+    attention causal over the whole row (without one, transformers reads restarting position ids as
+    packed documents and masks across them)."""
     import torch
-    import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager").eval()
+    model = reference_model(folder)
     extra = {} if position_ids is None else {"position_ids": torch.tensor(position_ids),
                                              "attention_mask": torch.ones(ids.shape, dtype=torch.long)}
     with torch.no_grad():

@@ -74,6 +74,7 @@ FIVE = ["llama3", "llama_linear", "qwen2", "gemma", "gpt2"]
 # transformers 5 folders of the families whose token mixer differs per layer (Gated DeltaNet beside gated
 # attention on each pipeline stage), started in the per-layer launch too (recurrent chunks of 8 tokens, 2 per span)
 HYBRID = list(hf_models.HYBRID_KINDS)
+MULTIMODAL = "qwen3_5_multimodal"  # its language model trains, its vision tower is carried
 
 
 @pytest.fixture(scope="module")
@@ -176,8 +177,8 @@ def _transformers_loss(folder, data_cache, steps: int, eval_steps: int) -> float
     """The loss of the transformers that saved `folder` (4.x, or 5 for the kinds only it has) on step
     1's batch of a `steps`-step run."""
     rows = first_batch(data_cache, folder, steps, eval_steps)
-    return hf_models.loss(folder, rows) if folder.name not in hf_models.HYBRID_KINDS else \
-        hf_models.transformers5_loss(folder, rows)
+    return hf_models.loss(folder, rows) if folder.name not in (*hf_models.HYBRID_KINDS, *hf_models.MULTIMODAL_KINDS) \
+        else hf_models.transformers5_loss(folder, rows)
 
 
 @pytest.mark.parametrize("kind", list(RESUMED_UNDER))
@@ -282,3 +283,48 @@ def test_a_transformers_5_folder_starts_at_its_loss_and_its_checkpoint_loads_bac
     if json.loads((checkpoint / "config.json").read_text()).get("tie_word_embeddings"):
         assert not [name for name in json.loads((checkpoint / "model.safetensors.index.json").read_text())["weight_map"]
                     if "lm_head" in name]
+
+
+def _stored_bits(folder, prefix: str) -> dict[str, tuple[str, bytes]]:
+    """Every tensor of a transformers folder under `prefix`: its dtype and bytes, read by safetensors."""
+    import torch
+    from safetensors import safe_open
+
+    found = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as stored:
+            for name in (name for name in stored.keys() if name.startswith(prefix)):
+                tensor = stored.get_tensor(name).contiguous()
+                found[name] = (str(tensor.dtype), tensor.view(-1).view(torch.uint8).numpy().tobytes())
+    return found
+
+
+def test_a_multimodal_folder_trains_its_language_model_and_carries_its_vision_tower_bit_for_bit(
+        pretrain_run, transformers5_folders, data_cache, tmp_path):
+    """Qwen3.5's multimodal folder (its language model under `model.language_model`, a vision tower
+    beside): under tp2 step 1 is the loss transformers 5's Qwen3_5ForConditionalGeneration computes on
+    the batch (1e-5); the run's checkpoint, saved in transformers' layout, and the export of the next
+    step's checkpoint (resumed from it on one card, in our layout) each hold every vision tensor as the
+    folder stored it, byte for byte, and load in transformers 5 as the multimodal model with our text
+    logits (1e-4)."""
+    folder = transformers5_folders / MULTIMODAL
+    start = ("--model_name_or_path", str(folder), "--eval_steps", "0", "--warmup_steps", "1")
+    (split, *_), out = pretrain_run(Run("qwen3_5_multimodal_tp2", 2, start + TP2 + (
+        "--max_steps", str(FOLDER_STEPS), "--save_steps", str(FOLDER_STEPS), "--save_to_hf")))
+    np.testing.assert_allclose(split["losses"][0], _transformers_loss(folder, data_cache, FOLDER_STEPS, 0),
+                               rtol=LOSS_RTOL)
+    saved = out / f"checkpoint-{FOLDER_STEPS}"
+    _, resumed = pretrain_run(Run("qwen3_5_multimodal_resumed", 1, start + (
+        "--max_steps", str(FOLDER_STEPS + 1), "--save_steps", str(FOLDER_STEPS + 1), "--resume_from_checkpoint",
+        str(saved))))
+    exported = export_hf(resumed / f"checkpoint-{FOLDER_STEPS + 1}", tmp_path / "export")
+    vision = _stored_bits(folder, "model.visual.")
+    assert len(vision) > 20
+    ids = tmp_path / "ids.npy"
+    np.save(ids, IDS)
+    hf_models.transformers5("logits", ids, saved, exported)
+    for checkpoint in (saved, exported):
+        assert _stored_bits(checkpoint, "model.visual.") == vision, checkpoint
+        assert json.loads((checkpoint / "config.json").read_text())["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+        np.testing.assert_allclose(np.load(f"{checkpoint}.npy"), our_logits(checkpoint, IDS), atol=EXPORT_TOL,
+                                   rtol=EXPORT_TOL)

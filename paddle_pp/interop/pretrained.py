@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -36,10 +36,12 @@ from checkpoint.unified_io import UnifiedReader
 from modeling.config import ModelConfigError
 from modeling.family import ModelFamily
 from modeling.fused_experts import fused_expert_stored, stores_fused_experts
+from modeling.multimodal import MULTIMODAL, Multimodal
 from modeling.paddlenlp_fused import FFN, QKV, fused_stored
 from modeling.placement import ModelPlan, split_tensor
 from modeling.registry import UnknownModelError, config_from_dict, family, plan_of
 from modeling.transformers_adapter import RUN_FIELDS, ConfigFieldError, Stored
+from paddle_pp.interop.carried import Carried, text_config
 from paddle_pp.interop.pickled import load_pickled
 from paddle_pp.interop.quantized import dequantizing
 from paddle_pp.interop.recut import recut
@@ -67,6 +69,7 @@ class PretrainedFolder:
     config: dict
     read: Read = field(repr=False)
     notes: tuple[str, ...] = ()  # what a run from it should be told (tensors left unread)
+    carried: Carried | None = None  # a multimodal folder's parts that do not train, carried as they are
 
 
 def open_pretrained(folder: Path, weights: bool = True, allow_unsafe_pickle: bool = False) -> PretrainedFolder:
@@ -84,6 +87,9 @@ def open_pretrained(folder: Path, weights: bool = True, allow_unsafe_pickle: boo
         raise CheckpointError(f"--model_name_or_path {folder}: no {CONFIG_FILE} there; pass a folder saved by "
                               "paddle-pp, PaddleNLP's save_pretrained or transformers' save_pretrained")
     raw = json.loads((folder / CONFIG_FILE).read_text())
+    kind = MULTIMODAL.get(raw.get("model_type"))
+    if kind is not None:  # its language model is what trains: read as a text folder's, the rest carried
+        return _multimodal(folder, raw, kind, weights)
     if _is_unified(folder):
         unified = UnifiedReader(folder, MODEL)
         config = {"model_type": raw.get("model_type"), **_config_fields(raw)}
@@ -116,6 +122,29 @@ def open_pretrained(folder: Path, weights: bool = True, allow_unsafe_pickle: boo
         return _checked(folder, TRANSFORMERS, config, shapes, read, locate, adapter.buffers, adapter.layers_past_last,
                         adapter.stored_copies(ours), adapter.unread)
     return _checked(folder, PADDLENLP, config, shapes, read, paddlenlp_locate)
+
+
+def _multimodal(folder: Path, raw: dict, kind: Multimodal, weights: bool) -> PretrainedFolder:
+    """A multimodal transformers folder (`modeling.multimodal`): its language model's config and
+    tensors, read as the text family's folders keep them under the kind's body, and every tensor under
+    the kind's `carried` prefixes held as stored (`Carried`)."""
+    model_family, config, _ = _our_config(folder, text_config(raw, folder))
+    if not weights:
+        return PretrainedFolder(folder, TRANSFORMERS, config, read=_not_loaded)
+    if raw.get("quantization_config"):
+        raise CheckpointError(f"--model_name_or_path {folder}: a quantized {kind.model_type} folder; its carried parts "
+                              "would be written back dequantized. Pass its unquantized release")
+    readers = _safetensors_readers(folder)
+    shapes = _header_shapes(readers)
+    ours = config_from_dict(config)
+    plan, adapter = plan_of(ours), model_family.transformers
+    carried = tuple(sorted(name for name in shapes if name.startswith(kind.carried)))
+    pretrained = _checked(folder, TRANSFORMERS, config, shapes, _by_axis(lambda key, piece: readers[key].read(key, piece)),
+                          lambda name: kind.stored(adapter.stored(name, plan[name], ours)), adapter.buffers,
+                          unread=adapter.unread, carried=kind.carried)
+    return replace(pretrained, notes=pretrained.notes + (
+        f"{folder}: {len(carried)} tensors of its other parts ({', '.join(kind.carried)}) carried through every "
+        "checkpoint as they are",), carried=Carried(raw, carried, lambda name: readers[name].read_stored(name)))
 
 
 def _paddlenlp_locator(config: dict, fused: frozenset[str]) -> Callable[[str], Stored]:
@@ -263,11 +292,12 @@ def stored_shape(shape, stored: Stored) -> list[int]:
 def _checked(folder: Path, kind: str, config: dict, shapes: dict[str, list[int]], read_stored: Read,
              locate: Callable[[str], Stored], buffers: tuple[str, ...] = (),
              layers_past_last: str | None = None, copies: dict[str, str] | None = None,
-             unread: tuple[str, ...] = ()) -> PretrainedFolder:
+             unread: tuple[str, ...] = (), carried: tuple[str, ...] = ()) -> PretrainedFolder:
     """The folder's reader under our names, after every planned tensor is found in its stored shape
     and no stored tensor is left over (a tied head's second name, recomputed buffers and `copies` of
     ours aside, and the layers a family's folders store past the config's last, `layers_past_last`,
-    and the tensors under its `unread` prefixes: left unread, noted)."""
+    and the tensors under its `unread` prefixes: left unread, noted; those under `carried` prefixes are
+    a multimodal folder's other parts)."""
     plan = plan_of(config_from_dict(config))
     problems = []
     for name in plan:
@@ -281,7 +311,8 @@ def _checked(folder: Path, kind: str, config: dict, shapes: dict[str, list[int]]
                             f"{stored_shape(plan[name].shape, stored)}")
     expected = {locate(name).name for name in plan} | {alias for names in plan.tied for alias in names[1:]} \
         | set(copies or ())
-    left_over = [key for key in sorted(shapes) if key not in expected and not key.endswith(buffers)]
+    left_over = [key for key in sorted(shapes) if key not in expected and not key.endswith(buffers)
+                 and not key.startswith(carried)]
     past = {key: index for key in left_over if layers_past_last
             and (index := _layer_index(key, config["num_hidden_layers"])) is not None}
     skipped = [key for key in left_over if unread and key.startswith(unread)]

@@ -10,6 +10,7 @@ needed. Tensors stream one at a time, into a folder that appears only when compl
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -31,6 +32,7 @@ from modeling.paddlenlp_fused import fused_stored
 from modeling.placement import ModelPlan, TensorPlan
 from modeling.registry import config_from_dict, family, plan_of
 from modeling.transformers_adapter import Stored, join
+from paddle_pp.interop.carried import CARRIED_TENSORS, Carried, carried_in
 from paddle_pp.interop.pretrained import open_pretrained, stored_shape
 
 HF_INDEX = "model.safetensors.index.json"
@@ -95,10 +97,10 @@ class StoredTensors:
 
 def export_stored(folder: Path, target: Path, locate: Callable[[str, TensorPlan], Stored], folder_config: dict,
                   fmt: str, max_shard_bytes: int, on_tensor: Callable[[str, int], None] | None, dtype: str,
-                  copies: dict[str, str] | None = None) -> Path:
+                  copies: dict[str, str] | None = None, carried: Carried | None = None) -> Path:
     """A folder of the tensors `locate` says where to store (names, transposes, fused tensors) and their
     `copies`, built from a unified checkpoint one stored tensor at a time, with `folder_config` as its
-    config.json."""
+    config.json; with `carried`, the checkpoint's file of them beside, as it is."""
     folder = Path(folder)
     stored = StoredTensors(plan_of(config_from_dict(json.loads((folder / CONFIG_FILE).read_text()))), locate, copies)
     unified = UnifiedReader(folder, MODEL)
@@ -106,20 +108,39 @@ def export_stored(folder: Path, target: Path, locate: Callable[[str, TensorPlan]
         weight_map = write_model_shards(stored.groups, stored.shape,
                                         lambda name: stored.make(name, unified.read, on_tensor), partial,
                                         max_shard_bytes, fmt, dtype)
+        if carried is not None:
+            shutil.copyfile(folder / CARRIED_TENSORS, partial / CARRIED_TENSORS)
+            weight_map |= dict.fromkeys(carried.names, CARRIED_TENSORS)
         finish_folder(partial, weight_map, folder_config, folder)
     return Path(target)
+
+
+def hf_locator(config, carried: Carried | None = None) -> Callable[[str, TensorPlan], Stored]:
+    """Where a transformers folder of `config`'s family stores each tensor; with `carried`, inside the
+    multimodal folder it came from."""
+    adapter = family(config.model_type).transformers
+    if carried is None:
+        return lambda name, row: adapter.stored(name, row, config)
+    return lambda name, row: carried.kind.stored(adapter.stored(name, row, config))
+
+
+def hf_config(config, dtype: str, carried: Carried | None = None) -> dict:
+    """transformers' config.json of `config` (in `dtype`); with `carried`, the multimodal one around it."""
+    theirs = family(config.model_type).transformers.their_config(config, dtype)
+    return theirs if carried is None else carried.their_config(theirs)
 
 
 def export_hf(folder: Path, target: Path, max_shard_bytes: int = 5 << 30,
               on_tensor: Callable[[str, int], None] | None = None, dtype: str = "float32") -> Path:
     """A transformers-loadable folder (config.json, model.safetensors[ + index], tokenizer) from a
-    unified checkpoint, its weights in `dtype` (shards.EXPORT_DTYPES)."""
+    unified checkpoint, its weights in `dtype` (shards.EXPORT_DTYPES); a multimodal folder's language
+    model as that folder, with the parts it carried."""
     require_our_layout(read_index(folder, MODEL), Path(folder))
     saved = json.loads((Path(folder) / CONFIG_FILE).read_text())
     adapter, config = _transformers_family(saved, Path(folder)).transformers, config_from_dict(saved)
-    return export_stored(folder, target, lambda name, row: adapter.stored(name, row, config),
-                         adapter.their_config(config, dtype), "pt", max_shard_bytes, on_tensor, dtype,
-                         adapter.stored_copies(config))
+    carried = carried_in(folder)
+    return export_stored(folder, target, hf_locator(config, carried), hf_config(config, dtype, carried), "pt",
+                         max_shard_bytes, on_tensor, dtype, adapter.stored_copies(config), carried)
 
 
 def export_paddlenlp_fused(folder: Path, target: Path, fused: frozenset[str], max_shard_bytes: int = 5 << 30,

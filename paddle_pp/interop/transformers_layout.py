@@ -36,12 +36,13 @@ from checkpoint.format import (
     weights_layout,
 )
 from checkpoint.load import load_checkpoint
-from checkpoint.shards import TensorSpec, write_shard
+from checkpoint.shards import CHECKSUM, ShardReader, TensorSpec, file_checksum, file_entry, write_shard
 from checkpoint.unified_io import UnifiedReader
 from modeling.placement import ModelPlan
 from modeling.registry import config_from_dict, family_of, plan_of
+from paddle_pp.interop.carried import CARRIED_TENSORS, Carried
 from paddle_pp.interop.pretrained import load_pretrained, open_pretrained
-from paddle_pp.interop.transformers import StoredTensors
+from paddle_pp.interop.transformers import StoredTensors, hf_config, hf_locator
 from paddle_pp.runtime.topology import Topology
 
 REWRITTEN = ".transformers"  # the staged folder's subfolder the rewritten files are written into
@@ -49,13 +50,14 @@ DTYPE = np.dtype("float32")  # the model's weights are saved in fp32 in either l
 
 
 class TransformersWeights:
-    """`checkpoint.save.ModelRewrite` into transformers' layout for `config`'s family."""
+    """`checkpoint.save.ModelRewrite` into transformers' layout for `config`'s family; with `carried`,
+    the multimodal folder around it (the carried tensors, which every save copies, listed beside)."""
 
-    def __init__(self, config):
+    def __init__(self, config, carried: Carried | None = None):
         adapter = family_of(config).transformers  # every registered family has one
-        self.stored = StoredTensors(plan_of(config), lambda name, row: adapter.stored(name, row, config),
-                                    adapter.stored_copies(config))
-        self.config = adapter.their_config(config, DTYPE.name)
+        self.stored = StoredTensors(plan_of(config), hf_locator(config, carried), adapter.stored_copies(config))
+        self.config = hf_config(config, DTYPE.name, carried)
+        self.carried = carried
 
     def shares(self, count: int) -> list[list[str]]:
         """The stored tensors cut into `count` shares of about equal bytes (largest first to the
@@ -98,6 +100,13 @@ class TransformersWeights:
             tensors |= share["tensors"]
             weight_map |= dict.fromkeys(share["tensors"], share["file"])
         shutil.rmtree(staged / REWRITTEN)
+        if self.carried is not None:  # copied into the save beside the model's files
+            files[CARRIED_TENSORS] = file_entry(file_checksum(staged / CARRIED_TENSORS, CHECKSUM),
+                                                (staged / CARRIED_TENSORS).stat().st_size)
+            reader = ShardReader(staged / CARRIED_TENSORS)
+            tensors |= {name: {"dtype": reader.read_stored(name).dtype.name, "shape": reader.shape(name)}
+                        for name in self.carried.names}
+            weight_map |= dict.fromkeys(self.carried.names, CARRIED_TENSORS)
         kept = {key: value for key, value in ours["metadata"].items()
                 if key in ("saving_layout", "model_type", "tied")}
         total = sum(tensor_nbytes(meta) for meta in tensors.values())

@@ -24,6 +24,7 @@ from modeling.registry import build_causal_lm, plan_of
 from paddle_pp.data.sampler import SequentialBatches
 from paddle_pp.data.source import build_data, dataset_sizes, plan_data
 from paddle_pp.data.tokenizer import load_text_tokenizer
+from paddle_pp.interop.carried import CARRIED_DIR, carried_in
 from paddle_pp.interop.pretrained import load_pretrained, open_pretrained
 from paddle_pp.interop.transformers_layout import TransformersWeights, checkpoint_config, load_resumed
 from paddle_pp.runtime.fleet_wrappers import wrap_for_layout
@@ -108,7 +109,11 @@ class Pretrainer:
                 print(f"note: {note}", file=sys.stderr)
         if self.resume_dir is not None:
             check_compatible(self.resume_dir, self.config, self.layout, checkpoint_config(self.resume_dir))
-        self.weights_rewrite = TransformersWeights(self.config) if args.checkpoint.save_to_hf else None
+        # a multimodal folder's parts that do not train, carried into every checkpoint (from the folder, or the resumed one)
+        self.carried = carried_in(self.resume_dir) if self.resume_dir is not None else \
+            self.pretrained.carried if self.pretrained is not None else None
+        self.carried_files: tuple[Path, ...] = ()
+        self.weights_rewrite = TransformersWeights(self.config, self.carried) if args.checkpoint.save_to_hf else None
         self.data_plan = plan_data(
             data.input_dir, data.corpus, self.tokenizer.folder, data.data_cache, data.split, data.data_impl,
             data.max_seq_length, data.seed, dataset_sizes(self.batches.global_batch, args.optim.max_steps,
@@ -123,6 +128,8 @@ class Pretrainer:
         """Rank 0 locks --output_dir (one writer at a time) and clears saves a stopped job left unfinished."""
         output_dir = Path(self.args.output.output_dir)
         self.lock = acquire(output_dir) if launched_rank() == 0 else None
+        if self.lock is not None and self.carried is not None:  # written once: every save copies them
+            self.carried_files = self.carried.write(output_dir / CARRIED_DIR)
         if self.lock is not None:
             cleared = clear_interrupted_saves(output_dir)
             if cleared:
@@ -206,7 +213,7 @@ class Pretrainer:
         self.pending_save = save_checkpoint(
             Path(self.args.output.output_dir), self.step, self.raw_model, self.optimizer, self.topo, self.plan,
             config=self.config, trainer_state=trainer_state,
-            extra_files=tuple(self.tokenizer.files()), keep=ckpt.save_total_limit,
+            extra_files=(*self.tokenizer.files(), *self.carried_files), keep=ckpt.save_total_limit,
             asynchronous=ckpt.async_save, gradients=gradient_path.recorded_gradients(self.optimizer) if ckpt.save_gradients else None,
             replica_check=ckpt.replica_check, rewrite=self.weights_rewrite)
         if not ckpt.async_save:
