@@ -11,10 +11,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from modeling.attention_core.ring import Ring, RingCore, context_parallel_refusal
+from modeling.blocks.decoder import token_mixers
 from modeling.deepseek import DEEPSEEK_V2, DEEPSEEK_V3
 from modeling.ernie4_5 import ERNIE4_5
 from modeling.ernie4_5_moe import ERNIE4_5_MOE
 from modeling.execution import Execution
+from modeling.falcon_h1 import FALCON_H1
 from modeling.family import ModelFamily
 from modeling.gemma import GEMMA
 from modeling.gemma2 import GEMMA2, GEMMA3_TEXT
@@ -52,7 +54,7 @@ if TYPE_CHECKING:
 FAMILIES: dict[str, ModelFamily] = {family.model_type: family for family in (
     LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GPT, GEMMA2, GEMMA3_TEXT, PHI3, OLMO2, SMOLLM3, GRANITE, ERNIE4_5, MPT, QWEN2_MOE,
     QWEN3_MOE, MIXTRAL, OLMOE, DEEPSEEK_V3, DEEPSEEK_V2, GLM4_MOE, GPT_OSS, ERNIE4_5_MOE, QWEN3_5_TEXT,
-    QWEN3_5_MOE_TEXT, QWEN3_NEXT, OLMO_HYBRID, KIMI_LINEAR, NEMOTRON_H, GRANITEMOEHYBRID)}
+    QWEN3_5_MOE_TEXT, QWEN3_NEXT, OLMO_HYBRID, KIMI_LINEAR, NEMOTRON_H, GRANITEMOEHYBRID, FALCON_H1)}
 BY_TRANSFORMERS_TYPE = {family.transformers.model_type: family for family in FAMILIES.values() if family.transformers}
 ALIASES = {"kimi_k2": DEEPSEEK_V3}  # Kimi-K2's folders are DeepSeek-V3's (transformers' kimi_k25 rewrites it so)
 
@@ -66,7 +68,6 @@ NOT_YET = {  # families users bring that are refused with why
               "model; save it as one (transformers' Gemma3ForCausalLM) and pass that folder",
     "llama4": "Llama 4's chunked attention, NoPE temperature tuning and input-side routing are not modelled",
     "llama4_text": "Llama 4's chunked attention, NoPE temperature tuning and input-side routing are not modelled",
-    "falcon_h1": "Falcon-H1's Mamba-2 layers are not modelled yet",
     "gemma3n": "Gemma 3n's per-layer embeddings and AltUp are not modelled",
     "deepseek_v32": "DeepSeek-V3.2's sparse attention (its indexer) is not modelled",
     "deepseek_v4": "DeepSeek-V4 is not modelled",
@@ -140,10 +141,9 @@ def _check_context_parallel(config, layout: Layout) -> None:
     """Ring attention computes scale, soft-cap, sinks and windows; ALiBi is refused by name (never
     trained without its biases). Recurrent layers carry their state and conv window between the parts."""
     for index in range(config.num_hidden_layers):
-        mixer = config.decoder_layer(index).attention
-        if mixer is None or mixer.recurrent:  # its state and conv window cross the parts (modeling/recurrent_cp.py)
-            continue
-        problem = context_parallel_refusal(mixer.spec)
+        # a recurrent mixer's state and conv window cross the parts (modeling/recurrent_cp.py)
+        problem = next(filter(None, (context_parallel_refusal(mixer.spec)
+                                     for mixer in token_mixers(config.decoder_layer(index)) if not mixer.recurrent)), None)
         if problem:
             raise LayoutModelError(
                 f"--context_parallel_degree {layout.cp} with {family_of(config).architecture}: decoder layer {index} "
@@ -159,8 +159,8 @@ def check_context_parts(config, layout: Layout, seq_len: int) -> None:
         return
     part = seq_len // (2 * layout.cp)
     for index in range(config.num_hidden_layers):
-        mixer = config.decoder_layer(index).attention
-        if mixer is not None and mixer.recurrent and mixer.conv_kernel - 1 > part:
+        mixer = next((mixer for mixer in token_mixers(config.decoder_layer(index)) if mixer.recurrent), None)
+        if mixer is not None and mixer.conv_kernel - 1 > part:
             raise LayoutModelError(
                 f"--context_parallel_degree {layout.cp} cuts --max_seq_length {seq_len} into parts of {part} tokens, "
                 f"and decoder layer {index}'s conv (kernel {mixer.conv_kernel}) takes {mixer.conv_kernel - 1} from "
@@ -194,12 +194,10 @@ def core_notes(config, run: Execution) -> list[str]:
     q/k), which take the blockwise core instead, by reason: what the run says at its start."""
     by_reason: dict[str, list[int]] = {}
     for index in range(config.num_hidden_layers):
-        attention = config.decoder_layer(index).attention
-        if attention is None or attention.recurrent:  # no attention core
-            continue
-        reason = run.attention.refusal(attention.spec, attention.sinks, attention.local_heads(run))
-        if reason:
-            by_reason.setdefault(reason, []).append(index)
+        for attention in (mixer for mixer in token_mixers(config.decoder_layer(index)) if not mixer.recurrent):
+            reason = run.attention.refusal(attention.spec, attention.sinks, attention.local_heads(run))
+            if reason:
+                by_reason.setdefault(reason, []).append(index)
     return [f"attention: decoder layers {', '.join(map(str, layers))} take the blockwise core (the {run.attention.name} "
             f"core does not compute {reason})" for reason, layers in by_reason.items()]
 

@@ -127,6 +127,11 @@ MOE_KINDS = {
 # each of two pipeline stages; Gated DeltaNet with fewer key heads than value heads
 LINEAR, FULL = "linear_attention", "full_attention"
 MAMBA2 = dict(mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, n_groups=2)
+FALCON_H1 = dict(SHAPE, num_key_value_heads=2, mamba_d_ssm=64, mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=2,
+                 embedding_multiplier=5.0, lm_head_multiplier=0.25, key_multiplier=0.5, attention_in_multiplier=1.5,
+                 attention_out_multiplier=0.75, ssm_in_multiplier=1.25, ssm_out_multiplier=0.5,
+                 ssm_multipliers=[0.5, 1.5, 0.75, 1.25, 0.8], mlp_multipliers=[1.5, 0.5], time_step_limit=(0.0, 1.3),
+                 rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
 GRANITE_HYBRID = dict(SHAPE, intermediate_size=32, num_key_value_heads=2, layer_types=["mamba", "attention"] * 2,
                       mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, shared_intermediate_size=48,
                       num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.01, embedding_multiplier=12.0,
@@ -142,6 +147,8 @@ HYBRID_KINDS = {
     "olmo_hybrid": ("OlmoHybridForCausalLM", "OlmoHybridConfig", dict(
         SHAPE, num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
         linear_value_head_dim=16, layer_types=[LINEAR, FULL, LINEAR, FULL], pad_token_id=1, eos_token_id=2)),
+    # Falcon-H1: attention and Mamba-2 side by side in every layer, every muP multiplier off 1, dt clamped above
+    "falcon_h1": ("FalconH1ForCausalLM", "FalconH1Config", FALCON_H1),
     # Nemotron-H: each layer one part (Mamba-2 in 2 groups of 4 heads, attention without rotary, a ReLU^2 MLP)
     "nemotron_h": ("NemotronHForCausalLM", "NemotronHConfig", dict(
         SHAPE, num_key_value_heads=2, head_dim=16, hybrid_override_pattern="M*-M*-", **MAMBA2)),
@@ -172,9 +179,14 @@ HYBRID_MOE_KINDS = {
     "granitemoehybrid": ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig", GRANITE_HYBRID),
 }
 # transformers 5 only, compared on logits in one process (tests/test_model_folders.py): Granite 4.0-H without experts,
-# rotary on its attention layers
+# rotary on its attention layers; Falcon-H1 with each order of its optional gated norm
 VARIANT_KINDS = {"granitemoehybrid_dense": ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig", dict(
-    GRANITE_HYBRID, num_local_experts=0, position_embedding_type="rope"))}
+    GRANITE_HYBRID, num_local_experts=0, position_embedding_type="rope")),
+    # Falcon-H1 with Mamba-2's gated norm, normalising before the gate and after it
+    "falcon_h1_norm_first": ("FalconH1ForCausalLM", "FalconH1Config", dict(
+        FALCON_H1, mamba_rms_norm=True, mamba_norm_before_gate=True)),
+    "falcon_h1_gate_first": ("FalconH1ForCausalLM", "FalconH1Config", dict(
+        FALCON_H1, mamba_rms_norm=True, mamba_norm_before_gate=False))}
 # multimodal folders (transformers 5 only) whose language model trains: Qwen3.5's, a vision tower of two blocks beside
 MULTIMODAL_KINDS = {"qwen3_5_multimodal": ("Qwen3_5ForConditionalGeneration", "Qwen3_5Config", dict(
     text_config=HYBRID_KINDS["qwen3_5_text"][2], vision_config=dict(

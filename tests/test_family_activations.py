@@ -56,6 +56,10 @@ FAMILIES = {  # model_type -> our config fields (layer 0 sliding where the famil
     # Mamba-2 (layer 0: 3 groups of 2 heads, a conv bias) and attention without rotary (layer 1), each alone
     "nemotron_h": dict(BASE, head_dim=16, mamba_num_heads=6, mamba_head_dim=8, ssm_state_size=8, n_groups=3,
                        layers_block_type=["linear_attention", "full_attention"]),
+    # attention and Mamba-2 side by side (its norm before the gate, muP multipliers), the MLP's multipliers
+    "falcon_h1": dict(BASE, head_dim=16, mamba_d_ssm=48, mamba_n_heads=6, mamba_d_state=8, mamba_n_groups=3,
+                      mamba_rms_norm=True, key_multiplier=0.5, attention_in_multiplier=1.5, ssm_in_multiplier=1.25,
+                      ssm_multipliers=[0.5, 1.5, 0.75, 1.25, 0.8], mlp_multipliers=[1.5, 0.5]),
     "deepseek_v2": dict(BASE, num_key_value_heads=6, q_lora_rank=None, kv_lora_rank=20, qk_nope_head_dim=16,
                         qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=2, num_experts=4, n_group=1,
                         topk_group=1, num_experts_per_tok=2),

@@ -1,5 +1,6 @@
 """Decoder layers whose token mixer is recurrent (Qwen3.5's Gated DeltaNet beside its gated attention,
-Kimi Linear's Kimi Delta Attention beside latent attention, Nemotron-H's Mamba-2 beside attention), one process, fp32: packed documents (`--use_global_causal_attn false`) each give the logits and the
+Kimi Linear's Kimi Delta Attention beside latent attention, Nemotron-H's Mamba-2 beside attention and Falcon-H1's
+beside it in one layer), one process, fp32: packed documents (`--use_global_causal_attn false`) each give the logits and the
 gradients their document gives alone (the conv window and the state restart at every document, in
 chunks and spans the documents cross). Against transformers: tests/test_family_training.py (folders
 started under tp2 x pp2 + SP) and tests/test_recurrent_core.py (the rule)."""
@@ -26,6 +27,7 @@ FIELDS = {
                         linear_attn_config={"kda_layers": [1], "full_attn_layers": [2], "num_heads": 2, "head_dim": 8}),
     "nemotron_h": dict(SHAPE, num_key_value_heads=1, head_dim=16, mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8,
                        n_groups=2, layers_block_type=["linear_attention", "full_attention"]),
+    "falcon_h1": dict(SHAPE, num_key_value_heads=1, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_state=8, mamba_n_groups=2),
 }
 
 

@@ -47,7 +47,8 @@ def test_a_folder_saved_by_transformers_4_or_5_gives_transformers_logits(kind, t
 @pytest.mark.parametrize("kind", list(hf_models.VARIANT_KINDS))
 def test_a_variant_of_a_hybrid_family_gives_transformers_5_logits(kind, transformers5_folders):
     """Granite 4.0-H without experts (its shared MLP the whole feed-forward part) and with rotary
-    attention: our model gives the logits of transformers 5, which saved it."""
+    attention, Falcon-H1 with Mamba-2's gated norm before and after the gate: our model gives the
+    logits of transformers 5, which saved it."""
     np.testing.assert_allclose(our_logits(transformers5_folders / kind, IDS), np.load(transformers5_folders / f"{kind}.npy"),
                                atol=LOGITS_TOL, rtol=LOGITS_TOL)
 

@@ -76,7 +76,10 @@ CONFIGS |= {"qwen3_5_text": HYBRID,
             # Mamba-2 beside attention, GraniteMoE's experts beside a shared MLP (a fused gate | up on disk)
             "granitemoehybrid": dict(SHAPE, num_key_value_heads=2, layer_types=["mamba", "attention"] * 2,
                                      mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=2, num_experts=4,
-                                     num_experts_per_tok=2, shared_intermediate_size=24)}
+                                     num_experts_per_tok=2, shared_intermediate_size=24),
+            # attention and Mamba-2 side by side in every layer
+            "falcon_h1": dict(SHAPE, num_key_value_heads=2, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_state=8,
+                              mamba_n_groups=2, mamba_rms_norm=True)}
 
 
 @pytest.fixture(params=sorted(FAMILIES))

@@ -22,6 +22,15 @@ def prefixed(prefix: str, saved: dict[str, int]) -> dict[str, int]:
     return {f"{prefix}.{key}".rstrip("."): value for key, value in saved.items()}
 
 
+def token_mixers(layer) -> list:
+    """A decoder layer declaration's token mixers, each on its own (the two of Falcon-H1's parallel pair,
+    none in a layer with only a feed-forward part): what the registry's per-mixer checks read."""
+    mixer = layer.attention
+    if mixer is None:
+        return []
+    return list(mixer.token_mixers()) if hasattr(mixer, "token_mixers") else [mixer]
+
+
 @dataclass(frozen=True)
 class NormPlacement:
     """The names of the norms around a layer's two branches (None: no norm there): before and after

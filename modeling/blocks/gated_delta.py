@@ -209,10 +209,12 @@ class RecurrentMixer(Block):
         return hidden, positions if self.run.within_documents else None
 
     def convolved(self, hidden, names: str, positions) -> list:
-        """silu(conv_n(in_proj_n(hidden))) for each n of `names`."""
+        """silu(conv_n(in_proj_n(hidden))) for each n of `names` (its projection as `projected` gives it)."""
         convolve = convolver(self.run, positions)
-        return [F.silu(convolve(getattr(self, f"conv_{name}"), getattr(self, f"in_proj_{name}")(hidden)))
-                for name in names]
+        return [F.silu(convolve(getattr(self, f"conv_{name}"), self.projected(name, hidden))) for name in names]
+
+    def projected(self, name: str, hidden):
+        return getattr(self, f"in_proj_{name}")(hidden)
 
     def rule(self, q, k, v, g, beta, positions):
         run = self.run

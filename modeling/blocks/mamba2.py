@@ -6,6 +6,11 @@ recurrent core's rule without its delta term (`Mamba2`, built as `Mamba2Mixer`).
     y = the rule (the run's `recurrent_core.RecurrentCore`) on q = C, k = B, v = dt x, g = dt A; + D x
     out_proj(GroupRMSNorm(y * silu(in_proj_z(h))))           (normalised per group of heads, then scaled)
 
+Falcon-H1's variant (its fields' defaults leave the above): h times `in_multiplier` before the
+projections, each projection's output times its `multipliers` entry (z, x, B, C, dt: its muP vector),
+and the gated norm per `gated_norm`: the gate then the norm (GATE_THEN_NORM, the above), the norm then
+the gate (NORM_THEN_GATE), or no norm (None: out_proj(y * silu(z))).
+
 A head reads its group's B and C (head h: group h // (heads / groups)), so the rule's key heads are the
 groups, its d_k the state size. transformers' folders store the five projections fused (`in_proj`: z's
 rows, x's, B's, C's, dt's) and the three convs likewise (`conv1d`, channels x | B | C, with a bias);
@@ -39,14 +44,16 @@ from modeling.placement import A_LOG, ONES
 from modeling.transformers_adapter import Stored
 
 IN_PROJ = ("in_proj_z", "in_proj_x", "in_proj_B", "in_proj_C", "in_proj_dt")  # transformers' fused in_proj, in order
+GATE_THEN_NORM, NORM_THEN_GATE = "gate_then_norm", "norm_then_gate"  # where the gated norm gates
 CONV = ("conv_x", "conv_B", "conv_C")  # its fused conv1d's channels, in order
 
 
 @dataclass(frozen=True)
 class Mamba2(Declared):
     """One layer's Mamba-2: `heads` heads of `head_dim`, B and C in `groups` groups of `state_size`,
-    the conv's `conv_kernel` (with a bias: `conv_bias`), the projections' `bias`, the gated norm's
-    `eps`, dt clamped to `dt_limit` (min, max)."""
+    the conv's `conv_kernel` (with a bias: `conv_bias`), the input projections' `bias` and out_proj's
+    `out_bias`, the gated norm's `eps` and order (`gated_norm`), dt clamped to `dt_limit` (min, max);
+    Falcon-H1's multipliers (module doc)."""
 
     hidden: int
     heads: int
@@ -58,6 +65,10 @@ class Mamba2(Declared):
     dt_limit: tuple[float, float] = (0.0, math.inf)
     conv_bias: bool = True
     bias: bool = False
+    out_bias: bool = False
+    gated_norm: str | None = GATE_THEN_NORM
+    in_multiplier: float = 1.0
+    multipliers: tuple[float, float, float, float, float] = (1.0, 1.0, 1.0, 1.0, 1.0)
     recurrent: ClassVar[bool] = True  # no attention core: core_attn recompute leaves the layer as it is
 
     @property
@@ -77,8 +88,8 @@ class Mamba2(Declared):
             "conv_C": CausalConv(states, self.conv_kernel, self.conv_bias),
             "A_log": HeadVector(self.heads, A_LOG), "dt_bias": HeadVector(self.heads, ONES),
             "D": HeadVector(self.heads, ONES),
-            "norm": Norm(inner, self.eps, group_size=inner // self.groups),
-            "out_proj": RowLinear(inner, self.hidden, self.bias),
+            **({"norm": Norm(inner, self.eps, group_size=inner // self.groups)} if self.gated_norm else {}),
+            "out_proj": RowLinear(inner, self.hidden, self.out_bias),
         }
 
     def own_tp_units(self) -> dict[str, int]:
@@ -92,7 +103,8 @@ class Mamba2(Declared):
         convs' outputs (SiLU's inputs); dt's softplus input and output and its clamp's output dt (fp32);
         x, which v = x dt and D x both keep (dt is kept already, D is a parameter); what the rule keeps
         (its inputs, document ids and a state per span); -exp(A_log) and exp's output; the gate (SiLU's
-        input), the gated product's factors; the norm's and out_proj's inputs."""
+        input), the gated product's factors (with the norm first, the norm's output in place of y); the
+        norm's and out_proj's inputs. The multipliers are scale ops: they keep nothing."""
         tokens, tp = batch * seq_len, run.tp
         inner, states, heads = self.inner // tp, self.groups * self.state_size // tp, self.heads // tp
         conv = partial(conv_saved_bytes, run, tokens, self.conv_kernel, dtype_bytes)
@@ -104,10 +116,10 @@ class Mamba2(Declared):
                                         dtype_bytes, with_beta=False)
         own += 2 * heads * FP32_BYTES  # exp(A_log) and its negation
         own += 3 * tokens * inner * dtype_bytes  # the gate, and the gated product's factors
+        norm = {"norm": rms_norm_saved_bytes(tokens, self.inner // self.groups, dtype_bytes, False, self.groups // tp)} \
+            if self.gated_norm else {}
         return {"in_proj_x": tokens * self.hidden * dtype_bytes, "conv_x": conv(inner), "conv_B": conv(states),
-                "conv_C": conv(states), "": own,
-                "norm": rms_norm_saved_bytes(tokens, self.inner // self.groups, dtype_bytes, False, self.groups // tp),
-                "out_proj": tokens * inner * dtype_bytes}
+                "conv_C": conv(states), "": own, **norm, "out_proj": tokens * inner * dtype_bytes}
 
 
 class Mamba2Mixer(RecurrentMixer):
@@ -115,15 +127,28 @@ class Mamba2Mixer(RecurrentMixer):
         """`positions`: each token's position in its document under per-document training, else None."""
         declared = self.declared
         hidden, positions = self.whole_sequences(hidden, positions)
+        if declared.in_multiplier != 1.0:
+            hidden = hidden * declared.in_multiplier
         batch, length = hidden.shape[:2]
         x, b, c = self.convolved(hidden, "xBC", positions)
         x = x.reshape([batch, length, -1, declared.head_dim])
         b, c = (part.reshape([batch, length, -1, declared.state_size]) for part in (b, c))
-        dt = paddle.clip(F.softplus(self.in_proj_dt(hidden).astype("float32") + self.dt_bias), *declared.dt_limit)
+        dt = paddle.clip(F.softplus(self.projected("dt", hidden).astype("float32") + self.dt_bias), *declared.dt_limit)
         out = self.rule(c, b, x.astype("float32") * dt.unsqueeze(-1), dt * -paddle.exp(self.A_log.astype("float32")),
                         None, positions)
         out = (out + x.astype("float32") * self.D.unsqueeze(-1)).reshape([batch, length, -1])
-        return self.projected_out(self.norm(out * F.silu(self.in_proj_z(hidden).astype("float32"))).astype(hidden.dtype))
+        gate = F.silu(self.projected("z", hidden).astype("float32"))
+        if declared.gated_norm == GATE_THEN_NORM:
+            out = self.norm(out * gate)
+        else:
+            out = (out if declared.gated_norm is None else self.norm(out)) * gate
+        return self.projected_out(out.astype(hidden.dtype))
+
+    def projected(self, name: str, hidden):
+        """in_proj_<name>(hidden), times its multiplier."""
+        multiplier = self.declared.multipliers[IN_PROJ.index(f"in_proj_{name}")]
+        out = getattr(self, f"in_proj_{name}")(hidden)
+        return out if multiplier == 1.0 else out * multiplier
 
 
 Mamba2.layer = Mamba2Mixer

@@ -43,6 +43,7 @@ class GatedMLP(Declared):
     unit: str = "intermediate_size"  # the config field its width is (named when tp does not divide it)
     limit: float | None = None  # GPT-OSS: gate clamped above, up to [-limit, limit], (up + 1) x gate x sigmoid(alpha gate)
     alpha: float = 1.0
+    multipliers: tuple[float, float] = (1.0, 1.0)  # Falcon-H1: gate's output and down's times these (scale ops)
 
     def parts(self) -> dict[str, Part]:
         gate, up, down = self.names
@@ -53,7 +54,7 @@ class GatedMLP(Declared):
         return {self.unit: self.width}
 
     def fused(self, run: Execution) -> bool:
-        return run.kernels.swiglu and self.activation in SILU and self.limit is None
+        return run.kernels.swiglu and self.activation in SILU and self.limit is None and self.multipliers == (1.0, 1.0)
 
     def saved_bytes(self, run: Execution, tokens: int, dtype_bytes: int) -> dict[str, int]:
         """gate and up share one saved input (full-size under SP); the activation's input, its output
@@ -79,7 +80,10 @@ class GatedMLPLayer(Block):
     def forward(self, x):
         gate, up, down = (getattr(self, name) for name in self.declared.names)
         x = gather_tokens(x, self.run)
-        return down(self.gated(gate(x), up(x)))
+        into, out = self.declared.multipliers
+        if (into, out) == (1.0, 1.0):
+            return down(self.gated(gate(x), up(x)))
+        return down(self.gated(gate(x) * into, up(x))) * out
 
     def partial_sum(self, rows):
         """This tp rank's share of the MLP on `rows` every tp rank holds, without the collectives of its
