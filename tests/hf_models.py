@@ -18,6 +18,8 @@ so both generations save the folders and compute the references. Nothing here re
                                                              (transformers 5) its chunked and token-by-token
                                                              functions of RULE (gated_delta, kimi_delta) on
                                                              INPUTS: outputs, states, gradients
+    python hf_models.py greedy IDS.npy COUNT FOLDER...     each folder's greedy generation of COUNT tokens after
+                                                             IDS (FOLDER.greedy.npy)
     python hf_models.py ssd INPUTS.npz ANSWERS.npz         (transformers 5) Mamba-2's scan on INPUTS (`ssd_answers`)
     python hf_models.py prediction_answers ROWS.npy IDS.npy FOLDER...
                                                              (transformers 5) MtpModel's answers on each
@@ -488,6 +490,16 @@ def recurrent_rule_answers(rule: str, inputs: Path, answers: Path) -> None:
     np.savez(answers, **out)
 
 
+def greedy(ids: np.ndarray, count: int, folder: Path) -> np.ndarray:
+    """transformers' own greedy `generate` of `count` tokens after each row of `ids`, with its cache."""
+    import torch
+
+    with torch.no_grad():
+        out = reference_model(folder).generate(torch.tensor(ids), max_new_tokens=count, do_sample=False,
+                                               eos_token_id=None, pad_token_id=0)
+    return out[:, ids.shape[1]:].numpy()
+
+
 SSD_INPUTS = ("x", "dt", "A", "B", "C")
 
 
@@ -524,6 +536,10 @@ if __name__ == "__main__":
     elif command == "loss":
         rows, answer, folder = rest
         Path(answer).write_text(json.dumps({"loss": loss(Path(folder), np.load(rows))}))
+    elif command == "greedy":
+        ids, count, *folders = rest
+        for folder in folders:
+            np.save(f"{folder}.greedy.npy", greedy(np.load(ids), int(count), Path(folder)))
     elif command == "ssd":
         inputs, answers = rest
         ssd_answers(Path(inputs), Path(answers))

@@ -22,6 +22,7 @@ from paddle_pp.data.preprocess import preprocess
 from paddle_pp.data.tokenizer import load_text_tokenizer
 from paddle_pp.interop.pretrained import PADDLENLP, TRANSFORMERS, load_pretrained, open_pretrained
 from paddle_pp.training.arguments import parse_args
+from paddle_pp.training.decoding import carries_state
 from paddle_pp.training.generation import load_generator
 from paddle_pp.training.model_config import model_config
 
@@ -51,6 +52,30 @@ def test_a_variant_of_a_hybrid_family_gives_transformers_5_logits(kind, transfor
     logits of transformers 5, which saved it."""
     np.testing.assert_allclose(our_logits(transformers5_folders / kind, IDS), np.load(transformers5_folders / f"{kind}.npy"),
                                atol=LOGITS_TOL, rtol=LOGITS_TOL)
+
+
+PROMPT, NEW_TOKENS = IDS[:1, :20], 12
+
+
+@pytest.fixture(scope="module")
+def hybrid_greedy(transformers5_folders, tmp_path_factory) -> dict[str, list[int]]:
+    """transformers 5's own greedy `generate` (with its cache) of NEW_TOKENS after PROMPT, per hybrid kind."""
+    prompt = tmp_path_factory.mktemp("prompt") / "prompt.npy"
+    np.save(prompt, PROMPT)
+    folders = [transformers5_folders / kind for kind in hf_models.HYBRID_KINDS]
+    hf_models.transformers5("greedy", prompt, NEW_TOKENS, *folders)
+    return {folder.name: np.load(f"{folder}.greedy.npy")[0].tolist() for folder in folders}
+
+
+@pytest.mark.parametrize("kind", list(hf_models.HYBRID_KINDS))
+def test_generation_carries_the_recurrent_state_to_transformers_greedy_tokens(kind, transformers5_folders,
+                                                                             hybrid_greedy):
+    """`tools/generate.py`'s generator on the hybrid families (Qwen3.5, Olmo-Hybrid, Nemotron-H, Falcon-H1):
+    after a 20-token prompt each new token runs alone, the recurrent layers carrying their conv inputs and
+    state; greedy, it gives the 12 tokens transformers 5's own `generate` gives."""
+    generator = load_generator(transformers5_folders / kind)
+    assert carries_state(generator.model)
+    assert generator.token_ids(PROMPT[0].tolist(), NEW_TOKENS) == hybrid_greedy[kind]
 
 
 def _edited(source: Path, target: Path, **fields) -> Path:

@@ -25,7 +25,7 @@ before them leave (`recurrent_cp`: the conv's last inputs and the rule's state, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, ClassVar
 
@@ -104,8 +104,10 @@ class DepthwiseCausalConv(nn.Layer):
         for shift in range(1, kernel if halo is not None else min(kernel, length)):
             if halo is None:
                 earlier = F.pad(x[:, :length - shift], [shift, 0], data_format="NLC")
-            else:
+            elif shift < length:
                 earlier = paddle.concat([halo[:, kernel - 1 - shift:], x[:, :length - shift]], axis=1)
+            else:  # x shorter than the tap (a generated token): every earlier input is the halo's
+                earlier = halo[:, kernel - 1 - shift:kernel - 1 - shift + length]
             if positions is not None:
                 earlier = earlier * (positions >= shift).astype(x.dtype).unsqueeze(-1)
             out = out + earlier * taps[:, kernel - 1 - shift]
@@ -195,11 +197,21 @@ class GatedDelta(Declared):
                 "out_proj": tokens * values * dtype_bytes}
 
 
+@dataclass
+class Carry:
+    """What a recurrent mixer carries from one call to the next when text is generated token by token
+    (`paddle_pp/training/decoding.py`): each conv's last kernel - 1 inputs, and the rule's state."""
+
+    conv: dict = field(default_factory=dict)
+    state: paddle.Tensor | None = None
+
+
 class RecurrentMixer(Block):
     """What every recurrent token mixer does around its own arithmetic: the whole sequences in
     [batch, seq, hidden] (gathered under SP), the convs on the projections (each part after the part
     before under context parallelism), the run's rule (across the cp group's parts), and out_proj in
-    the run's layout."""
+    the run's layout. With a `Carry` (generation, one process) the convs and the rule start where the
+    previous call left off, and leave it for the next."""
 
     def whole_sequences(self, hidden, positions):
         """(hidden [batch, seq, hidden], `positions` under per-document training, else None: one stream)."""
@@ -208,16 +220,28 @@ class RecurrentMixer(Block):
             hidden = hidden.transpose([1, 0, 2])
         return hidden, positions if self.run.within_documents else None
 
-    def convolved(self, hidden, names: str, positions) -> list:
+    def convolved(self, hidden, names: str, positions, carry: Carry | None = None) -> list:
         """silu(conv_n(in_proj_n(hidden))) for each n of `names` (its projection as `projected` gives it)."""
-        convolve = convolver(self.run, positions)
-        return [F.silu(convolve(getattr(self, f"conv_{name}"), self.projected(name, hidden))) for name in names]
+        if carry is None:
+            convolve = convolver(self.run, positions)
+            return [F.silu(convolve(getattr(self, f"conv_{name}"), self.projected(name, hidden))) for name in names]
+        out = []
+        for name in names:
+            conv, x = getattr(self, f"conv_{name}"), self.projected(name, hidden)
+            taps, halo = conv.weight.shape[-1] - 1, carry.conv.get(name)
+            out.append(F.silu(conv(x, None, halo)))
+            inputs = x if halo is None else paddle.concat([halo, x], axis=1)
+            carry.conv[name] = F.pad(inputs, [max(taps - inputs.shape[1], 0), 0], data_format="NLC")[:, -taps:]
+        return out
 
     def projected(self, name: str, hidden):
         return getattr(self, f"in_proj_{name}")(hidden)
 
-    def rule(self, q, k, v, g, beta, positions):
+    def rule(self, q, k, v, g, beta, positions, carry: Carry | None = None):
         run = self.run
+        if carry is not None:
+            out, carry.state = run.recurrent(q, k, v, g, beta, initial_state=carry.state)
+            return out
         if run.ring is None:
             return run.recurrent(q, k, v, g, beta, segments=None if positions is None else document_ids(positions))[0]
         return rule_across_parts(run.recurrent, q, k, v, g, beta, positions, run.ring)
@@ -228,18 +252,18 @@ class RecurrentMixer(Block):
 
 
 class GatedDeltaMixer(RecurrentMixer):
-    def forward(self, hidden, positions=None):
+    def forward(self, hidden, positions=None, carry: Carry | None = None):
         """`positions`: each token's position in its document under per-document training, else None."""
         declared = self.declared
         hidden, positions = self.whole_sequences(hidden, positions)
         batch, length = hidden.shape[:2]
-        q, k, v = self.convolved(hidden, "qkv", positions)
+        q, k, v = self.convolved(hidden, "qkv", positions, carry)
         q, k = (_l2norm(x.reshape([batch, length, -1, declared.key_dim])) for x in (q, k))
         v = v.reshape([batch, length, -1, declared.value_dim])
         beta = F.sigmoid(self.in_proj_b(hidden))
         if declared.beta_scale != 1.0:
             beta = beta * declared.beta_scale
-        out = self.rule(q * declared.key_dim ** -0.5, k, v, self.decay(hidden), beta, positions)
+        out = self.rule(q * declared.key_dim ** -0.5, k, v, self.decay(hidden), beta, positions, carry)
         gate = self.output_gate(hidden).reshape([batch, length, -1, declared.value_dim])
         return self.projected_out((self.norm(out.astype(hidden.dtype)) * self.gated(gate)).reshape([batch, length, -1]))
 

@@ -36,7 +36,7 @@ import paddle
 import paddle.nn.functional as F
 
 from modeling.blocks.attention import HeadVector
-from modeling.blocks.gated_delta import CausalConv, RecurrentMixer, conv_saved_bytes
+from modeling.blocks.gated_delta import Carry, CausalConv, RecurrentMixer, conv_saved_bytes
 from modeling.blocks.norms import FP32_BYTES, rms_norm_saved_bytes
 from modeling.blocks.parts import ColumnLinear, Declared, Norm, Part, RowLinear
 from modeling.execution import Execution
@@ -123,19 +123,19 @@ class Mamba2(Declared):
 
 
 class Mamba2Mixer(RecurrentMixer):
-    def forward(self, hidden, positions=None):
+    def forward(self, hidden, positions=None, carry: Carry | None = None):
         """`positions`: each token's position in its document under per-document training, else None."""
         declared = self.declared
         hidden, positions = self.whole_sequences(hidden, positions)
         if declared.in_multiplier != 1.0:
             hidden = hidden * declared.in_multiplier
         batch, length = hidden.shape[:2]
-        x, b, c = self.convolved(hidden, "xBC", positions)
+        x, b, c = self.convolved(hidden, "xBC", positions, carry)
         x = x.reshape([batch, length, -1, declared.head_dim])
         b, c = (part.reshape([batch, length, -1, declared.state_size]) for part in (b, c))
         dt = paddle.clip(F.softplus(self.projected("dt", hidden).astype("float32") + self.dt_bias), *declared.dt_limit)
         out = self.rule(c, b, x.astype("float32") * dt.unsqueeze(-1), dt * -paddle.exp(self.A_log.astype("float32")),
-                        None, positions)
+                        None, positions, carry)
         out = (out + x.astype("float32") * self.D.unsqueeze(-1)).reshape([batch, length, -1])
         gate = F.silu(self.projected("z", hidden).astype("float32"))
         if declared.gated_norm == GATE_THEN_NORM:

@@ -4,11 +4,14 @@ folder), with the tokenizer that folder carries.
 
 There is no key/value cache: each new token runs the whole window again. That is quadratic in the
 length, and fine for what this is for (looking at what a model writes after some training); the
-training forward is reused unchanged, so what is sampled is exactly what was trained.
+training forward is reused unchanged, so what is sampled is exactly what was trained. A model with
+recurrent layers (Qwen3.5, Kimi Linear, Nemotron-H, Granite 4.0-H, Falcon-H1) runs each new token
+alone instead, those layers carrying their state from token to token (`decoding.carrying`).
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from checkpoint.format import CheckpointError, tokenizer_files
 from modeling.registry import config_from_dict, family_of, plan_of
 from paddle_pp.data.tokenizer import TextTokenizer, load_text_tokenizer
 from paddle_pp.interop.pretrained import load_pretrained, open_pretrained
+from paddle_pp.training.decoding import carries_state, carrying
 
 
 @dataclass
@@ -32,14 +36,17 @@ class Generator:
         """The new ids after `prompt_ids`: greedy when `top_p` is 0, else sampled from the smallest set
         of tokens whose probability reaches `top_p`; stops early at the tokenizer's end-of-text id."""
         rng, ids = np.random.default_rng(seed), list(prompt_ids)
-        with paddle.no_grad():
+        stateful = carries_state(self.model)
+        with paddle.no_grad(), (carrying(self.model, self.window) if stateful else nullcontext()):
+            fresh = ids[-self.window:]  # what the next call runs: the window, or (carrying state) what is new
             for _ in range(max_new_tokens):
-                logits = self.model(paddle.to_tensor([ids[-self.window:]], dtype="int64"))[0, -1]
+                logits = self.model(paddle.to_tensor([fresh], dtype="int64"))[0, -1]
                 scores = logits.astype("float64").numpy()
                 token = int(np.argmax(scores)) if top_p <= 0 else _nucleus(scores, top_p, temperature, rng)
                 ids.append(token)
                 if token == self.tokenizer.eos_id:
                     break
+                fresh = [token] if stateful else ids[-self.window:]
         return ids[len(prompt_ids):]
 
     def complete(self, prompt: str, max_new_tokens: int, top_p: float = 0.0, temperature: float = 1.0,
