@@ -54,6 +54,17 @@ def test_a_variant_of_a_hybrid_family_gives_transformers_5_logits(kind, transfor
                                atol=LOGITS_TOL, rtol=LOGITS_TOL)
 
 
+def test_a_released_qwen3_5_configs_own_fields_are_read_as_transformers_reads_them(transformers5_folders, tmp_path):
+    """Qwen's released Qwen3.5 configs write `attn_output_gate` and `mamba_ssm_dtype`, which transformers 5
+    reads past: true (its full layers are always gated) and any cache dtype give transformers' logits; a
+    gate turned off is another model, refused by name."""
+    source = transformers5_folders / "qwen3_5_text"
+    released = _edited(source, tmp_path / "released", attn_output_gate=True, mamba_ssm_dtype="float32")
+    np.testing.assert_allclose(our_logits(released, IDS), np.load(f"{source}.npy"), atol=LOGITS_TOL, rtol=LOGITS_TOL)
+    with pytest.raises(CheckpointError, match=r"attn_output_gate=False \(changes the model"):
+        open_pretrained(_edited(source, tmp_path / "ungated", attn_output_gate=False))
+
+
 PROMPT, NEW_TOKENS = IDS[:1, :20], 12
 
 

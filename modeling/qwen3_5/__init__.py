@@ -36,6 +36,9 @@ _MULTIMODAL_ROTARY = ("mrope_section", "mrope_interleaved")
 # fields): left unread with a note, as transformers leaves it (`_keys_to_ignore_on_load_unexpected`)
 MTP_UNREAD = ("mtp.",)
 MTP_FIELDS = dict.fromkeys(("mtp_num_hidden_layers", "mtp_use_dedicated_embeddings"), any_value)
+# fields Qwen's released configs write that transformers 5 reads past: its full layers are always gated (a
+# config turning the gate off is another model), the recurrent cache's dtype is inference's
+RELEASED_FIELDS = {"attn_output_gate": lambda value, _: value is True, "mamba_ssm_dtype": any_value}
 
 
 class Qwen3_5TextConfig(DecoderConfig):
@@ -135,8 +138,9 @@ class Qwen3_5MoeTextConfig(MoEConfig, Qwen3_5TextConfig):
 
 
 QWEN3_5_TEXT = decoder_family(Qwen3_5TextConfig, "Qwen3_5ForCausalLM", "qwen3_5", paddlenlp=False,
-                              fuse=fused_linear_inputs, accepted=MTP_FIELDS, unread=MTP_UNREAD)
+                              fuse=fused_linear_inputs, accepted={**MTP_FIELDS, **RELEASED_FIELDS}, unread=MTP_UNREAD)
 Qwen3_5ForCausalLM, Qwen3_5ForCausalLMPipe = QWEN3_5_TEXT.causal_lm, QWEN3_5_TEXT.pipe
 QWEN3_5_MOE_TEXT = decoder_family(Qwen3_5MoeTextConfig, "Qwen3_5MoeForCausalLM", "qwen3_5_moe", paddlenlp=False,
-                                  fuse=fused_linear_inputs, accepted={**MOE_ACCEPTED, **MTP_FIELDS}, unread=MTP_UNREAD)
+                                  fuse=fused_linear_inputs, accepted={**MOE_ACCEPTED, **MTP_FIELDS, **RELEASED_FIELDS},
+                                  unread=MTP_UNREAD)
 Qwen3_5MoeForCausalLM, Qwen3_5MoeForCausalLMPipe = QWEN3_5_MOE_TEXT.causal_lm, QWEN3_5_MOE_TEXT.pipe

@@ -18,7 +18,7 @@ from dataclasses import replace
 from modeling.config_fields import MOE_ACCEPTED
 from modeling.decoder_family import decoder_family
 from modeling.moe_config import QwenMoEFields
-from modeling.qwen3_5 import MTP_FIELDS, MTP_UNREAD, Qwen3_5TextConfig, fused_linear_inputs
+from modeling.qwen3_5 import MTP_FIELDS, MTP_UNREAD, RELEASED_FIELDS, Qwen3_5TextConfig, fused_linear_inputs
 from modeling.transformers_adapter import Stored
 
 _GROUPED = {"in_proj_q": "in_proj_qkvz", "in_proj_k": "in_proj_qkvz", "in_proj_v": "in_proj_qkvz",
@@ -57,5 +57,6 @@ def grouped_linear_inputs(stored: Stored, config: Qwen3NextConfig) -> Stored:
 
 
 QWEN3_NEXT = decoder_family(Qwen3NextConfig, "Qwen3NextForCausalLM", "qwen3_next", paddlenlp=False,
-                            fuse=grouped_linear_inputs, accepted={**MOE_ACCEPTED, **MTP_FIELDS}, unread=MTP_UNREAD)
+                            fuse=grouped_linear_inputs, accepted={**MOE_ACCEPTED, **MTP_FIELDS, **RELEASED_FIELDS},
+                            unread=MTP_UNREAD)
 Qwen3NextForCausalLM, Qwen3NextForCausalLMPipe = QWEN3_NEXT.causal_lm, QWEN3_NEXT.pipe
