@@ -305,8 +305,8 @@ def test_a_multimodal_folder_trains_its_language_model_and_carries_its_vision_to
     beside): under tp2 step 1 is the loss transformers 5's Qwen3_5ForConditionalGeneration computes on
     the batch (1e-5); the run's checkpoint, saved in transformers' layout, and the export of the next
     step's checkpoint (resumed from it on one card, in our layout) each hold every vision tensor as the
-    folder stored it, byte for byte, and load in transformers 5 as the multimodal model with our text
-    logits (1e-4)."""
+    folder stored it, byte for byte, keep its multimodal rotary sections, and load in transformers 5 as
+    the multimodal model with our text logits (1e-4)."""
     folder = transformers5_folders / MULTIMODAL
     start = ("--model_name_or_path", str(folder), "--eval_steps", "0", "--warmup_steps", "1")
     (split, *_), out = pretrain_run(Run("qwen3_5_multimodal_tp2", 2, start + TP2 + (
@@ -325,6 +325,8 @@ def test_a_multimodal_folder_trains_its_language_model_and_carries_its_vision_to
     hf_models.transformers5("logits", ids, saved, exported)
     for checkpoint in (saved, exported):
         assert _stored_bits(checkpoint, "model.visual.") == vision, checkpoint
-        assert json.loads((checkpoint / "config.json").read_text())["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+        written = json.loads((checkpoint / "config.json").read_text())
+        assert written["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+        assert written["text_config"]["rope_scaling"]["mrope_section"] == [2, 1, 1]  # the vision inputs' positions
         np.testing.assert_allclose(np.load(f"{checkpoint}.npy"), our_logits(checkpoint, IDS), atol=EXPORT_TOL,
                                    rtol=EXPORT_TOL)

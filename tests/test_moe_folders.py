@@ -253,6 +253,17 @@ def test_a_hybrid_folders_mtp_layer_is_left_unread_as_transformers_leaves_it(moe
         open_pretrained(folder)
 
 
+def test_a_kimi_linear_config_counting_prediction_layers_is_refused_by_name(moe_folders, tmp_path):
+    """Kimi Linear has no multi-token prediction layers (transformers builds none): a config counting one
+    is refused, naming the field, not built into a layer its pattern does not cover."""
+    source, folder = moe_folders["transformers5"] / "kimi_linear", tmp_path / "kimi_linear"
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    with pytest.raises(CheckpointError, match="num_nextn_predict_layers=1: Kimi Linear has no multi-token"):
+        open_pretrained(folder)
+
+
 def test_received_rows_are_regrouped_by_expert_then_source():
     """Rank-local expert order of the rows an expert-parallel rank received: source 0 sent 1 row for
     expert 0 and 2 for expert 1, source 1 sent 3 for expert 0 and none for expert 1."""

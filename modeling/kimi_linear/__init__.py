@@ -91,6 +91,10 @@ class KimiLinearConfig(DeepseekV3Config):
         return Decoder(index, mixer, part, self.hidden_norm(), feed_forward_name=name, attention_name="self_attn")
 
     def validate(self) -> None:
+        if self.num_nextn_predict_layers:
+            raise ModelConfigError(f"num_nextn_predict_layers={self.num_nextn_predict_layers}: Kimi Linear has no "
+                                   "multi-token prediction layers (transformers builds none, its releases hold none); "
+                                   "set it to 0")
         unknown = sorted(set(self.linear_attn_config or {}) - _PATTERN_KEYS)
         if unknown:
             raise ModelConfigError(f"linear_attn_config has {', '.join(unknown)}, which paddle-pp does not model "

@@ -65,8 +65,13 @@ class Qwen3_5TextConfig(DecoderConfig):
                          num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
                          num_key_value_heads=num_key_value_heads, head_dim=head_dim,
                          max_position_embeddings=max_position_embeddings, rope_theta=rope_theta,
-                         rope_scaling=_text_rotary(rope_scaling), pad_token_id=pad_token_id,
+                         rope_scaling=rope_scaling, pad_token_id=pad_token_id,
                          bos_token_id=bos_token_id, eos_token_id=eos_token_id, **kwargs)
+
+    def rope(self, index: int) -> tuple[float, dict | None]:
+        """For text the three position streams are one: plain partial rotary (`mrope_*` kept in the
+        config, and written back, for a multimodal folder's other inputs)."""
+        return self.rope_theta, _text_rotary(self.rope_scaling)
 
     def mixer(self, index: int) -> GatedDelta:
         return GatedDelta(self.hidden_size, self.linear_num_key_heads, self.linear_num_value_heads,
