@@ -1,6 +1,6 @@
 """Mixture-of-experts training across layouts (real processes, fp32): a DeepSeek-V3-shaped model
-trains like single card under dp2 x pp2 x ep2, dp2 x sharding2 stage1 with ep2 and with
-ep4 (experts across the sharding ranks), cp2 x sharding2 stage1 x ep2, and stage2 without ep; its ep2
+trains like single card under dp2 x pp2 x ep2, dp2 x sharding2 stage1 with ep4 (experts across the
+sharding ranks), cp2 x sharding2 stage1 x ep2, and sharding2 stage2 without ep; its ep2
 checkpoint resumes under ep4 across the sharding ranks and on one card, and after a kill mid-save on
 one card; a Switch-routed Qwen2-MoE trains like single card with its sequences cut over cp.
 """
@@ -52,7 +52,8 @@ def moe_runs(moe_folders):
     layout, the same folder on 8 ranks: tests/test_moe_starts.py); under dp2 x sharding2 stage1 over
     ep4 (the expert group across the sharding ranks, each rank updating its own experts outside
     stage1's partition); under cp2 x sharding2 stage1 over ep2 with full recompute, a micro-batch of 4 a
-    step (each expert's states on one of its two replicas, the cp peers); under dp2 x sharding2 stage2 without ep; and the
+    step (each expert's states on one of its two replicas, the cp peers); under sharding2 stage2 without ep (2 ranks,
+    each accumulating two micro-batches of 2 a step); and the
     ep2 step-10 checkpoint resumed under ep4 across the sharding ranks (two experts per rank) and on
     one card. (ep2 over the data replicas of dp2 x sharding2 stage1 was a run of its own: the split
     layout's ep2 across dp2 and the cp2 one cover its placement, its recompute moved to the latter.)"""
@@ -65,8 +66,8 @@ def moe_runs(moe_folders):
             "ep2_cp2_stage1": Run("deepseek_ep2_cp2_stage1_recompute", 4, start + EP2 + MICRO4 + (
                 "--context_parallel_degree", "2", "--sharding_parallel_degree", "2", "--sharding", "stage1",
                 "--recompute", "--save_steps", "20")),
-            "stage2": Run("deepseek_dp2_stage2", 4, start + MICRO1 + ("--sharding_parallel_degree", "2", "--sharding",
-                                                             "stage2", "--recompute", "--save_steps", "20")),
+            "stage2": Run("deepseek_sharding2_stage2", 2, start + ("--sharding_parallel_degree", "2", "--sharding",
+                                                                   "stage2", "--recompute", "--save_steps", "20")),
             "resumed_ep4": Run("deepseek_resumed_ep4_stage1", 4, start + EP4 + (
                 "--sharding_parallel_degree", "2", "--sharding", "stage1"), resume_from=hybrid),
             "resumed_single": Run("deepseek_resumed_single", 1, start, resume_from=hybrid)}
