@@ -560,15 +560,20 @@ class ShardReader:
             return bf16_to_float32(array)
         return array.view(FLOAT8_E4M3).astype(np.float32) if entry["dtype"] == FLOAT8_CODE else array
 
-    def read_stored(self, name: str) -> np.ndarray:
-        """The tensor as stored, bit for bit (bfloat16 as ml_dtypes' bfloat16): a tensor carried, not
-        computed with. A float8 one is refused: safetensors files here are not written in it."""
-        entry = self._entry(name)
-        if entry["dtype"] == FLOAT8_CODE:
+    def stored_dtype(self, name: str) -> np.dtype:
+        """The dtype the tensor is stored in (bfloat16 as ml_dtypes' bfloat16). A float8 one is refused:
+        it is read only to be dequantized, and safetensors files here are never written in it."""
+        code = self._entry(name)["dtype"]
+        if code == FLOAT8_CODE:
             raise CheckpointError(f"{self.path}: {name} is float8, which paddle-pp reads only to dequantize")
+        return BFLOAT16 if code == "BF16" else CODES[code]
+
+    def read_stored(self, name: str) -> np.ndarray:
+        """The tensor as stored, bit for bit: a tensor carried, not computed with."""
+        entry, dtype = self._entry(name), self.stored_dtype(name)
         out = np.empty(entry["shape"], _stored_dtype(entry["dtype"]))
         self._read_into(out, self._data_start + entry["data_offsets"][0])
-        return out.view(BFLOAT16) if entry["dtype"] == "BF16" else out
+        return out.view(dtype)
 
     def read(self, name: str, piece: Piece = WHOLE, out: np.ndarray | None = None) -> np.ndarray:
         """The tensor's `piece` (the whole tensor by default); read into `out` when given (an array of

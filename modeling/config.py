@@ -186,10 +186,20 @@ class DecoderConfig(CausalLMConfig):
         """Layer `index`'s feed-forward part, under its name."""
         return "mlp", GatedMLP(self.hidden_size, self.intermediate_size, self.hidden_act, self.mlp_bias)
 
+    def token_mixer(self, index: int) -> tuple[str, Part]:
+        """Layer `index`'s token mixer, under its name in the layer: attention, unless a hybrid family
+        gives the layer a recurrent mixer."""
+        return "self_attn", self.attention(index)
+
+    def layer_norms(self, index: int) -> NormPlacement:
+        """Where layer `index`'s norms sit (one place for every layer, unless a family says)."""
+        return self.norms
+
     def decoder_layer(self, index: int) -> Decoder:
         name, part = self.feed_forward(index)
-        return Decoder(index, self.attention(index), part, self.hidden_norm(), feed_forward_name=name,
-                       norms=self.norms, residual_multiplier=getattr(self, "residual_multiplier", 1.0))
+        mixer_name, mixer = self.token_mixer(index)
+        return Decoder(index, mixer, part, self.hidden_norm(), feed_forward_name=name, attention_name=mixer_name,
+                       norms=self.layer_norms(index), residual_multiplier=getattr(self, "residual_multiplier", 1.0))
 
     def validate(self) -> None:
         super().validate()

@@ -83,6 +83,16 @@ def v3_routing(config, alpha: float | None) -> Routing:
                    correction_bias=True, aux=SEQUENCE, aux_coef=V3_AUX_ALPHA if alpha is None else alpha)
 
 
+def check_v3_groups(config) -> None:
+    """`v3_routing`'s groups: `n_group` divides the experts into groups of at least two (a group is
+    ranked by its top two), of which at most `n_group` are kept."""
+    if config.num_experts % config.n_group or (config.n_group > 1 and config.num_experts // config.n_group < 2):
+        raise ModelConfigError(f"n_group={config.n_group} must divide n_routed_experts={config.num_experts} into "
+                               "groups of at least 2 experts (a group is ranked by its top two)")
+    if config.topk_group > config.n_group:
+        raise ModelConfigError(f"topk_group={config.topk_group} exceeds n_group={config.n_group}")
+
+
 class DeepSeekMoEFields(MoEConfig):
     """DeepSeek-V3's mixture of experts (also GLM-4.5's): dense MLPs in the first
     `first_k_dense_replace` layers, then experts of `moe_intermediate_size` with `n_shared_experts`
@@ -147,11 +157,7 @@ class DeepSeekMoEFields(MoEConfig):
 
     def validate(self) -> None:
         super().validate()
-        if self.num_experts % self.n_group or (self.n_group > 1 and self.num_experts // self.n_group < 2):
-            raise ModelConfigError(f"n_group={self.n_group} must divide n_routed_experts={self.num_experts} into "
-                                   "groups of at least 2 experts (a group is ranked by its top two)")
-        if self.topk_group > self.n_group:
-            raise ModelConfigError(f"topk_group={self.topk_group} exceeds n_group={self.n_group}")
+        check_v3_groups(self)
         if self.num_nextn_predict_layers < 0 or self.num_nextn_predict_lambda < 0:
             raise ModelConfigError(f"num_nextn_predict_layers={self.num_nextn_predict_layers} and "
                                    f"num_nextn_predict_lambda={self.num_nextn_predict_lambda} must not be negative")

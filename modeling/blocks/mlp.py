@@ -15,12 +15,12 @@ from modeling.execution import Execution
 from modeling.sequence_parallel import gather_tokens
 
 
-# transformers' `hidden_act` names -> the function (gelu_new and gelu_pytorch_tanh are both GeLU's tanh form)
 def relu_squared(x):
     """relu(x)^2 (transformers' `relu2`: Nemotron-H's MLPs and experts)."""
     return F.relu(x).square()
 
 
+# transformers' `hidden_act` names -> the function (gelu_new and gelu_pytorch_tanh are both GeLU's tanh form)
 ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": partial(F.gelu, approximate=False),
                "gelu_pytorch_tanh": partial(F.gelu, approximate=True), "gelu_new": partial(F.gelu, approximate=True),
                "relu2": relu_squared}

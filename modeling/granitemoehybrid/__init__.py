@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from modeling.blocks.decoder import Decoder
+from modeling.blocks.attention import Attention
 from modeling.blocks.mamba2 import Mamba2, fused_mamba2
 from modeling.blocks.mlp import GatedMLP
 from modeling.blocks.moe import Experts, MoE
@@ -84,12 +84,8 @@ class GraniteMoeHybridConfig(MoEConfig, GraniteConfig):
         return "block_sparse_moe", MoE(index, self.hidden_size, Experts(self.num_experts, expert), self.routing(),
                                        shared, shared_gate=False, names=("router", "shared_mlp"))
 
-    def decoder_layer(self, index: int) -> Decoder:
-        if self.layer_types[index] != LINEAR:
-            return super().decoder_layer(index)
-        name, part = self.feed_forward(index)
-        return Decoder(index, self.mixer(index), part, self.hidden_norm(), feed_forward_name=name,
-                       attention_name="mamba", residual_multiplier=self.residual_multiplier)
+    def token_mixer(self, index: int) -> tuple[str, Mamba2 | Attention]:
+        return ("mamba", self.mixer(index)) if self.layer_types[index] == LINEAR else super().token_mixer(index)
 
     def validate(self) -> None:
         check_layer_kinds("layer_types", self.layer_types, (LINEAR, FULL), self.num_hidden_layers)

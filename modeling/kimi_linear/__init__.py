@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 from modeling.attention_core.spec import CoreSpec
-from modeling.blocks.decoder import Decoder
 from modeling.blocks.gated_delta import KimiDelta, stored_apart
 from modeling.blocks.latent_attention import LatentAttention
 from modeling.config import FULL, ModelConfigError, check_layer_kinds
@@ -82,13 +81,12 @@ class KimiLinearConfig(DeepseekV3Config):
     def is_dense(self, index: int) -> bool:
         return index < self.num_hidden_layers and self.mlp_layer_types[index] == DENSE
 
-    def decoder_layer(self, index: int) -> Decoder:
+    def token_mixer(self, index: int) -> tuple[str, KimiDelta | LatentAttention]:
         if self.layer_types[index] != LINEAR:
-            return super().decoder_layer(index)
-        mixer = KimiDelta(self.hidden_size, self.linear_num_heads, self.linear_num_heads, self.linear_head_dim,
-                          self.linear_head_dim, self.linear_conv_kernel_dim, self.rms_norm_eps)
-        name, part = self.feed_forward(index)
-        return Decoder(index, mixer, part, self.hidden_norm(), feed_forward_name=name, attention_name="self_attn")
+            return super().token_mixer(index)
+        return "self_attn", KimiDelta(self.hidden_size, self.linear_num_heads, self.linear_num_heads,
+                                      self.linear_head_dim, self.linear_head_dim, self.linear_conv_kernel_dim,
+                                      self.rms_norm_eps)
 
     def validate(self) -> None:
         if self.num_nextn_predict_layers:

@@ -30,7 +30,7 @@ from modeling.blocks.moe import Experts, MoE
 from modeling.config import FULL, ModelConfigError, check_layer_kinds, remapped_layer_types
 from modeling.config_fields import MOE_ACCEPTED, any_value
 from modeling.decoder_family import decoder_family
-from modeling.moe_config import MoEConfig, v3_routing
+from modeling.moe_config import MoEConfig, check_v3_groups, v3_routing
 from modeling.qwen3_5 import LINEAR, MTP_UNREAD
 from modeling.transformers_adapter import Stored
 
@@ -133,9 +133,7 @@ class NemotronHConfig(MoEConfig):
                                    "activation is silu)")
         if self.mamba_num_heads % self.n_groups:
             raise ModelConfigError(f"mamba_num_heads={self.mamba_num_heads} is not divisible by n_groups={self.n_groups}")
-        if self.num_experts % self.n_group or self.topk_group > self.n_group:
-            raise ModelConfigError(f"n_group={self.n_group} must divide n_routed_experts={self.num_experts}, and "
-                                   f"topk_group={self.topk_group} be at most n_group")
+        check_v3_groups(self)
         super().validate()
 
 

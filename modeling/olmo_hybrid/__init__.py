@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from modeling.blocks.decoder import PRE_NORMS, Decoder
+from modeling.blocks.attention import Attention
+from modeling.blocks.decoder import PRE_NORMS, NormPlacement
 from modeling.blocks.gated_delta import GatedDelta, stored_apart
 from modeling.config import FULL
 from modeling.config_fields import any_value
@@ -61,15 +62,17 @@ class OlmoHybridConfig(Olmo2Config):
         """No rotary where the config's theta is null."""
         return None if self.rope_theta is None else super().rope(index)
 
-    def decoder_layer(self, index: int) -> Decoder:
+    def token_mixer(self, index: int) -> tuple[str, GatedDelta | Attention]:
         if self.layer_types[index] != LINEAR:
-            return super().decoder_layer(index)
-        mixer = GatedDelta(self.hidden_size, self.linear_num_key_heads, self.linear_num_value_heads,
-                           self.linear_key_head_dim, self.linear_value_head_dim, self.linear_conv_kernel_dim,
-                           GATED_NORM_EPS, NEGATIVE_EIGENVALUES if self.linear_allow_neg_eigval else 1.0)
-        name, part = self.feed_forward(index)
-        return Decoder(index, mixer, part, self.hidden_norm(), feed_forward_name=name, attention_name="linear_attn",
-                       norms=PRE_NORMS)
+            return super().token_mixer(index)
+        return "linear_attn", GatedDelta(
+            self.hidden_size, self.linear_num_key_heads, self.linear_num_value_heads, self.linear_key_head_dim,
+            self.linear_value_head_dim, self.linear_conv_kernel_dim, GATED_NORM_EPS,
+            NEGATIVE_EIGENVALUES if self.linear_allow_neg_eigval else 1.0)
+
+    def layer_norms(self, index: int) -> NormPlacement:
+        """LLaMA's pre-norms around a linear layer's mixer, OLMo-2's post-norms around attention."""
+        return PRE_NORMS if self.layer_types[index] == LINEAR else super().layer_norms(index)
 
     def validate(self) -> None:
         check_linear_layers(self)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from modeling.blocks.decoder import Decoder
+from modeling.blocks.attention import Attention
 from modeling.blocks.gated_delta import GatedDelta
 from modeling.config import FULL, DecoderConfig, ModelConfigError, check_layer_kinds
 from modeling.config_fields import MOE_ACCEPTED, any_value
@@ -81,12 +81,8 @@ class Qwen3_5TextConfig(DecoderConfig):
     def attention(self, index: int):
         return replace(super().attention(index), output_gate=True)
 
-    def decoder_layer(self, index: int) -> Decoder:
-        if self.layer_types[index] != LINEAR:
-            return super().decoder_layer(index)
-        name, part = self.feed_forward(index)
-        return Decoder(index, self.mixer(index), part, self.hidden_norm(), feed_forward_name=name,
-                       attention_name="linear_attn", norms=self.norms)
+    def token_mixer(self, index: int) -> tuple[str, GatedDelta | Attention]:
+        return ("linear_attn", self.mixer(index)) if self.layer_types[index] == LINEAR else super().token_mixer(index)
 
     def validate(self) -> None:
         check_linear_layers(self)

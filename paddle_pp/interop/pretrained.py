@@ -110,18 +110,28 @@ def open_pretrained(folder: Path, weights: bool = True, allow_unsafe_pickle: boo
     shapes = _header_shapes(readers)
     read = _by_axis(lambda key, piece: readers[key].read(key, piece))
     if _kind(model_family, config, shapes) == TRANSFORMERS:
-        ours = config_from_dict(config)
-        plan = plan_of(ours)
-        locate = lambda name: model_family.transformers.stored(name, plan[name], ours)  # noqa: E731
-        if stores_fused_experts(shapes):
-            locate = lambda name, per_expert=locate: fused_expert_stored(per_expert(name), ours)  # noqa: E731
-        if model_family.transformers.recut:
-            expected = {locate(name).name: stored_shape(plan[name].shape, locate(name)) for name in plan}
-            shapes, read = recut(shapes, read, model_family.transformers.recut, expected)
-        adapter = model_family.transformers
-        return _checked(folder, TRANSFORMERS, config, shapes, read, locate, adapter.buffers, adapter.layers_past_last,
-                        adapter.stored_copies(ours), adapter.unread)
+        return _transformers_folder(folder, model_family, config, shapes, read)
     return _checked(folder, PADDLENLP, config, shapes, read, paddlenlp_locate)
+
+
+def _transformers_folder(folder: Path, model_family: ModelFamily, config: dict, shapes: dict[str, list[int]],
+                         read: Read, kind: Multimodal | None = None) -> PretrainedFolder:
+    """A transformers folder of `model_family` checked and read: each tensor where the family's adapter
+    says (in transformers 5's fused experts when the folder holds them, cut again where its folders may
+    cut a group elsewhere), inside a multimodal `kind`'s text body when given, whose other parts'
+    tensors are left to carry."""
+    ours = config_from_dict(config)
+    plan, adapter = plan_of(ours), model_family.transformers
+    locate = lambda name: adapter.stored(name, plan[name], ours)  # noqa: E731
+    if stores_fused_experts(shapes):
+        locate = lambda name, per_expert=locate: fused_expert_stored(per_expert(name), ours)  # noqa: E731
+    if kind is not None:
+        locate = lambda name, text=locate: kind.stored(text(name))  # noqa: E731
+    if adapter.recut:
+        expected = {locate(name).name: stored_shape(plan[name].shape, locate(name)) for name in plan}
+        shapes, read = recut(shapes, read, adapter.recut, expected)
+    return _checked(folder, TRANSFORMERS, config, shapes, read, locate, adapter.buffers, adapter.layers_past_last,
+                    adapter.stored_copies(ours), adapter.unread, () if kind is None else kind.carried)
 
 
 def _multimodal(folder: Path, raw: dict, kind: Multimodal, weights: bool) -> PretrainedFolder:
@@ -136,12 +146,9 @@ def _multimodal(folder: Path, raw: dict, kind: Multimodal, weights: bool) -> Pre
                               "would be written back dequantized. Pass its unquantized release")
     readers = _safetensors_readers(folder)
     shapes = _header_shapes(readers)
-    ours = config_from_dict(config)
-    plan, adapter = plan_of(ours), model_family.transformers
     carried = tuple(sorted(name for name in shapes if name.startswith(kind.carried)))
-    pretrained = _checked(folder, TRANSFORMERS, config, shapes, _by_axis(lambda key, piece: readers[key].read(key, piece)),
-                          lambda name: kind.stored(adapter.stored(name, plan[name], ours)), adapter.buffers,
-                          unread=adapter.unread, carried=kind.carried)
+    pretrained = _transformers_folder(folder, model_family, config, shapes,
+                                      _by_axis(lambda key, piece: readers[key].read(key, piece)), kind)
     return replace(pretrained, notes=pretrained.notes + (
         f"{folder}: {len(carried)} tensors of its other parts ({', '.join(kind.carried)}) carried through every "
         "checkpoint as they are",), carried=Carried(raw, carried, lambda name: readers[name].read_stored(name)))

@@ -104,7 +104,7 @@ class TransformersWeights:
             files[CARRIED_TENSORS] = file_entry(file_checksum(staged / CARRIED_TENSORS, CHECKSUM),
                                                 (staged / CARRIED_TENSORS).stat().st_size)
             reader = ShardReader(staged / CARRIED_TENSORS)
-            tensors |= {name: {"dtype": reader.read_stored(name).dtype.name, "shape": reader.shape(name)}
+            tensors |= {name: {"dtype": reader.stored_dtype(name).name, "shape": reader.shape(name)}
                         for name in self.carried.names}
             weight_map |= dict.fromkeys(self.carried.names, CARRIED_TENSORS)
         kept = {key: value for key, value in ours["metadata"].items()
