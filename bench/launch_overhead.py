@@ -2,7 +2,8 @@
 
 Each measurement runs in fresh processes, alternating the two ways `--repeats` times (medians):
 - Paddle's launcher around a script that does nothing, `--nproc` ranks: from the launcher's start to
-  the last rank starting, and from the last rank's end to the launcher's exit;
+  the last rank starting, and from the last rank's end to the launcher's exit; the same through
+  `runtime/launcher.py` (Paddle's launcher polling its ranks' exit every 50 ms, not every second);
 - a one-process job end to end, through Paddle's launcher against `runtime/launch.py`'s direct start
   (`python script`, as a user runs one card);
 - `import paddle` alone, in one process;
@@ -66,24 +67,27 @@ def _python(code: str, env: dict | None = None) -> float:
     return time.perf_counter() - start
 
 
-def _noop_job(folder: str, nproc: int, direct: bool = False) -> None:
-    """The no-op script on `nproc` ranks writing into `folder`: through Paddle's launcher, or (one
+STOCK, OURS = "paddle.distributed.launch", "paddle_pp.runtime.launcher"
+
+
+def _noop_job(folder: str, nproc: int, direct: bool = False, module: str = STOCK) -> None:
+    """The no-op script on `nproc` ranks writing into `folder`: through a launcher `module`, or (one
     process) started by `runtime/launch.py` as the suite starts it."""
     script = Path(folder) / "noop.py"
     script.write_text(NOOP)
     if direct:
         launch(script, nproc, [folder], work_dir=Path(folder) / "job", collect_results=False)
         return
-    subprocess.run([sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc), "--log_dir",
+    subprocess.run([sys.executable, "-m", module, "--nproc_per_node", str(nproc), "--log_dir",
                     str(Path(folder) / "log"), str(script), folder], check=True, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
+                   stderr=subprocess.DEVNULL, cwd=REPO)
 
 
-def launcher(nproc: int) -> tuple[float, float]:
+def launcher(nproc: int, module: str = STOCK) -> tuple[float, float]:
     """(launcher start -> last rank started, last rank ended -> launcher exit) of a no-op job."""
     with tempfile.TemporaryDirectory() as folder:
         start = time.time()
-        _noop_job(folder, nproc)
+        _noop_job(folder, nproc, module=module)
         end = time.time()
         started = max(float((Path(folder) / str(rank)).read_text()) for rank in range(nproc))
     return started - start, end - started
@@ -108,9 +112,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out:
         prelude = f"RECORDS = {RECORDS!r}; OUT = {out!r}\n"
         for _ in range(args.repeats):
-            to_ranks, after_ranks = launcher(args.nproc)
-            times.setdefault("launcher: start -> last rank started", []).append(to_ranks)
-            times.setdefault("launcher: last rank ended -> exit", []).append(after_ranks)
+            for name, module in (("launcher", STOCK), ("paddle-pp launcher", OURS)):
+                to_ranks, after_ranks = launcher(args.nproc, module)
+                times.setdefault(f"{name}: start -> last rank started", []).append(to_ranks)
+                times.setdefault(f"{name}: last rank ended -> exit", []).append(after_ranks)
             for name, direct in (("one-process job: Paddle's launcher", False), ("one-process job: direct", True)):
                 times.setdefault(name, []).append(one_process_job(direct))
             times.setdefault("import paddle", []).append(_python("import paddle"))
@@ -121,9 +126,11 @@ def main() -> None:
         print(f"{name:45s} {value:6.2f} s")
     ratios = {"trainer imports": medians["paddlenlp data/transformers inits run"] / medians["paddlenlp inits skipped (paddle-pp)"],
               "plot": medians["matplotlib loss.png"] / medians["loss.svg (paddle-pp)"],
-              "one-process job": medians["one-process job: Paddle's launcher"] / medians["one-process job: direct"]}
+              "one-process job": medians["one-process job: Paddle's launcher"] / medians["one-process job: direct"],
+              "launcher exit": medians["launcher: last rank ended -> exit"]
+              / medians["paddle-pp launcher: last rank ended -> exit"]}
     print(f"trainer imports {ratios['trainer imports']:.2f}x faster, end-of-run plot {ratios['plot']:.2f}x faster, "
-          f"one-process job {ratios['one-process job']:.2f}x faster")
+          f"one-process job {ratios['one-process job']:.2f}x faster, launcher exit {ratios['launcher exit']:.2f}x faster")
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps({"machine": machine(), "nproc": args.nproc, "repeats": args.repeats,
                                    "median_s": medians, "ratios": ratios}, indent=1) + "\n")

@@ -8,7 +8,7 @@ pipeline model), so the model family's TP plan (name -> split axis) is all that 
 from __future__ import annotations
 
 import zlib
-from typing import Callable, Mapping
+from typing import Callable, Collection, Mapping
 
 import numpy as np
 import paddle.distributed as dist
@@ -22,10 +22,12 @@ class TiedWeightError(RuntimeError):
 
 
 def _assign_slices(model, axes: Mapping[str, int | None], topo: Topology,
-                   full_tensor: Callable[[str, list[int]], np.ndarray]) -> None:
-    """Set every local parameter to its tp slice of `full_tensor(name, single_card_shape)`, one
-    tensor at a time, so at most one full tensor is held beyond the model itself."""
+                   full_tensor: Callable[[str, list[int]], np.ndarray], names: Collection[str] | None = None) -> None:
+    """Set every local parameter (of `names`, when given) to its tp slice of `full_tensor(name,
+    single_card_shape)`, one tensor at a time, so at most one full tensor is held beyond the model itself."""
     for name, param in model.state_dict().items():
+        if names is not None and name not in names:
+            continue
         axis = axes.get(name)
         full_shape = single_card_shape(param.shape, axis, topo.layout.tp)
         local = split_tensor(np.asarray(full_tensor(name, full_shape)), axis, topo.layout.tp, topo.tp_rank)
@@ -46,8 +48,10 @@ def load_single_card_state(model, full_state: Mapping[str, np.ndarray], axes: Ma
     _assign_slices(model, axes, topo, lookup)
 
 
-def init_single_card_weights(model, plan: ModelPlan, topo: Topology, seed: int, std: float) -> None:
-    """Initialise every parameter as the single-card model would be, whatever the layout.
+def init_single_card_weights(model, plan: ModelPlan, topo: Topology, seed: int, std: float,
+                             names: Collection[str] | None = None) -> None:
+    """Initialise every parameter (of `names`, when given: those a pretrained folder does not hold) as
+    the single-card model would be, whatever the layout.
 
     Each tensor is drawn from its own generator keyed by (seed, single-card name), as its plan says:
     matrices from N(0, std), vectors zeros or ones (biases, norm scales; a `1 + weight` norm's zeros)
@@ -58,7 +62,7 @@ def init_single_card_weights(model, plan: ModelPlan, topo: Topology, seed: int, 
     def draw(name: str, shape: list[int]) -> np.ndarray:
         return initial_values(plan[name].init, shape, np.random.default_rng([seed, zlib.crc32(name.encode())]), std)
 
-    _assign_slices(model, plan.axes(), topo, draw)
+    _assign_slices(model, plan.axes(), topo, draw, names)
 
 
 def gather_single_card_state(model, axes: Mapping[str, int | None], topo: Topology) -> dict[str, np.ndarray]:

@@ -5,6 +5,8 @@ Imported by the tests (transformers 4.x from the venv) and run as a script under
 (`transformers5`: the same venv's torch, transformers 5 from `.venv/transformers5` on PYTHONPATH),
 so both generations save the folders and compute the references. Nothing here reads our code.
 
+    python hf_models.py serve                                one command a line of stdin (JSON), as `transformers5`
+                                                             sends them: torch and transformers 5 imported once
     python hf_models.py make ROOT ROWS.npy IDS.npy KIND...   save each KIND model as ROOT/KIND, with its
                                                              loss on ROWS (ROOT/KIND.json) and logits on IDS
                                                              (ROOT/KIND.npy); under transformers 5 an MoE
@@ -20,6 +22,8 @@ so both generations save the folders and compute the references. Nothing here re
                                                              INPUTS: outputs, states, gradients
     python hf_models.py greedy IDS.npy COUNT FOLDER...     each folder's greedy generation of COUNT tokens after
                                                              IDS (FOLDER.greedy.npy)
+    python hf_models.py encoded TEXTS.json FOLDER...        each folder's tokenizer's ids of each text, with and
+                                                             without special tokens (FOLDER.encoded.json)
     python hf_models.py ssd INPUTS.npz ANSWERS.npz         (transformers 5) Mamba-2's scan on INPUTS (`ssd_answers`)
     python hf_models.py prediction_answers ROWS.npy IDS.npy FOLDER...
                                                              (transformers 5) MtpModel's answers on each
@@ -28,10 +32,15 @@ so both generations save the folders and compute the references. Nothing here re
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import os
+import select
 import subprocess
 import sys
+import tempfile
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -207,26 +216,46 @@ SEEDS = {"qwen2_moe": 1, "deepseek_v3": 5, "gpt_oss": 6}  # kinds whose seed-0 w
 # the hub tokenizer a kind's folder ships (the others ship the repo's SentencePiece tokenizer.model)
 KIND_TOKENIZERS = {"llama3": "llama3", "qwen2": "qwen2", "llama_tied": "smollm"}
 # hub tokenizer folders: transformers' fast class -> what transformers saves for it
-TOKENIZER_STYLES = {"llama3": "PreTrainedTokenizerFast",  # tokenizer.json alone (Llama 3)
+TOKENIZER_STYLES = {"llama3": "PreTrainedTokenizerFast",  # tokenizer.json alone, its template beginning a text (Llama 3)
                     "qwen2": "Qwen2TokenizerFast",  # vocab.json, merges.txt and tokenizer.json (Qwen2/3)
-                    "smollm": "GPT2TokenizerFast"}  # the same under tokenizer_class GPT2Tokenizer (SmolLM)
+                    "smollm": "GPT2TokenizerFast",  # the same under tokenizer_class GPT2Tokenizer (SmolLM)
+                    "gemma": "GemmaTokenizerFast"}  # add_bos_token: true in tokenizer_config.json (Gemma, LLaMA 2)
+BEGINS = {"llama3": "<|begin_of_text|>", "gemma": "<bos>"}  # the token a style's folder begins every text with
+# special tokens a style's class expects in the vocabulary (transformers 5's Gemma class fails without its <unk>)
+STYLE_SPECIALS = {"gemma": ["<bos>", "<unk>", "<pad>"], "llama3": ["<|begin_of_text|>"]}
 
 
 def hub_tokenizer(style: str, folder: Path, corpus: Path, vocab_size: int = 4096) -> Path:
     """A byte-level BPE trained on `corpus` with `tokenizers`, saved by transformers' fast tokenizer
-    class of `style` as a hub folder holds it."""
+    class of `style` as a hub folder holds it: Llama 3's template in tokenizer.json, Gemma's
+    add_bos_token in tokenizer_config.json (its class writes the template too)."""
     import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+    begins = BEGINS.get(style)
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.train([str(corpus)], trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+    tokenizer.train([str(corpus)], trainers.BpeTrainer(vocab_size=vocab_size,
+                                                        special_tokens=["<|endoftext|>", *STYLE_SPECIALS.get(style, [])],
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                                         show_progress=False))
-    getattr(transformers, TOKENIZER_STYLES[style])(tokenizer_object=tokenizer, eos_token="<|endoftext|>") \
-        .save_pretrained(folder)
+    if style == "llama3":
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{begins} $A", pair=f"{begins} $A {begins} $B", special_tokens=[(begins, tokenizer.token_to_id(begins))])
+    getattr(transformers, TOKENIZER_STYLES[style])(tokenizer_object=tokenizer, eos_token="<|endoftext|>",
+                                                   **({"bos_token": begins} if begins else {})).save_pretrained(folder)
     return Path(folder)
+
+
+def encoded(texts: list[str], folder: Path) -> list[dict[str, list[int]]]:
+    """Each text's ids as the folder's tokenizer gives them by default (`with`: its special tokens) and
+    without special tokens."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    return [{"with": tokenizer(text).input_ids, "without": tokenizer(text, add_special_tokens=False).input_ids}
+            for text in texts]
 
 
 def make(kind: str, folder: Path, seed: int = 0) -> Path:
@@ -451,14 +480,73 @@ def transformers5_loss(folder: Path, rows: np.ndarray) -> float:
 
 
 def transformers5(*args) -> None:
-    """Run this file under transformers 5 (see the module doc)."""
-    if not (TRANSFORMERS5 / "transformers").is_dir():
-        raise FileNotFoundError(f"transformers 5 is not installed in {TRANSFORMERS5}: run the README's setup command")
-    env = {**os.environ, "PYTHONPATH": str(TRANSFORMERS5)}
-    done = subprocess.run([sys.executable, __file__, *map(str, args)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    if done.returncode:
-        raise RuntimeError(f"transformers 5 failed on {args}:\n{done.stderr[-3000:]}")
+    """Run one of this file's commands under transformers 5 (see the module doc), in the session's one
+    transformers 5 process: importing torch and transformers 5 costs 8-10 s here, paid once."""
+    _transformers5_server().run([str(arg) for arg in args])
+
+
+class _Server:
+    """This file running `serve` under transformers 5: a command a line on its stdin, a JSON reply a
+    line on its stdout; what the commands print goes to a log whose tail a failure reports."""
+
+    TIMEOUT = 600.0
+
+    def __init__(self):
+        if not (TRANSFORMERS5 / "transformers").is_dir():
+            raise FileNotFoundError(f"transformers 5 is not installed in {TRANSFORMERS5}: run the README's setup "
+                                    "command")
+        self.log = tempfile.NamedTemporaryFile(prefix="transformers5_", suffix=".log", delete=False)
+        self.process = subprocess.Popen([sys.executable, __file__, "serve"], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                        env={**os.environ, "PYTHONPATH": str(TRANSFORMERS5)})
+        atexit.register(self.close)
+
+    def run(self, argv: list[str]) -> None:
+        self.process.stdin.write(json.dumps(argv) + "\n")
+        self.process.stdin.flush()
+        ready, _, _ = select.select([self.process.stdout], [], [], self.TIMEOUT)
+        reply = self.process.stdout.readline() if ready else ""
+        if not reply:
+            self.process.kill()
+            _transformers5_server.cache_clear()
+            raise RuntimeError(f"transformers 5 gave no answer to {argv}:\n{self._log_tail()}")
+        error = json.loads(reply)["error"]
+        if error:
+            raise RuntimeError(f"transformers 5 failed on {argv}:\n{error}")
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process.stdout.close()
+        self.log.close()
+        os.unlink(self.log.name)
+
+    def _log_tail(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")[-3000:]
+
+
+@functools.cache
+def _transformers5_server() -> _Server:
+    return _Server()
+
+
+def serve() -> None:
+    """(transformers 5) Run each JSON command line of stdin as `command` would, replying on stdout."""
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # what a command or a library prints, from Python or C, goes to the log, never to the replies
+    for line in sys.stdin:
+        try:
+            command(json.loads(line))
+            error = None
+        except Exception:  # reported to the test that sent it; the next command still runs
+            error = traceback.format_exc()
+        replies.write(json.dumps({"error": error}) + "\n")
+        replies.flush()
 
 
 # rule -> (transformers 5 model module, its chunked function, its token-by-token function)
@@ -520,39 +608,49 @@ def ssd_answers(inputs: Path, answers: Path) -> None:
              **{f"d{key}": tensors[key].grad.numpy() for key in SSD_INPUTS})
 
 
-if __name__ == "__main__":
-    command, *rest = sys.argv[1:]
-    if command == "make":
+def command(argv: list[str]) -> None:
+    """One command of the module doc."""
+    name, *rest = argv
+    if name == "make":
         root, rows, ids, *kinds = rest
         make_with_answers(Path(root), np.load(rows), np.load(ids), kinds)
-    elif command == "with_prediction_layers":
+    elif name == "with_prediction_layers":
         folder, depth, rows, ids = rest
         with_prediction_layers(Path(folder), int(depth))
         prediction_answers(Path(folder), np.load(rows), np.load(ids))
-    elif command == "prediction_answers":
+    elif name == "prediction_answers":
         rows, ids, *folders = rest
         for folder in folders:
             prediction_answers(Path(folder), np.load(rows), np.load(ids))
-    elif command == "loss":
+    elif name == "loss":
         rows, answer, folder = rest
         Path(answer).write_text(json.dumps({"loss": loss(Path(folder), np.load(rows))}))
-    elif command == "greedy":
+    elif name == "greedy":
         ids, count, *folders = rest
         for folder in folders:
             np.save(f"{folder}.greedy.npy", greedy(np.load(ids), int(count), Path(folder)))
-    elif command == "ssd":
+    elif name == "encoded":
+        texts, *folders = rest
+        for folder in folders:
+            Path(f"{folder}.encoded.json").write_text(json.dumps(encoded(json.loads(Path(texts).read_text()),
+                                                                         Path(folder))))
+    elif name == "ssd":
         inputs, answers = rest
         ssd_answers(Path(inputs), Path(answers))
-    elif command == "recurrent_rule":
+    elif name == "recurrent_rule":
         rule, inputs, answers = rest
         recurrent_rule_answers(rule, Path(inputs), Path(answers))
-    elif command == "fp8_dequantized":
+    elif name == "fp8_dequantized":
         folder, *block = rest
         fp8_dequantized(Path(folder), [int(size) for size in block])
-    elif command == "dequantized":
+    elif name == "dequantized":
         ids, folder, *suffixes = rest
         dequantized(Path(folder), np.load(ids), tuple(suffixes))
     else:
         ids, *folders = rest
         for folder in folders:
             np.save(f"{folder}.npy", logits(Path(folder), np.load(ids)))
+
+
+if __name__ == "__main__":
+    serve() if sys.argv[1:] == ["serve"] else command(sys.argv[1:])

@@ -4,6 +4,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import paddle
 
@@ -22,6 +25,10 @@ AUX_RTOL = 1e-5
 MARGIN = 1e-4  # least gap between the k-th and (k+1)-th router logit of a routed token (layouts differ by ~1e-6)
 ROUTING_NOISE = 1e-6  # how far apart two layouts' router scores come over 20 steps (their summation orders)
 KINDS = list(hf_models.MOE_KINDS)
+# the kinds whose transformers 5 folders start under the 8-rank split layout: all but plain DeepSeek-V3, whose folder
+# with a prediction layer (MTP_KIND: the same weights and one layer more) starts there, and Mixtral, whose layers
+# are Qwen3-MoE's without q/k norms (its own tensor names are read before any layout applies)
+SPLIT_KINDS = [kind for kind in KINDS if kind not in ("deepseek_v3", "mixtral")]
 # MoE kinds of transformers 5 only whose token mixer differs per layer (Gated DeltaNet beside gated attention)
 HYBRID_KINDS = list(hf_models.HYBRID_MOE_KINDS)
 MTP_KIND = "deepseek_v3_mtp"  # transformers 5's DeepSeek-V3 folder given a multi-token prediction layer
@@ -70,6 +77,15 @@ def start_flags(kind: str, root) -> tuple[str, ...]:
 
 EP2, EP4 = ("--expert_parallel_degree", "2"), ("--expert_parallel_degree", "4")
 DP2_TP2_PP2_SP = TP2 + PP2 + ("--sequence_parallel",)  # on 8 ranks: dp 2
+
+
+def counting_an_absent_prediction_layer(source, folder):
+    """A copy of `source` (saved by transformers, which builds no prediction layer) whose config.json
+    counts one, as a fine-tune of a released DeepSeek-V3 or GLM-4.5 that transformers saved does."""
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    return folder
 
 
 DEEPSEEK = ("--num_key_value_heads", "4")  # MLA's kv heads are its heads (the runs' MODEL flags say 2)

@@ -39,6 +39,9 @@ MICRO4 = ("--per_device_train_batch_size", "4")
 GPT = ("--model_type", "gpt", "--num_key_value_heads", "0")
 TP2, PP2 = ("--tensor_parallel_degree", "2"), ("--pipeline_parallel_degree", "2")
 SHARDING2 = ("--sharding_parallel_degree", "2", "--sharding", "stage1")
+# The first 10 steps of the 20-step schedule, saved at step 10: a checkpoint's source, and the curve of a layout
+# whose steps cost most (stage3, recompute, experts over cp or sharding; `assert_trains_like` compares the steps a
+# run trained and the weights of its last save). They include the warm-up and the steps clipping cuts.
 HALF = ("--exit_after_steps", "10", "--save_steps", "10")
 RESUME_STEP = 10
 # Steps a resumed run trains (11-14, `--exit_after_steps` in the fixture that launches it): a few optimizer
@@ -65,26 +68,25 @@ class Run:
 
 
 FINAL_STEP = 20
-FINAL_SAVE = ("--save_steps", str(FINAL_STEP))  # the single-card runs keep their final weights for parity tests
 # The single-card LLaMA run: its 20 steps are every layout's reference, its step-10 save is where resumes
 # from one card start, its final weights are the parity tests' (a save does not change what is trained).
 SINGLE = Run("single", flags=("--save_steps", str(RESUME_STEP)))
-SINGLE_GPT = Run("full_gpt", flags=GPT + FINAL_SAVE)
+SINGLE_GPT = Run("full_gpt", flags=GPT + ("--save_steps", str(RESUME_STEP)))
 CP2 = ("--context_parallel_degree", "2")
-# The context-parallel suite compares it with single card; the trainer suite's 2-node launch with it.
-CP2_PP2 = Run("cp2_pp2", 4, CP2 + PP2 + MICRO4 + FINAL_SAVE)
+# The context-parallel suite compares its 10 steps with single card; the trainer suite's 2-node launch with it.
+CP2_PP2 = Run("cp2_pp2", 4, CP2 + PP2 + MICRO4 + HALF)
 # Tied GPT (embedding and head on both stages), recomputing attention blocks: the context-parallel
-# suite compares it with single card, the checkpoint suite resumes its step-10 save on one card.
-GPT_CP2_PP2 = Run("gpt_cp2_pp2_recompute", 4, GPT + CP2 + PP2 + MICRO4 + (
-    "--save_steps", str(RESUME_STEP), "--recompute", "--recompute_granularity", "full_attn"))
+# suite compares its 10 steps with single card, the checkpoint suite resumes its step-10 save on one card.
+GPT_CP2_PP2 = Run("gpt_cp2_pp2_recompute", 4, GPT + CP2 + PP2 + MICRO4 + HALF + (
+    "--recompute", "--recompute_granularity", "full_attn"))
 # The 8-rank run both suites need (sharding2 stage1 x tp2 x pp2: tp pieces and stages over sharded data
 # replicas; dp beside sharding is stage2's dp2 x sharding2 in tests/test_sharding_stages.py): the trainer
-# compares its 20 steps with single card, the checkpoint tests resume its step-10 checkpoint on one card.
-SHARDED_TP_PP_SAVING = Run("sharding2_tp2_pp2_saving", 8, TP2 + PP2 + SHARDING2 + ("--save_steps", str(RESUME_STEP)))
+# compares its 10 steps with single card, the checkpoint tests resume its step-10 checkpoint on one card.
+SHARDED_TP_PP_SAVING = Run("sharding2_tp2_pp2_saving", 8, TP2 + PP2 + SHARDING2 + HALF)
 # tp2 x pp2 saving in the background at step 10: the trainer suite compares its 20 steps with single card
 # (so saving in the background changes nothing trained), the checkpoint suite resumes its step-10 save.
 DUALPIPEV = ("--pipeline_schedule", "DualPipeV")  # 4 micro-batches of 2 a step: 2 x pp, DualPipeV's least
-TP2_PP2_DUALPIPEV = Run("tp2pp2_dualpipev", 4, TP2 + PP2 + DUALPIPEV + ("--save_steps", str(RESUME_STEP)))
+TP2_PP2_DUALPIPEV = Run("tp2pp2_dualpipev", 4, TP2 + PP2 + DUALPIPEV + HALF)
 TP2_PP2_SAVING = Run("tp2pp2_async_saving", 4, TP2 + PP2 + ("--async_save", "--save_steps", str(RESUME_STEP)))
 
 
@@ -138,15 +140,26 @@ def history(pretrain_run, run: Run) -> dict:
 
 
 def assert_trains_like(pretrain_run, run: Run, reference: Run, rtol: float, skip: str = "\0") -> None:
-    """`run`'s 20 steps on `reference`'s: losses, evaluation, grad norms (with clipping active, so a
-    norm summed over the wrong ranks changes the updates) and the step-20 weights within `rtol`."""
+    """`run`'s steps on `reference`'s: losses, evaluation, grad norms (with clipping active, so a
+    norm summed over the wrong ranks changes the updates) and the weights of its last save within
+    `rtol`. A run stopped early (`HALF`) is compared over the steps it trained."""
     expected, result = history(pretrain_run, reference), history(pretrain_run, run)
-    np.testing.assert_allclose(result["losses"], expected["losses"], rtol=rtol)
-    np.testing.assert_allclose(result["eval_loss"], expected["eval_loss"], rtol=rtol)
-    assert max(expected["grad_norms"]) > 1.0
-    np.testing.assert_allclose(result["grad_norms"], expected["grad_norms"], rtol=rtol)
-    drifts = final_weight_drifts(pretrain_run, run, reference, skip)
+    steps = len(result["losses"])
+    np.testing.assert_allclose(result["losses"], expected["losses"][:steps], rtol=rtol)
+    assert_same_evaluations(result, expected, rtol)
+    assert max(expected["grad_norms"][:steps]) > 1.0
+    np.testing.assert_allclose(result["grad_norms"], expected["grad_norms"][:steps], rtol=rtol)
+    drifts = final_weight_drifts(pretrain_run, run, reference, skip, step=steps // RESUME_STEP * RESUME_STEP)
     assert max(drifts.values()) < rtol, max(drifts.items(), key=lambda item: item[1])
+
+
+def assert_same_evaluations(result: dict, expected: dict, rtol: float) -> None:
+    """The evaluations both runs made (at step 10, and 20 unless one stopped early) are the same."""
+    steps = result["eval_losses"].keys() & expected["eval_losses"].keys()
+    assert steps, "the runs share no evaluation"
+    for step in steps:
+        np.testing.assert_allclose(result["eval_losses"][step], expected["eval_losses"][step], rtol=rtol,
+                                   err_msg=f"evaluation at step {step}")
 
 
 def assert_continues_single_card(pretrain_run, resumed: Run, rtol: float) -> None:

@@ -1,8 +1,8 @@
 """Context parallelism (`--context_parallel_degree`, ring attention over the cp ranks) on CPU processes:
 ring attention equals the blockwise core on the whole sequence; LLaMA (GQA) under cp2 x tp2 + SP,
 cp2 x pp2, cp2 x sharding2 stage3 (recomputing attention cores, reentrant), and tied GPT
-under cp2 x pp2 (recomputing attention blocks) stay on the single-card curve over 20 steps (losses,
-evaluation, grad norms, final weights); cp4 trains per document in tests/test_documents.py (its ring
+under cp2 x pp2 (recomputing attention blocks) stay on the single-card curve (losses, evaluation, grad
+norms, last saved weights) over 20 steps, or the first 10 where a run stops at its step-10 save; cp4 trains per document in tests/test_documents.py (its ring
 of plain causal attention at cp4 is the ring worker's here);
 the checkpoint does not depend on cp; a kill during a cp save leaves the last checkpoint; a tiny
 model trains at 32k tokens per sequence with half of cp1's activations per rank; refusals come
@@ -26,8 +26,8 @@ from paddle_pp.training.trainer import Pretrainer
 
 from runs import (
     CP2_PP2,
-    FINAL_SAVE,
     GPT_CP2_PP2,
+    HALF,
     MICRO4,
     MODEL,
     PP2,
@@ -44,11 +44,10 @@ from runs import (
     written_by_rank,
 )
 
-PARITY_RTOL = 1e-4  # the issue's bound over 20 steps (measured: 1.3e-7 on losses and grad norms)
+PARITY_RTOL = 1e-4  # the issue's bound over 20 steps (measured: 1.3e-7 on losses and grad norms), kept over 10
 RESUME_RTOL = 1e-5
 FORWARD_RTOL, GRADIENT_RTOL = 1e-6, 1e-5  # ring attention against the blockwise core (measured: 7.1e-7, 6.3e-7)
 ZERO_GRADIENT = ".self_attn.k_proj.bias"  # GPT's key bias: see tests/test_sequence_parallel.py
-SAVE = ("--save_steps", str(RESUME_STEP))  # steps 10 and 20: the resumes' start, the final weights
 
 
 def cp(degree: int) -> tuple[str, ...]:
@@ -60,12 +59,12 @@ def stage(name: str) -> tuple[str, ...]:
         ("--stage3_segment_size", "1024") if name == "stage3" else ())
 
 
-CP2_TP2_SP = Run("cp2_tp2_sp", 4, cp(2) + TP2 + ("--sequence_parallel",) + MICRO4 + SAVE)
+CP2_TP2_SP = Run("cp2_tp2_sp", 4, cp(2) + TP2 + ("--sequence_parallel",) + MICRO4 + HALF)
 LAYOUTS = [
     (CP2_TP2_SP, SINGLE),
     (CP2_PP2, SINGLE),
     # cp beside stage1 is DeepSeek's cp2 x sharding2 stage1 x ep2 run (tests/test_moe_runs.py)
-    (Run("cp2_sharding2_stage3_recompute", 4, cp(2) + stage("stage3") + FINAL_SAVE + (
+    (Run("cp2_sharding2_stage3_recompute", 4, cp(2) + stage("stage3") + HALF + (
         "--recompute", "true", "--recompute_granularity", "core_attn", "--recompute_use_reentrant", "1")), SINGLE),
     (GPT_CP2_PP2, SINGLE_GPT),
 ]

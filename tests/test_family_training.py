@@ -1,20 +1,20 @@
 """Users' base models trained as they come: folders saved by transformers 4.x and 5 start the
 trainer (real processes) at transformers' loss, the families whose attention differs per layer
-start under tp2 x pp2 + SP, Gemma 3 and Phi-3 train like single card under tp2 x pp2 and resume
+start under tp2 x pp2 + SP, Gemma 3 trains like single card under tp2 x pp2 and resumes
 under another layout, and exports load back into transformers (and our checkpoints into PaddleNLP's
 models) with the same logits.
 
 The families of 2024-2025 (Gemma 2 and 3, Phi-3, OLMo-2, SmolLM3, Granite, ERNIE 4.5, windowed Mistral
-and Qwen2), each from its transformers 5 and 4.x folder with windows shorter than the batch, start in
-one tp2 x pp2 + SP launch (`workers/folders_worker.py`: the blockwise core with blocks of 8, so
-windows cut across blocks): the loss on the batch is transformers' (1e-5), two steps train, and
+and Qwen2), each from its transformers 5 folder in one tp2 x pp2 + SP launch and its 4.x folder on one
+card, with windows shorter than the batch (`workers/folders_worker.py`: the blockwise core with blocks
+of 8, so windows cut across blocks), start: the loss on the batch is transformers' (1e-5), two steps train, and
 each checkpoint, saved in transformers' layout (`--save_to_hf`), loads as it is in the transformers
 that saved its folder with our logits (1e-4). Gemma 3 (tied, sandwich norms, q/k norms, windows, a
-rotary per layer type) and Phi-3 (fused projections, partial longrope rotary, windows) train 20
-steps on one card and under tp2 x pp2, and resume the latter's step-10 checkpoint, saved in
-transformers' layout, under tp2 + SP (Gemma 3) and stage3 x tp2 (Phi-3). LLaMA
-(tied, Llama 3.1 rope; their own tokenizers) and GPT-2 (its fused c_attn cut into q, k, v and over tp
-on load: tp2 x pp2) train 3 steps through the trainer's flags; the transformers 5 folders whose
+rotary per layer type) trains 20 steps on one card and under tp2 x pp2, and resumes the latter's
+step-10 checkpoint, saved in transformers' layout, under cp2 x tp2 + SP; so do Qwen3.5 and Nemotron-H,
+their tp2 x pp2 runs with SP and full recompute. LLaMA
+(tied, Llama 3.1 rope; their own tokenizers) and GPT-2 (its fused c_attn cut into q, k, v on load; over
+tp in the per-layer launch) train 3 steps on one card through the trainer's flags; the transformers 5 folders whose
 fields differ in their own way start in the per-layer launch.
 Qwen3's and Gemma's layers are Gemma 3's with fewer switches (per-head q/k norms, 1 + weight norms,
 ties): their folders give transformers' logits (tests/test_model_folders.py) and Gemma's exports
@@ -47,13 +47,12 @@ PARITY_RTOL = 1e-4  # over 20 steps (the issue's bound)
 RESUME_RTOL = 1e-5
 EXPORT_TOL = 1e-4
 SP = ("--sequence_parallel",)
-STAGE3_TP2 = TP2 + ("--sharding_parallel_degree", "2", "--sharding", "stage3")
-# family -> the layout its tp2 x pp2 run's step-10 checkpoint resumes under (Gemma 3's q/k norms are summed
-# over tp after backward, which stage2/3 refuse beside tp: tests/test_sequence_parallel.py): Gemma 3's windows and
-# Qwen3.5's and Nemotron-H's recurrent layers (their state and conv windows carried between the parts) under
-# cp2 x tp2 + SP
-CP2_TP2_SP = (4, ("--context_parallel_degree", "2") + TP2 + SP)
-RESUMED_UNDER = {"gemma3_text": CP2_TP2_SP, "phi3": (4, STAGE3_TP2), "qwen3_5_text": CP2_TP2_SP, "nemotron_h": CP2_TP2_SP}
+# the families trained 20 steps under tp2 x pp2, whose step-10 checkpoint resumes under cp2 x tp2 + SP: Gemma 3's
+# windows and Qwen3.5's and Nemotron-H's recurrent layers (their state and conv windows carried between the
+# parts). (Phi-3's were retired: its fused projections and longrope over tp are the per-layer launch's, stage3
+# beside tp a LLaMA resume's in tests/test_sharding_stages.py.)
+TWENTY_STEPS = ["gemma3_text", "qwen3_5_text", "nemotron_h"]
+RESUMED_UNDER = ("--context_parallel_degree", "2") + TP2 + SP
 # what a family's tp2 x pp2 run adds: the hybrids' recurrent layers (their span recompute inside) and gated attention
 # under full recompute and SP
 SPLIT_WITH = {"qwen3_5_text": SP + ("--recompute",), "nemotron_h": SP + ("--recompute",)}
@@ -90,13 +89,11 @@ def runs(pretrain_run, transformers4_folders, transformers5_folders):
                      *LAYERS.get(kind, ()))
             full = Run(f"{kind}_tp2pp2", 4, start + TP2 + PP2 + SPLIT_WITH.get(kind, ()) + MICRO4 +
                        ("--save_steps", str(RESUME_STEP), "--save_to_hf"))
-            nproc, flags = RESUMED_UNDER[kind]
             run = {"single": Run(f"{kind}_single", 1, start + ("--save_steps", "20")), "tp2pp2": full,
-                   "resumed": Run(f"{kind}_resumed", nproc, start + flags + MICRO4, resume_from=full)}[which]
+                   "resumed": Run(f"{kind}_resumed", 4, start + RESUMED_UNDER + MICRO4, resume_from=full)}[which]
         else:
             start = ("--model_name_or_path", str(roots[which] / kind), "--save_steps", str(FOLDER_STEPS), *SHORT)
-            run = (Run(f"{kind}_{which}", 4, start + TP2 + PP2) if (kind, which) == ("gpt2", "transformers4")
-                   else Run(f"{kind}_{which}", 1, start))
+            run = Run(f"{kind}_{which}", 1, start)
         results, out = pretrain_run(run)
         assert len({tuple(r["losses"]) for r in results}) == 1, f"{name}: ranks report different losses"
         return results[0], out
@@ -106,21 +103,26 @@ def runs(pretrain_run, transformers4_folders, transformers5_folders):
 
 @pytest.fixture(scope="module")
 def per_layer_starts(run_workers_module, transformers4_folders, transformers5_folders, tmp_path_factory):
-    """Every PER_LAYER kind from both versions' folders and the FIVE kinds from transformers 5's, started
-    in one tp2 x pp2 + SP launch: (its result by folder name `<kind>-<version>`, the folder of their
-    checkpoints)."""
+    """The PER_LAYER, FIVE and HYBRID kinds from transformers 5's folders started in one tp2 x pp2 + SP
+    launch, and the PER_LAYER kinds from 4.x's on one card (a 4.x folder differs from a 5 one in its
+    config's spelling and its weights, both read before any layout applies: under tp2 x pp2 + SP it
+    would run the 5 folder's code paths again): (the results by folder name `<kind>-<version>`, the
+    folder of their checkpoints)."""
     links = tmp_path_factory.mktemp("per_layer")
-    folders = []
+    folders = {"transformers4": [], "transformers5": []}
     for kind, version in [(kind, version) for kind in PER_LAYER for version in ("transformers4", "transformers5")] + \
             [(kind, "transformers5") for kind in FIVE + HYBRID]:
         root = transformers4_folders if version == "transformers4" else transformers5_folders
         (links / f"{kind}-{version}").symlink_to(root / kind)
-        folders.append(links / f"{kind}-{version}")
-    results = run_workers_module("folders_worker.py", 4, [transformers5_folders / "rows.npy", links / "out", 8,
-                                                          *folders, *TP2, *PP2, *SP, "--save_to_hf"], timeout=900,
-                                 tag="per_layer")
-    assert len({json.dumps(result["folders"], sort_keys=True) for result in results}) == 1, "ranks disagree"
-    return results[0]["folders"], links / "out"
+        folders[version].append(links / f"{kind}-{version}")
+    started = {}
+    for version, nproc, layout in (("transformers5", 4, (*TP2, *PP2, *SP)), ("transformers4", 1, ())):
+        results = run_workers_module("folders_worker.py", nproc, [transformers5_folders / "rows.npy", links / "out", 8,
+                                                                  *folders[version], *layout, "--save_to_hf"],
+                                     timeout=900, tag=f"per_layer_{version}")
+        assert len({json.dumps(result["folders"], sort_keys=True) for result in results}) == 1, "ranks disagree"
+        started |= results[0]["folders"]
+    return started, links / "out"
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +142,9 @@ def test_a_family_whose_attention_differs_per_layer_starts_under_tp2_pp2_sp_at_t
         kind, per_layer_starts, transformers4_folders, transformers5_folders):
     """Both versions' folders (windows of 8 keys over 32 tokens; Gemma 2's soft-caps, Gemma 3's two
     rotary tables, Phi-3's longrope on 24 of 32 channels, SmolLM3's NoPE layers, Granite's
-    multipliers, ERNIE's interleaved pairs, OLMo-2's post-norms) give the loss transformers computed
-    on the same rows, and train two steps (the loss falls)."""
+    multipliers, ERNIE's interleaved pairs, OLMo-2's post-norms), transformers 5's under tp2 x pp2 +
+    SP and 4.x's on one card, give the loss transformers computed on the same rows, and train two
+    steps (the loss falls)."""
     started, _ = per_layer_starts
     rows = np.load(transformers5_folders / "rows.npy")
     expected = {"transformers4": hf_models.loss(transformers4_folders / kind, rows),
@@ -156,9 +159,9 @@ def test_a_family_whose_attention_differs_per_layer_starts_under_tp2_pp2_sp_at_t
 @pytest.mark.parametrize("kind", PER_LAYER)
 def test_a_family_whose_attention_differs_per_layer_saves_a_checkpoint_the_transformers_that_saved_it_loads(
         kind, per_layer_starts, transformers5_checkpoint_logits):
-    """The tp2 x pp2 + SP run's checkpoint in transformers' layout, as it is: transformers 4.x loads the
-    4.x start's and transformers 5 the 5 start's (Phi-3's q, k, v and gate, up fused again), each with
-    our logits."""
+    """Each start's checkpoint in transformers' layout, as it is: transformers 4.x loads the 4.x start's
+    (one card) and transformers 5 the 5 start's (tp2 x pp2 + SP; Phi-3's q, k, v and gate, up fused
+    again), each with our logits."""
     _, out = per_layer_starts
     checkpoint4, checkpoint5 = (out / f"{kind}-{version}" / "checkpoint-2" for version in ("transformers4",
                                                                                          "transformers5"))
@@ -181,10 +184,10 @@ def _transformers_loss(folder, data_cache, steps: int, eval_steps: int) -> float
         else hf_models.transformers5_loss(folder, rows)
 
 
-@pytest.mark.parametrize("kind", list(RESUMED_UNDER))
+@pytest.mark.parametrize("kind", TWENTY_STEPS)
 def test_a_new_family_starts_at_transformers_loss_and_trains_like_single_card_under_tp2_pp2(
         kind, runs, transformers4_folders, transformers5_folders, data_cache):
-    """Gemma 3 and Phi-3 under tp2 x pp2, Qwen3.5 (a Gated DeltaNet and a gated attention layer per
+    """Gemma 3 under tp2 x pp2, Qwen3.5 (a Gated DeltaNet and a gated attention layer per
     stage) and Nemotron-H (a Mamba-2, an attention and an MLP layer per stage) under tp2 x pp2 + SP
     recomputing whole layers: step 1's loss is that of the transformers that saved the folder (1e-5),
     and 20 steps' losses, gradient norms and evaluations are one card's (1e-4)."""
@@ -198,12 +201,11 @@ def test_a_new_family_starts_at_transformers_loss_and_trains_like_single_card_un
     assert single["losses"][-1] < single["losses"][0] - 0.5, "the model learns"
 
 
-@pytest.mark.parametrize("kind", list(RESUMED_UNDER))
+@pytest.mark.parametrize("kind", TWENTY_STEPS)
 def test_a_new_familys_checkpoint_resumes_under_another_layout_on_the_single_card_curve(kind, runs):
     """Gemma 3 (q/k norms, tied; windows of 8 keys, which under cp2 reach from each rank's 8-token part
-    into the one before) under cp2 x tp2 + SP, Phi-3 (untied, fused projections on disk) under stage3 x
-    tp2, Qwen3.5 (fused q/k/v projection and conv on disk) and Nemotron-H (fused in_proj and conv1d)
-    under cp2 x tp2 + SP, from the tp2 x pp2 run's checkpoint in transformers' layout: every weight and
+    into the one before), Qwen3.5 (fused q/k/v projection and conv on disk) and Nemotron-H (fused
+    in_proj and conv1d) under cp2 x tp2 + SP, from the tp2 x pp2 run's checkpoint in transformers' layout: every weight and
     Adam state read back exact, and steps 11-14 continue the single-card run (the hybrids' under context
     parallelism: their recurrent layers run each rank's parts from the states and conv windows the parts
     before leave)."""
@@ -253,9 +255,10 @@ def test_a_new_familys_checkpoint_exports_to_transformers_and_loads_in_paddlenlp
 @pytest.mark.parametrize("kind, saved_by", SHORT_RUNS, ids=[f"{kind}-{which}" for kind, which in SHORT_RUNS])
 def test_a_transformers_folder_starts_at_transformers_loss_and_exports_back(
         kind, saved_by, runs, transformers4_folders, data_cache, tmp_path):
-    """GPT-2's transformers 4.x folder under tp2 x pp2, the others on one card, each with its own
-    tokenizer: step 1's loss is that transformers' loss on the batch; the export after 3 steps gives
-    that transformers' logits; a tied model still holds one embedding."""
+    """Each on one card with its own tokenizer (Llama 3's beginning every document with its
+    <|begin_of_text|>): step 1's loss is that transformers' loss on the batch; the export after 3 steps
+    gives that transformers' logits; a tied model still holds one embedding. (GPT-2's fused c_attn cut
+    over tp on load: its transformers 5 folder in the per-layer launch.)"""
     result, out = runs(f"{kind}:{saved_by}")
     checkpoint = out / f"checkpoint-{FOLDER_STEPS}"
     expected = _transformers_loss(transformers4_folders / kind, data_cache, FOLDER_STEPS, 0)

@@ -1,5 +1,7 @@
-"""LLaMA in every layout equals the single-card model: eval loss (rtol 1e-6), then 3 AdamW steps
-(losses and every gathered parameter within 1e-5), from one single-card initial state.
+"""LLaMA under tp2, pp2 x vpp2, pp3 (uneven stages) and DualPipeV on pp4 equals the single-card model:
+eval loss (rtol 1e-6), then 3 AdamW steps (losses and every gathered parameter within 1e-5), from one
+single-card initial state. (dp2, sharding2 and pp2 ran here too; the trainer's runs cover each of them,
+with more axes beside: tests/test_trainer.py, test_checkpoint.py, test_sharding_stages.py.)
 
 The config uses GQA (4 heads, 2 kv heads), so every TP layout here also covers split kv heads. The
 reference computes attention with the dense core. The blockwise core with uneven blocks under
@@ -15,7 +17,7 @@ import pytest
 from modeling.llama import LlamaConfig, LlamaForCausalLM
 
 from parity import assert_matches, assert_same_logits, layout_runs, write_model_files
-from runs import PP2, SHARDING2, TP2
+from runs import PP2, TP2
 
 pytestmark = pytest.mark.multiproc
 
@@ -23,9 +25,6 @@ CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_la
               num_key_value_heads=2, max_position_embeddings=64)
 LAYOUTS = {
     "tp2": (2, TP2),
-    "pp2": (2, PP2),
-    "dp2": (2, ()),
-    "sharding2": (2, SHARDING2),
     "pp2_vpp2": (2, PP2 + ("--virtual_pp_degree", "2", "--accumulate_steps", "4")),
     "pp3_uneven": (3, ("--pipeline_parallel_degree", "3")),  # 8 layers: 2, 3, 3 (placement.chunk_starts)
     # Paddle's DualPipeVParallel: 8 chunks of one layer in a V; stages 1 and 2 pass both ways

@@ -157,29 +157,53 @@ def test_a_folder_paddleformers_saved_starts_as_it_is(transformers4_folders, tmp
 TEXTS = ["The hacker ethic, in 1984.", "  two  spaces\nand a newline", "naïve café — ünïcödé ✓ 日本", ""]
 
 
-@pytest.mark.parametrize("style", [*hf_models.TOKENIZER_STYLES, "vocab_and_merges_only"])
+TOKENIZER_CASES = [*hf_models.TOKENIZER_STYLES, "vocab_and_merges_only", "gemma_config_only"]
+
+
+@pytest.mark.parametrize("style", TOKENIZER_CASES)
 def test_a_hub_tokenizer_folder_gives_transformers_ids_and_preprocesses(style, tmp_path):
-    """tokenizer.json alone (Llama 3), Qwen2's and SmolLM's (GPT2Tokenizer) folders as transformers
-    saves them, and a GPT-2 folder of vocab.json + merges.txt without tokenizer.json."""
+    """Llama 3's tokenizer.json alone (its template begins a text with <|begin_of_text|>), Qwen2's and
+    SmolLM's (GPT2Tokenizer) folders as transformers saves them, a GPT-2 folder of vocab.json + merges.txt
+    without tokenizer.json, and Gemma's (add_bos_token in tokenizer_config.json; also with tokenizer.json's
+    template removed): transformers 4.x's ids with and without the special tokens, in generation's
+    prompts (with them) and in preprocessing (each document begun as the folder declares, or not at all
+    under --no-add_bos_token); and the special ids transformers 5 puts around each text (its Qwen2 and
+    Gemma classes rebuild the rest of the pipeline from vocab and merges, which for these folders
+    trained with a byte-level pre-tokenizer splits text otherwise). Where the two versions disagree,
+    tokenizer.json without a template beside add_bos_token (transformers 5 drops the setting when
+    tokenizer.json exists), we add what the folder's settings name, as 4.x's Gemma and Llama classes do."""
     import transformers
 
-    folder = hf_models.hub_tokenizer("smollm" if style == "vocab_and_merges_only" else style, tmp_path / style, CORPUS)
+    base = {"vocab_and_merges_only": "smollm", "gemma_config_only": "gemma"}.get(style, style)
+    folder = hf_models.hub_tokenizer(base, tmp_path / style, CORPUS)
     if style == "vocab_and_merges_only":
         (folder / "tokenizer.json").unlink()
+    if style == "gemma_config_only":
+        whole = json.loads((folder / "tokenizer.json").read_text())
+        (folder / "tokenizer.json").write_text(json.dumps(whole | {"post_processor": None}))
     theirs = transformers.AutoTokenizer.from_pretrained(str(folder))
+    (tmp_path / "texts.json").write_text(json.dumps(TEXTS))
+    hf_models.transformers5("encoded", tmp_path / "texts.json", folder)
     ours = load_text_tokenizer(folder)
-    for text in TEXTS:
+    for text, five in zip(TEXTS, json.loads((tmp_path / f"{style}.encoded.json").read_text())):
         ids = theirs(text, add_special_tokens=False).input_ids
         assert ours.encode(text) == ids, text
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+        assert ours.encode_declared(text) == theirs(text).input_ids, text
+        if style != "gemma_config_only":
+            assert five["with"] == [*ours.prefix, *five["without"], *ours.suffix], text
     assert (ours.eos_id, ours.vocab_size) == (theirs.eos_token_id, len(theirs))
+    assert bool(ours.prefix) == (base in hf_models.BEGINS)
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in TEXTS[:3]))
-    preprocess([str(tmp_path / "docs.jsonl")], folder, tmp_path / "prepared", append_eos=True, show_progress=False)
     from paddlenlp.data.indexed_dataset import MMapIndexedDataset
 
-    prepared = MMapIndexedDataset(str(tmp_path / "prepared"))  # the tool strips each document's text
-    assert [list(prepared[i]) for i in range(len(prepared))] == \
-        [theirs(text.strip(), add_special_tokens=False).input_ids + [theirs.eos_token_id] for text in TEXTS[:3]]
+    for begun in (True, False):
+        prefix = tmp_path / f"prepared_{begun}"
+        preprocess([str(tmp_path / "docs.jsonl")], folder, prefix, append_eos=True, show_progress=False,
+                   add_bos_token=begun)
+        prepared = MMapIndexedDataset(str(prefix))  # the tool strips each document's text
+        assert [list(prepared[i]) for i in range(len(prepared))] == \
+            [theirs(text.strip(), add_special_tokens=begun).input_ids + [theirs.eos_token_id] for text in TEXTS[:3]]
 
 
 NLP_SHAPE = {k: v for k, v in hf_models.SHAPE.items()} | {"num_key_value_heads": 2}

@@ -28,6 +28,7 @@ from moe_cases import (
     LOSS_RTOL,
     PREDICTING,
     assert_margins,
+    counting_an_absent_prediction_layer,
     our_model,
     predictions,
     routed_margins,
@@ -38,7 +39,7 @@ from modeling.deepseek import DeepseekV3Config
 from modeling.expert_parallel import expert_order
 from modeling.registry import config_from_dict, family_of, plan_of, validate_layout
 from modeling.transformers_adapter import ConfigFieldError
-from paddle_pp.interop.pretrained import TRANSFORMERS, open_pretrained
+from paddle_pp.interop.pretrained import TRANSFORMERS, load_pretrained, open_pretrained
 from paddle_pp.planning.memory import plan_layout
 from paddle_pp.runtime.layout import Layout
 
@@ -228,6 +229,35 @@ def test_a_released_folders_mtp_layer_is_left_unread_when_the_config_does_not_co
     extra = _with_a_layer_past_the_last(moe_folders["transformers4"] / "qwen3_moe", other)
     with pytest.raises(CheckpointError, match=f"model.layers.{extra}.enorm.weight: not a tensor of"):
         open_pretrained(other)
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe"])
+def test_a_folder_counting_a_prediction_layer_it_does_not_hold_opens_without_it_or_starts_it_fresh(
+        kind, moe_folders, tmp_path):
+    """Such a folder opens (and opens for a resume, weights unread) without the layer, as transformers
+    reads it, with a note naming --fresh_prediction_layers, and gives transformers' logits; with the
+    flag it opens with the layer, which loading leaves as the model initialised it while every other
+    tensor is read (the logits, which the layer does not reach in evaluation, are transformers');
+    tests/test_moe_runs.py trains one."""
+    root = moe_folders["transformers5"]
+    folder = counting_an_absent_prediction_layer(root / kind, tmp_path / kind)
+    theirs = np.load(root / f"{kind}.npy")
+    for weights in (True, False):
+        opened = open_pretrained(folder, weights=weights)
+        assert config_from_dict(opened.config).mtp_depth == 0 and opened.fresh == ()
+        assert "counts 1 multi-token prediction layer" in opened.notes[0] and "--fresh_prediction_layers" in opened.notes[0]
+    np.testing.assert_allclose(our_logits(folder, IDS), theirs, atol=LOGITS_TOL, rtol=LOGITS_TOL)
+    fresh = open_pretrained(folder, fresh_prediction_layers=True)
+    ours = config_from_dict(fresh.config)
+    assert ours.mtp_depth == 1 and f"{kind}.layers.{ours.num_hidden_layers}.eh_proj.weight" in fresh.fresh
+    model = family_of(ours).causal_lm(ours)
+    initial = {name: param.numpy().copy() for name, param in model.state_dict().items()}
+    load_pretrained(fresh, model, plan_of(ours).axes(), None)
+    loaded = model.state_dict()
+    assert all(np.array_equal(loaded[name].numpy(), initial[name]) for name in fresh.fresh)
+    model.eval()
+    with paddle.no_grad():
+        np.testing.assert_allclose(model(paddle.to_tensor(IDS)).numpy(), theirs, atol=LOGITS_TOL, rtol=LOGITS_TOL)
 
 
 def test_a_hybrid_folders_mtp_layer_is_left_unread_as_transformers_leaves_it(moe_folders, tmp_path):

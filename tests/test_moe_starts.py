@@ -24,6 +24,7 @@ from moe_cases import (
     MTP_KIND,
     PARITY_RTOL,
     RESUME_RTOL,
+    SPLIT_KINDS,
     SPLIT_VERSION,
     VERSIONS,
     our_model,
@@ -51,7 +52,8 @@ def moe_starts(moe_folders, run_workers_module, tmp_path_factory):
     (the Switch aux loss is a micro-batch's statistic; with two rows GPT-OSS's expert biases, whose
     gradients are near zero, drift 2.2e-4 apart after Adam's two steps). A 4.x folder differs from a 5 one in its
     config's spelling and its weights, both read before any layout is applied: its start under the
-    split layout would run the 5 folder's code paths again (and cost 7 s a folder on 8 ranks here).
+    split layout would run the 5 folder's code paths again (and cost 7 s a folder on 8 ranks here), as
+    would plain DeepSeek-V3's and Mixtral's (`SPLIT_KINDS`).
     Per layout: (the results by folder name `<kind>-<version>`, the folder of their checkpoints)."""
     links = tmp_path_factory.mktemp("moe_starts")
     folders = {version: [] for version in VERSIONS}
@@ -59,10 +61,11 @@ def moe_starts(moe_folders, run_workers_module, tmp_path_factory):
             [(kind, SPLIT_VERSION) for kind in (MTP_KIND, *HYBRID_KINDS)]:
         (links / f"{kind}-{version}").symlink_to(moe_folders[version] / kind)
         folders[version].append(links / f"{kind}-{version}")
+    split = [links / f"{kind}-{SPLIT_VERSION}" for kind in (*SPLIT_KINDS, MTP_KIND, *HYBRID_KINDS)]
     rows = moe_folders["transformers5"] / "rows.npy"
     started = {}
     for name, nproc, started_folders, layout in (
-            ("split", 8, folders[SPLIT_VERSION], (*EP2, *DP2_TP2_PP2_SP, "--save_to_hf")),
+            ("split", 8, split, (*EP2, *DP2_TP2_PP2_SP, "--save_to_hf")),
             ("single", 1, [folder for version in VERSIONS for folder in folders[version]], ())):
         results = run_workers_module("folders_worker.py", nproc, [rows, links / name, 8, *started_folders, *layout,
                                                                   "--micro_batch_size", 1],
@@ -74,15 +77,9 @@ def moe_starts(moe_folders, run_workers_module, tmp_path_factory):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("kind", KINDS)
-def test_an_moe_folder_starts_under_ep2_tp2_pp2_sp_at_its_loss_and_trains_like_single_card(kind, moe_starts,
-                                                                                          moe_folders):
-    """Both versions' folders of every family (Qwen3-MoE's per-head q/k norms, OLMoE's split over tp,
-    DeepSeek-V3's latent attention with sigmoid group-limited routing and correction biases that change
-    the choice, V2's greedy groups, GLM-4.5's, GPT-OSS's sinks and stacked experts) start on one card
-    at the loss of the transformers that saved them; transformers 5's start under ep2 x dp2 x tp2 x pp2
-    + SP at that loss, and their two steps and the checkpoint's weights are
-    one card's (every q/k norm and correction bias to 1e-5; other weights to 1e-4: Adam's first steps
-    turn near-zero gradients' summation noise into lr-sized moves)."""
+def test_an_moe_folder_of_either_transformers_starts_on_one_card_at_its_loss(kind, moe_starts, moe_folders):
+    """Both versions' folders of every family start on one card at the loss of the transformers that
+    saved them."""
     rows = np.load(moe_folders["transformers5"] / "rows.npy")
     single, _ = moe_starts["single"]
     expected = {"transformers5": json.loads((moe_folders["transformers5"] / f"{kind}.json").read_text())["loss"],
@@ -90,13 +87,35 @@ def test_an_moe_folder_starts_under_ep2_tp2_pp2_sp_at_its_loss_and_trains_like_s
     for version in VERSIONS:
         np.testing.assert_allclose(single[0]["folders"][f"{kind}-{version}"]["loss"], expected[version],
                                    rtol=LOSS_RTOL, err_msg=version)
-    _split_starts_at_and_trains_like_single_card(moe_starts, f"{kind}-{SPLIT_VERSION}", expected[SPLIT_VERSION])
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("kind", SPLIT_KINDS)
+def test_an_moe_folder_starts_under_ep2_tp2_pp2_sp_at_its_loss_and_trains_like_single_card(
+        kind, moe_starts, moe_folders, transformers5_checkpoint_logits, tmp_path):
+    """transformers 5's folder of each family the split layout starts (Qwen3-MoE's per-head q/k norms,
+    OLMoE's split over tp, V2's greedy groups, GLM-4.5's, GPT-OSS's sinks and stacked experts;
+    DeepSeek-V3's latent attention with sigmoid group-limited routing and correction biases that change
+    the choice: its folder with a prediction layer, below) under ep2 x dp2 x tp2 x pp2 + SP at
+    transformers' loss, and its two steps and the checkpoint's weights are one card's (every q/k norm
+    and correction bias to 1e-5; other weights to 1e-4: Adam's first steps turn near-zero gradients'
+    summation noise into lr-sized moves); the checkpoint, saved in transformers' layout, holds the
+    tensors and config.json of one card's export, and transformers 5.23 loads it with our logits."""
+    name = f"{kind}-{SPLIT_VERSION}"
+    expected = json.loads((moe_folders[SPLIT_VERSION] / f"{kind}.json").read_text())["loss"]
+    _split_starts_at_and_trains_like_single_card(moe_starts, name, expected)
+    (_, out), (_, single_out) = moe_starts["split"], moe_starts["single"]
+    checkpoint, export = out / name / "checkpoint-2", export_hf(single_out / name / "checkpoint-2", tmp_path / name)
+    assert json.loads((checkpoint / "config.json").read_text()) == json.loads((export / "config.json").read_text())
+    assert _stored_names(checkpoint) == _stored_names(export) == _stored_names(moe_folders[SPLIT_VERSION] / kind)
+    np.testing.assert_allclose(transformers5_checkpoint_logits[name], our_logits(checkpoint, IDS), atol=EXPORT_TOL,
+                               rtol=EXPORT_TOL)
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("kind", HYBRID_KINDS)
 def test_a_hybrid_moe_folder_starts_under_ep2_tp2_pp2_sp_at_its_loss_and_trains_like_single_card(
-        kind, moe_starts, moe_folders, transformers5_checkpoint_logits):
+        kind, moe_starts, moe_folders, transformers5_checkpoint_logits, tmp_path):
     """Qwen3.5-MoE and Qwen3-Next (Gated DeltaNet and gated attention layers, one of each per stage,
     their experts over ep2 and a gated shared expert), Kimi Linear (Kimi Delta Attention beside
     latent attention without rotary, DeepSeek-V3's experts after a dense layer), Nemotron 3's layers
@@ -135,7 +154,7 @@ def _split_starts_at_and_trains_like_single_card(moe_starts, name: str, expected
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe", "ernie4_5_moe", MTP_KIND])
+@pytest.mark.parametrize("kind", ["glm4_moe", "ernie4_5_moe", MTP_KIND])
 def test_the_correction_bias_moves_by_the_rule_from_the_steps_global_counts_on_every_rank(kind, moe_starts,
                                                                                           moe_folders):
     """After step 1 every rank's correction bias of every MoE layer it holds is b0 + 1e-3 x sign(mean(c)
@@ -168,7 +187,7 @@ def transformers5_checkpoint_logits(moe_starts, tmp_path_factory):
     ids = tmp_path_factory.mktemp("moe_ids") / "ids.npy"
     np.save(ids, IDS)
     folders = {f"{kind}-{SPLIT_VERSION}": out / f"{kind}-{SPLIT_VERSION}" / "checkpoint-2"
-               for kind in KINDS + HYBRID_KINDS}
+               for kind in SPLIT_KINDS + HYBRID_KINDS}
     hf_models.transformers5("logits", ids, *folders.values())
     return {name: np.load(f"{folder}.npy") for name, folder in folders.items()}
 
@@ -187,14 +206,12 @@ def _stored_names(folder) -> set[str]:
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("kind", KINDS)
-def test_an_moe_checkpoint_loads_in_both_transformers_as_saved_and_exported(kind, moe_starts, moe_folders,
-                                                                            transformers5_checkpoint_logits, tmp_path):
-    """The split start's checkpoint (of transformers 5's folder), saved in transformers' layout, and the
-    single card's of both versions' folders, exported: the folder's tensor names (GPT-OSS's experts
-    stacked again, DeepSeek's correction biases beside their routers) and config.json are the same in
-    all and the expert count is under the family's field; transformers 5.23 loads the checkpoint as it
-    is and 4.55 the exports, each with our logits."""
-    (_, out), (_, single_out) = moe_starts["split"], moe_starts["single"]
+def test_an_moe_checkpoint_exports_to_both_transformers(kind, moe_starts, moe_folders, tmp_path):
+    """One card's checkpoints of both versions' folders, exported: the folder's tensor names (GPT-OSS's
+    experts stacked again, DeepSeek's correction biases beside their routers) are the folder's and the
+    expert count is under the family's field; transformers 4.55 loads each export with our logits (5.23
+    loads the split layout's checkpoints, above)."""
+    _, single_out = moe_starts["single"]
     for version in VERSIONS:
         name = f"{kind}-{version}"
         export = export_hf(single_out / name / "checkpoint-2", tmp_path / name)
@@ -204,12 +221,6 @@ def test_an_moe_checkpoint_loads_in_both_transformers_as_saved_and_exported(kind
         assert _stored_names(export) == _stored_names(moe_folders[version] / kind)
         np.testing.assert_allclose(hf_models.logits(export, IDS), our_logits(export, IDS), atol=EXPORT_TOL,
                                    rtol=EXPORT_TOL)
-        if version == SPLIT_VERSION:
-            checkpoint = out / name / "checkpoint-2"
-            assert json.loads((checkpoint / "config.json").read_text()) == written
-            assert _stored_names(checkpoint) == _stored_names(export)
-            np.testing.assert_allclose(transformers5_checkpoint_logits[name], our_logits(checkpoint, IDS),
-                                       atol=EXPORT_TOL, rtol=EXPORT_TOL)
 
 
 @pytest.mark.multiproc

@@ -1,5 +1,6 @@
 """Sequence parallelism (`--sequence_parallel`, Paddle's sequence_parallel_utils on CPU processes):
-the single-card loss curve, grad norms and final weights under tp2 x pp2 with recompute and GPT tp2
+the single-card loss curve, grad norms and last saved weights under tp2 x pp2 with recompute (10 steps) and GPT tp2
+(20)
 (and LLaMA cp2 x tp2 + SP: tests/test_context_parallel.py), and a checkpoint saved with SP resuming
 on one card.
 
@@ -21,6 +22,7 @@ from paddle_pp.training.run_plan import plan_for
 
 from runs import (
     GPT,
+    HALF,
     MICRO4,
     PP2,
     RESUME_STEP,
@@ -41,7 +43,7 @@ RESUME_RTOL = 1e-5
 ZERO_GRADIENT = ".self_attn.k_proj.bias"
 SP = ("--sequence_parallel", "--save_steps", str(RESUME_STEP))
 
-TP2_PP2_SP = Run("tp2_pp2_sp_recompute", 4, TP2 + PP2 + SP + MICRO4 + ("--recompute",))
+TP2_PP2_SP = Run("tp2_pp2_sp_recompute", 4, TP2 + PP2 + SP + MICRO4 + HALF + ("--recompute",))  # 10 steps
 GPT_TP2_SP = Run("gpt_tp2_sp", 2, GPT + TP2 + SP)
 
 

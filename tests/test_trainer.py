@@ -1,8 +1,8 @@
 """run_pretrain.py as users run it: real launches, every layout on the loss curve of single card.
 
-20 steps from the same initial weights (drawn per single-card name, whatever the layout) and the
-same data order: tp2 x pp2, dp2 x sharding2 x tp2 x pp2 and pp4 match single card within 1e-4
-relative (recompute at each granularity: tests/test_sequence_parallel.py and
+20 steps (10 for the 4- and 8-stage-or-rank layouts, stopping at their step-10 save) from the same
+initial weights (drawn per single-card name, whatever the layout) and the same data order: tp2 x pp2,
+dp2 x sharding2 x tp2 x pp2 and pp4 match single card within 1e-4 relative (recompute at each granularity: tests/test_sequence_parallel.py and
 tests/test_context_parallel.py); tp2 x
 pp2 with the dense attention core gives the blockwise core's curve within 1e-5; a 2-node launch of
 cp2 x pp2 (its ring and pipeline edges crossing the nodes) equals the same layout on one node
@@ -25,14 +25,25 @@ from paddle_pp.training.precision import PrecisionError
 from paddle_pp.training.run_plan import TrainingConfigError
 from paddle_pp.training.trainer import Pretrainer
 
-from runs import CP2_PP2, MODEL, REPO, SCRIPT, SHARDED_TP_PP_SAVING, SINGLE, TP2_PP2_SAVING, Run
+from runs import (
+    CP2_PP2,
+    HALF,
+    MODEL,
+    REPO,
+    SCRIPT,
+    SHARDED_TP_PP_SAVING,
+    SINGLE,
+    TP2_PP2_SAVING,
+    Run,
+    assert_same_evaluations,
+)
 
 LOSS_RTOL = 1e-4
 RUNS = {run.tag: run for run in (
     SINGLE,
     TP2_PP2_SAVING,
     Run("single_dense", 1, ("--attention_core", "dense")),
-    Run("pp4", 4, ("--pipeline_parallel_degree", "4")),
+    Run("pp4", 4, ("--pipeline_parallel_degree", "4") + HALF),
     CP2_PP2,
     Run("cp2pp2_two_nodes", 2, CP2_PP2.flags, nnodes=2),
 )} | {"sharding2_tp2_pp2": SHARDED_TP_PP_SAVING}
@@ -40,7 +51,7 @@ RUNS = {run.tag: run for run in (
 
 @pytest.fixture(scope="module")
 def trained(pretrain_run):
-    """(per-rank results, rank 0's output dir) of a named layout's 20-step run."""
+    """(per-rank results, rank 0's output dir) of a named layout's run (20 steps, or 10 where it stops early)."""
     return lambda name: pretrain_run(RUNS[name])
 
 
@@ -50,8 +61,10 @@ def test_layout_loss_curve_matches_single_card(trained, name):
     (reference, *_), _ = trained("single")
     results, _ = trained(name)
     assert len({tuple(r["losses"]) for r in results}) == 1, f"{name}: ranks report different losses"
-    np.testing.assert_allclose(results[0]["losses"], reference["losses"], rtol=LOSS_RTOL)
-    np.testing.assert_allclose(results[0]["eval_loss"], reference["eval_loss"], rtol=LOSS_RTOL)
+    losses = results[0]["losses"]  # pp4 and the 8-rank run stop at step 10
+    assert len(losses) >= 10
+    np.testing.assert_allclose(losses, reference["losses"][:len(losses)], rtol=LOSS_RTOL)
+    assert_same_evaluations(results[0], reference, LOSS_RTOL)
 
 
 @pytest.mark.multiproc

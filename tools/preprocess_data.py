@@ -21,11 +21,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json_key", default="text", help="the text's key in each JSON line")
     parser.add_argument("--workers", type=int, default=1, help="tokenizing processes (output does not depend on it)")
     parser.add_argument("--append_eos", action="store_true", help="end every document with the EOS id")
+    parser.add_argument("--add_bos_token", action=argparse.BooleanOptionalAction, default=True,
+                        help="begin every document as the tokenizer begins a text (tokenizer_config.json's "
+                             "add_bos_token, tokenizer.json's template); --no-add_bos_token: as PaddleNLP does")
     parser.add_argument("--disable_progress_bar", action="store_true")
     args = parser.parse_args(argv)
     try:
         summary = preprocess(args.input, args.tokenizer_dir, args.output_prefix, args.json_key, args.workers,
-                             args.append_eos, show_progress=not args.disable_progress_bar)
+                             args.append_eos, show_progress=not args.disable_progress_bar,
+                             add_bos_token=args.add_bos_token)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

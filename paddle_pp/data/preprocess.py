@@ -151,14 +151,18 @@ def read_batches(paths: list[Path], progress=lambda n: None) -> Iterator[Batch]:
 _worker_state: dict = {}
 
 
-def _init_worker(tokenizer_dir: str, json_key: str, append_eos: bool) -> None:
-    _worker_state.update(tokenizer=load_text_tokenizer(Path(tokenizer_dir)), json_key=json_key, append_eos=append_eos)
+def _init_worker(tokenizer_dir: str, json_key: str, append_eos: bool, add_bos_token: bool) -> None:
+    _worker_state.update(tokenizer=load_text_tokenizer(Path(tokenizer_dir)), json_key=json_key, append_eos=append_eos,
+                         add_bos_token=add_bos_token)
 
 
 def encode_batch(batch: Batch) -> tuple[np.ndarray, np.ndarray, int, int]:
-    """(ids concatenated, each document's length, JSON lines without the key, empty documents)."""
+    """(ids concatenated, each document's length, JSON lines without the key, empty documents). Each
+    document starts with the ids its tokenizer declares before a text (`add_bos_token`) and ends with
+    EOS (`append_eos`)."""
     tokenizer: TextTokenizer = _worker_state["tokenizer"]
     key, eos = _worker_state["json_key"], [tokenizer.eos_id] if _worker_state["append_eos"] else []
+    bos = list(tokenizer.prefix) if _worker_state["add_bos_token"] else []
     pieces, lengths, missing, empty = [], [], 0, 0
     for offset, raw in enumerate(batch.documents):
         if batch.kind == "json":
@@ -176,8 +180,8 @@ def encode_batch(batch: Batch) -> tuple[np.ndarray, np.ndarray, int, int]:
         if not ids:
             empty += 1
             continue
-        pieces.append(np.asarray(ids + eos, dtype=np.int64))
-        lengths.append(len(ids) + len(eos))
+        pieces.append(np.asarray(bos + ids + eos, dtype=np.int64))
+        lengths.append(len(bos) + len(ids) + len(eos))
     ids = np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
     return ids, np.asarray(lengths, dtype=np.int64), missing, empty
 
@@ -199,8 +203,10 @@ def _encoded(batches: Iterator[Batch], workers: int, init_args: tuple) -> Iterat
 
 
 def preprocess(inputs: list[str], tokenizer_dir: Path, prefix: Path, json_key: str = "text", workers: int = 1,
-               append_eos: bool = True, show_progress: bool = True) -> Summary:
-    """Tokenize `inputs` into `prefix`.bin/.idx and return what was done."""
+               append_eos: bool = True, show_progress: bool = True, add_bos_token: bool = True) -> Summary:
+    """Tokenize `inputs` into `prefix`.bin/.idx and return what was done. `add_bos_token`: each document
+    begins as the tokenizer begins a text (Gemma's `<bos>`, Llama 3's `<|begin_of_text|>`; nothing for a
+    tokenizer that declares nothing, as the shipped one)."""
     paths = expand_inputs(inputs)
     tokenizer = load_text_tokenizer(tokenizer_dir)
     if append_eos and tokenizer.eos_id is None:
@@ -215,7 +221,7 @@ def preprocess(inputs: list[str], tokenizer_dir: Path, prefix: Path, json_key: s
             summary.input_bytes += nbytes
             bar.update(nbytes)
 
-        init_args = (str(tokenizer_dir), json_key, append_eos)
+        init_args = (str(tokenizer_dir), json_key, append_eos, add_bos_token)
         for ids, lengths, missing, empty in _encoded(read_batches(paths, progress), workers, init_args):
             writer.add_documents(ids, lengths)
             summary.skipped_missing_key += missing
@@ -231,21 +237,26 @@ def preprocess(inputs: list[str], tokenizer_dir: Path, prefix: Path, json_key: s
     return summary
 
 
-def corpus_prefix(corpus: Path, tokenizer_dir: Path, cache_dir: Path) -> Path:
+def corpus_prefix(corpus: Path, tokenizer_dir: Path, cache_dir: Path, add_bos_token: bool = True) -> Path:
     """Where the preprocessed `corpus` lives in `cache_dir`: named by a digest of the corpus, the
-    tokenizer and this preprocessing's version, so changing any of them never reuses stale ids."""
+    tokenizer, whether documents begin with the ids it declares (when it declares some) and this
+    preprocessing's version, so changing any of them never reuses stale ids."""
     digest = hashlib.sha256(Path(corpus).read_bytes())
     digest.update(tokenizer_digest(tokenizer_dir).encode() + str(PREPROCESS_VERSION).encode())
+    begins = load_text_tokenizer(tokenizer_dir).prefix if add_bos_token else ()
+    if begins:  # documents without them keep the name they had before tokenizers declared any
+        digest.update(("begins " + " ".join(map(str, begins))).encode())
     return Path(cache_dir) / f"{Path(corpus).stem}-{digest.hexdigest()[:16]}"
 
 
-def ensure_corpus(corpus: Path, tokenizer_dir: Path, cache_dir: Path) -> Path:
-    """The zero-setup path: the prefix of `corpus` preprocessed (documents ending in EOS), making it
-    on first use."""
+def ensure_corpus(corpus: Path, tokenizer_dir: Path, cache_dir: Path, add_bos_token: bool = True) -> Path:
+    """The zero-setup path: the prefix of `corpus` preprocessed (documents begun as the tokenizer
+    declares, ending in EOS), making it on first use."""
     if not Path(corpus).is_file():
         raise DataError(f"--corpus {corpus} does not exist; pass a UTF-8 text file or --input_dir with "
                         "prepared data (tools/preprocess_data.py)")
-    prefix = corpus_prefix(corpus, tokenizer_dir, cache_dir)
+    prefix = corpus_prefix(corpus, tokenizer_dir, cache_dir, add_bos_token)
     if not all(path.is_file() for path in prefix_paths(prefix)):
-        preprocess([str(corpus)], tokenizer_dir, prefix, append_eos=True, show_progress=False)
+        preprocess([str(corpus)], tokenizer_dir, prefix, append_eos=True, show_progress=False,
+                   add_bos_token=add_bos_token)
     return prefix

@@ -33,6 +33,7 @@ class DataPlan:
     seed: int
     num_samples: tuple[int, int, int]
     vocab_size: int
+    add_bos_token: bool = True  # --corpus documents begin as the tokenizer declares
 
     def describe(self) -> str:
         return " ".join(self.data_prefix) if self.data_prefix else str(self.corpus)
@@ -44,7 +45,8 @@ def dataset_sizes(global_batch: int, max_steps: int, eval_steps: int, eval_iters
 
 
 def plan_data(input_dir: str, corpus: Path, tokenizer_dir: Path, cache_dir: Path, split: str, data_impl: str,
-              seq_length: int, seed: int, num_samples: tuple[int, int, int], vocab_size: int) -> DataPlan:
+              seq_length: int, seed: int, num_samples: tuple[int, int, int], vocab_size: int,
+              add_bos_token: bool = True) -> DataPlan:
     """Every check that needs no more than index headers: a bad request fails here, on every rank."""
     if data_impl != "mmap":
         raise DataError(f"--data_impl {data_impl} is not supported; prepared data is read as 'mmap' "
@@ -64,7 +66,7 @@ def plan_data(input_dir: str, corpus: Path, tokenizer_dir: Path, cache_dir: Path
                     raise DataError(f"--split '{split}' leaves the {name} split of {prefix} empty ({header.documents} "
                                     f"documents); give {name} a larger share, e.g. --split 949,50,1")
     return DataPlan(data_prefix, Path(corpus), Path(tokenizer_dir), Path(cache_dir), split, seq_length, seed,
-                    num_samples, vocab_size)
+                    num_samples, vocab_size, add_bos_token)
 
 
 def build_data(plan: DataPlan) -> tuple:
@@ -72,7 +74,7 @@ def build_data(plan: DataPlan) -> tuple:
     are not cached yet."""
     data_prefix = plan.data_prefix
     if data_prefix is None:
-        data_prefix = (str(ensure_corpus(plan.corpus, plan.tokenizer_dir, plan.cache_dir)),)
+        data_prefix = (str(ensure_corpus(plan.corpus, plan.tokenizer_dir, plan.cache_dir, plan.add_bos_token)),)
     prefixes = data_prefix if len(data_prefix) == 1 else data_prefix[1::2]
     for prefix in prefixes:
         check_vocabulary(read_header(Path(prefix)), plan.vocab_size, plan.cache_dir)

@@ -70,14 +70,22 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 
 @dataclass(frozen=True)
 class TextTokenizer:
-    """What preprocessing and training need from a tokenizer: text to ids (no special tokens,
-    as PaddleNLP's create_pretraining_data.py does), the end-of-document id and the id range."""
+    """What preprocessing, training and generation need from a tokenizer: text to ids (`encode`: no
+    special tokens, as PaddleNLP's create_pretraining_data.py makes them), the special ids the folder
+    declares around a text (`prefix`: Gemma's `<bos>`, Llama 3's `<|begin_of_text|>`; `suffix`), the
+    end-of-document id and the id range."""
 
     folder: Path
     encode: Callable[[str], list[int]]
     decode: Callable[[list[int]], str]
     eos_id: int | None
     vocab_size: int
+    prefix: tuple[int, ...] = ()
+    suffix: tuple[int, ...] = ()
+
+    def encode_declared(self, text: str) -> list[int]:
+        """`text`'s ids as transformers' `tokenizer(text)` gives them: with the folder's special tokens."""
+        return [*self.prefix, *self.encode(text), *self.suffix]
 
     def files(self) -> list[Path]:
         """The folder's tokenizer files (copied into checkpoints)."""
@@ -112,9 +120,13 @@ def load_text_tokenizer(tokenizer_dir: Path) -> TextTokenizer:
     if (folder / FAST_TOKENIZER).is_file() or settings.get("tokenizer_class") in BYTE_LEVEL_BPE_CLASSES:
         return _hub_tokenizer(folder, settings)
     tokenizer = _auto_tokenizer(folder)
-    return TextTokenizer(folder, lambda text: tokenizer.convert_tokens_to_ids(tokenizer.tokenize(text)),
-                         lambda ids: tokenizer.decode(ids, skip_special_tokens=True), tokenizer.eos_token_id,
-                         len(tokenizer))
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.convert_tokens_to_ids(tokenizer.tokenize(text))
+
+    return TextTokenizer(folder, encode, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                         tokenizer.eos_token_id, len(tokenizer),
+                         *_around(tokenizer.build_inputs_with_special_tokens(encode(SENTINEL)), encode(SENTINEL), folder))
 
 
 FAST_TOKENIZER = "tokenizer.json"
@@ -147,11 +159,44 @@ def _hub_tokenizer(folder: Path, settings: dict) -> TextTokenizer:
     except Exception as err:  # the Rust library raises its own exception type for unreadable files
         raise TokenizerError(f"the tokenizer in {folder} cannot be loaded ({type(err).__name__}: {err}); check its "
                              f"{FAST_TOKENIZER} (or vocab.json and merges.txt)") from err
-    eos = settings.get("eos_token") or _read_json(folder / "special_tokens_map.json").get("eos_token")
-    eos = eos.get("content") if isinstance(eos, dict) else eos
+    eos = _special_token(folder, settings, "eos_token")
     return TextTokenizer(folder, lambda text: tokenizer.encode(text, add_special_tokens=False).ids,
                          lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                         tokenizer.token_to_id(eos) if eos else None, tokenizer.get_vocab_size(with_added_tokens=True))
+                         tokenizer.token_to_id(eos) if eos else None, tokenizer.get_vocab_size(with_added_tokens=True),
+                         *_declared_around(tokenizer, folder, settings))
+
+
+SENTINEL = "a"  # a text whose ids show where a template puts its special tokens
+
+
+def _declared_around(tokenizer, folder: Path, settings: dict) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The special ids around a text, as transformers 5 reads a folder: when tokenizer_config.json names
+    `add_bos_token` or `add_eos_token` (Gemma's, LLaMA 2's), or tokenizer.json has no post-processor, those
+    two settings; otherwise tokenizer.json's post-processor as it is (Llama 3's template adds
+    `<|begin_of_text|>`; Qwen's and GPT-2's byte-level one adds nothing)."""
+    if "add_bos_token" in settings or "add_eos_token" in settings or tokenizer.post_processor is None:
+        ids = []
+        for name in ("bos_token", "eos_token"):
+            token = _special_token(folder, settings, name) if settings.get(f"add_{name}") else None
+            ids.append((tokenizer.token_to_id(token),) if token and tokenizer.token_to_id(token) is not None else ())
+        return ids[0], ids[1]
+    return _around(tokenizer.encode(SENTINEL, add_special_tokens=True).ids,
+                   tokenizer.encode(SENTINEL, add_special_tokens=False).ids, folder)
+
+
+def _around(whole: list[int], inner: list[int], folder: Path) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the ids before `inner` in `whole`, the ids after it): what a template adds around a text."""
+    for start in range(len(whole) - len(inner) + 1):
+        if whole[start:start + len(inner)] == inner:
+            return tuple(whole[:start]), tuple(whole[start + len(inner):])
+    raise TokenizerError(f"the tokenizer in {folder} changes a text's own ids when it adds its special tokens "
+                         f"({inner} became {whole}); such a post-processor is not supported")
+
+
+def _special_token(folder: Path, settings: dict, name: str) -> str | None:
+    """A special token's text (`bos_token`, `eos_token`) from tokenizer_config.json, else special_tokens_map.json."""
+    token = settings.get(name) or _read_json(folder / "special_tokens_map.json").get(name)
+    return token.get("content") if isinstance(token, dict) else token
 
 
 def _auto_tokenizer(folder: Path) -> Any:

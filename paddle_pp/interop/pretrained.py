@@ -43,6 +43,7 @@ from modeling.registry import UnknownModelError, config_from_dict, family, plan_
 from modeling.transformers_adapter import RUN_FIELDS, ConfigFieldError, Stored
 from paddle_pp.interop.carried import Carried, text_config
 from paddle_pp.interop.pickled import load_pickled
+from paddle_pp.interop.prediction_layers import Absent, absent_prediction_layers
 from paddle_pp.interop.quantized import dequantizing
 from paddle_pp.interop.recut import recut
 from paddle_pp.runtime.topology import Topology
@@ -70,13 +71,17 @@ class PretrainedFolder:
     read: Read = field(repr=False)
     notes: tuple[str, ...] = ()  # what a run from it should be told (tensors left unread)
     carried: Carried | None = None  # a multimodal folder's parts that do not train, carried as they are
+    fresh: tuple[str, ...] = ()  # our tensors the folder does not hold and a run initialises (`prediction_layers`)
 
 
-def open_pretrained(folder: Path, weights: bool = True, allow_unsafe_pickle: bool = False) -> PretrainedFolder:
+def open_pretrained(folder: Path, weights: bool = True, allow_unsafe_pickle: bool = False,
+                    fresh_prediction_layers: bool = False) -> PretrainedFolder:
     """The folder recognised and checked (config, every tensor name and shape from file headers)
     without reading weights. `weights` False (a run that resumes its own checkpoint, or takes only
     the config): the weights are neither read nor checked, so a folder may hold config.json alone.
-    Pickled pdparams are read as data only (`pickled.load_pickled`) unless `allow_unsafe_pickle`."""
+    Pickled pdparams are read as data only (`pickled.load_pickled`) unless `allow_unsafe_pickle`.
+    Multi-token prediction layers the config counts and the folder does not hold are left out, or
+    started fresh under `fresh_prediction_layers` (`prediction_layers.absent_prediction_layers`)."""
     folder = Path(folder)
     if not folder.exists() and _looks_like_a_hub_id(str(folder)):
         raise CheckpointError(f"--model_name_or_path {folder}: no such folder, and it reads like a model hub id; "
@@ -89,7 +94,7 @@ def open_pretrained(folder: Path, weights: bool = True, allow_unsafe_pickle: boo
     raw = json.loads((folder / CONFIG_FILE).read_text())
     kind = MULTIMODAL.get(raw.get("model_type"))
     if kind is not None:  # its language model is what trains: read as a text folder's, the rest carried
-        return _multimodal(folder, raw, kind, weights)
+        return _multimodal(folder, raw, kind, weights, fresh_prediction_layers)
     if _is_unified(folder):
         unified = UnifiedReader(folder, MODEL)
         config = {"model_type": raw.get("model_type"), **_config_fields(raw)}
@@ -99,9 +104,14 @@ def open_pretrained(folder: Path, weights: bool = True, allow_unsafe_pickle: boo
     paddlenlp_locate = _paddlenlp_locator(config, fused)
     pickled = (folder / PDPARAMS).is_file() or (folder / PDPARAMS_INDEX).is_file()
     if not weights:  # a config.json alone is enough (PaddleNLP's continue_training false on a config folder)
-        stored = pickled or (folder / HF_INDEX).is_file() or any(folder.glob("*.safetensors"))
-        return PretrainedFolder(folder, PADDLENLP if pickled else _kind(model_family, config, _header_shapes(_safetensors_readers(folder))) if stored
-                                else CONFIG_ONLY, config, read=_not_loaded)
+        if pickled:
+            return PretrainedFolder(folder, PADDLENLP, config, read=_not_loaded)
+        if not ((folder / HF_INDEX).is_file() or any(folder.glob("*.safetensors"))):
+            return PretrainedFolder(folder, CONFIG_ONLY, config, read=_not_loaded)
+        shapes = _header_shapes(_safetensors_readers(folder))
+        if _kind(model_family, config, shapes) != TRANSFORMERS:
+            return PretrainedFolder(folder, PADDLENLP, config, read=_not_loaded)
+        return _unread_transformers_folder(folder, model_family, config, shapes, fresh_prediction_layers)
     if pickled:
         arrays = _pdparams(folder, allow_unsafe_pickle)
         return _checked(folder, PADDLENLP, config, {name: list(a.shape) for name, a in arrays.items()},
@@ -110,37 +120,72 @@ def open_pretrained(folder: Path, weights: bool = True, allow_unsafe_pickle: boo
     shapes = _header_shapes(readers)
     read = _by_axis(lambda key, piece: readers[key].read(key, piece))
     if _kind(model_family, config, shapes) == TRANSFORMERS:
-        return _transformers_folder(folder, model_family, config, shapes, read)
+        return _transformers_folder(folder, model_family, config, shapes, read, fresh_prediction_layers=fresh_prediction_layers)
     return _checked(folder, PADDLENLP, config, shapes, read, paddlenlp_locate)
 
 
-def _transformers_folder(folder: Path, model_family: ModelFamily, config: dict, shapes: dict[str, list[int]],
-                         read: Read, kind: Multimodal | None = None) -> PretrainedFolder:
-    """A transformers folder of `model_family` checked and read: each tensor where the family's adapter
-    says (in transformers 5's fused experts when the folder holds them, cut again where its folders may
-    cut a group elsewhere), inside a multimodal `kind`'s text body when given, whose other parts'
-    tensors are left to carry."""
-    ours = config_from_dict(config)
+def _transformers_locate(model_family: ModelFamily, ours, shapes: dict[str, list[int]],
+                         kind: Multimodal | None) -> Callable[[str], Stored]:
+    """Where a transformers folder of `model_family` stores each of our tensors: where the family's
+    adapter says, in transformers 5's fused experts when the folder holds them, inside a multimodal
+    `kind`'s text body when given."""
     plan, adapter = plan_of(ours), model_family.transformers
     locate = lambda name: adapter.stored(name, plan[name], ours)  # noqa: E731
     if stores_fused_experts(shapes):
         locate = lambda name, per_expert=locate: fused_expert_stored(per_expert(name), ours)  # noqa: E731
     if kind is not None:
         locate = lambda name, text=locate: kind.stored(text(name))  # noqa: E731
+    return locate
+
+
+def _absent(folder: Path, model_family: ModelFamily, config: dict, shapes: dict[str, list[int]], fresh: bool,
+            kind: Multimodal | None = None) -> Absent | None:
+    """The prediction layers `config` counts when the folder holds none of their tensors."""
+    ours = config_from_dict(config)
+    if not ours.mtp_depth:
+        return None
+    locate = _transformers_locate(model_family, ours, shapes, kind)
+    return absent_prediction_layers(folder, config, lambda name: locate(name).name in shapes, fresh)
+
+
+def _unread_transformers_folder(folder: Path, model_family: ModelFamily, config: dict, shapes: dict[str, list[int]],
+                                fresh: bool, kind: Multimodal | None = None) -> PretrainedFolder:
+    """A transformers folder opened for its config alone (weights neither read nor checked), its absent
+    prediction layers decided as a run that reads it decides them, so a resume builds the same model."""
+    absent = _absent(folder, model_family, config, shapes, fresh, kind)
+    return PretrainedFolder(folder, TRANSFORMERS, absent.config if absent else config, read=_not_loaded,
+                            notes=(absent.note,) if absent else ())
+
+
+def _transformers_folder(folder: Path, model_family: ModelFamily, config: dict, shapes: dict[str, list[int]],
+                         read: Read, kind: Multimodal | None = None,
+                         fresh_prediction_layers: bool = False) -> PretrainedFolder:
+    """A transformers folder of `model_family` checked and read: each tensor where `_transformers_locate`
+    says (cut again where its folders may cut a group elsewhere), whose multimodal parts' tensors are
+    left to carry, and whose absent prediction layers are left out or started fresh."""
+    absent = _absent(folder, model_family, config, shapes, fresh_prediction_layers, kind)
+    if absent is not None:
+        config = absent.config
+    ours = config_from_dict(config)
+    plan, adapter = plan_of(ours), model_family.transformers
+    locate = _transformers_locate(model_family, ours, shapes, kind)
     if adapter.recut:
         expected = {locate(name).name: stored_shape(plan[name].shape, locate(name)) for name in plan}
         shapes, read = recut(shapes, read, adapter.recut, expected)
-    return _checked(folder, TRANSFORMERS, config, shapes, read, locate, adapter.buffers, adapter.layers_past_last,
-                    adapter.stored_copies(ours), adapter.unread, () if kind is None else kind.carried)
+    opened = _checked(folder, TRANSFORMERS, config, shapes, read, locate, adapter.buffers, adapter.layers_past_last,
+                      adapter.stored_copies(ours), adapter.unread, () if kind is None else kind.carried,
+                      absent.fresh if absent else ())
+    return replace(opened, notes=(absent.note, *opened.notes)) if absent else opened
 
 
-def _multimodal(folder: Path, raw: dict, kind: Multimodal, weights: bool) -> PretrainedFolder:
+def _multimodal(folder: Path, raw: dict, kind: Multimodal, weights: bool, fresh_prediction_layers: bool) -> PretrainedFolder:
     """A multimodal transformers folder (`modeling.multimodal`): its language model's config and
     tensors, read as the text family's folders keep them under the kind's body, and every tensor under
     the kind's `carried` prefixes held as stored (`Carried`)."""
     model_family, config, _ = _our_config(folder, text_config(raw, folder))
     if not weights:
-        return PretrainedFolder(folder, TRANSFORMERS, config, read=_not_loaded)
+        return _unread_transformers_folder(folder, model_family, config, _header_shapes(_safetensors_readers(folder)),
+                                           fresh_prediction_layers, kind)
     if raw.get("quantization_config"):
         raise CheckpointError(f"--model_name_or_path {folder}: a quantized {kind.model_type} folder; its carried parts "
                               "would be written back dequantized. Pass its unquantized release")
@@ -148,7 +193,8 @@ def _multimodal(folder: Path, raw: dict, kind: Multimodal, weights: bool) -> Pre
     shapes = _header_shapes(readers)
     carried = tuple(sorted(name for name in shapes if name.startswith(kind.carried)))
     pretrained = _transformers_folder(folder, model_family, config, shapes,
-                                      _by_axis(lambda key, piece: readers[key].read(key, piece)), kind)
+                                      _by_axis(lambda key, piece: readers[key].read(key, piece)), kind,
+                                      fresh_prediction_layers)
     return replace(pretrained, notes=pretrained.notes + (
         f"{folder}: {len(carried)} tensors of its other parts ({', '.join(kind.carried)}) carried through every "
         "checkpoint as they are",), carried=Carried(raw, carried, lambda name: readers[name].read_stored(name)))
@@ -299,15 +345,17 @@ def stored_shape(shape, stored: Stored) -> list[int]:
 def _checked(folder: Path, kind: str, config: dict, shapes: dict[str, list[int]], read_stored: Read,
              locate: Callable[[str], Stored], buffers: tuple[str, ...] = (),
              layers_past_last: str | None = None, copies: dict[str, str] | None = None,
-             unread: tuple[str, ...] = (), carried: tuple[str, ...] = ()) -> PretrainedFolder:
+             unread: tuple[str, ...] = (), carried: tuple[str, ...] = (), fresh: tuple[str, ...] = ()) -> PretrainedFolder:
     """The folder's reader under our names, after every planned tensor is found in its stored shape
     and no stored tensor is left over (a tied head's second name, recomputed buffers and `copies` of
     ours aside, and the layers a family's folders store past the config's last, `layers_past_last`,
     and the tensors under its `unread` prefixes: left unread, noted; those under `carried` prefixes are
-    a multimodal folder's other parts)."""
+    a multimodal folder's other parts; the `fresh` tensors a run initialises are not looked for)."""
     plan = plan_of(config_from_dict(config))
     problems = []
     for name in plan:
+        if name in fresh:
+            continue
         stored = locate(name)
         if stored.name not in shapes:
             hint = f" (config.json has tie_word_embeddings={config.get('tie_word_embeddings')})" \
@@ -356,7 +404,7 @@ def _checked(folder: Path, kind: str, config: dict, shapes: dict[str, list[int]]
     if skipped:
         notes += (f"{folder}: {len(skipped)} tensors under {', '.join(p for p in unread if any(k.startswith(p) for k in skipped))} "
                   f"left unread: {plan.architecture} does not model them (transformers leaves them unread too)",)
-    return PretrainedFolder(folder, kind, config, read, notes)
+    return PretrainedFolder(folder, kind, config, read, notes, fresh=fresh)
 
 
 def _layer_index(key: str, num_layers: int) -> int | None:
@@ -411,6 +459,8 @@ def load_pretrained(pretrained: PretrainedFolder, model, axes: dict, topo: Topol
     tp, tp_rank = (topo.layout.tp, topo.tp_rank) if topo is not None else (1, 0)
     try:
         for name, param in model.state_dict().items():
+            if name in pretrained.fresh:  # kept as the model initialised it
+                continue
             axis = axes.get(name) if tp > 1 else None
             set_parameter(param, pretrained.read(name, axis, tp, tp_rank))
         _check_recorded_checksums(pretrained.folder, topo)

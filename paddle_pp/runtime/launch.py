@@ -168,11 +168,12 @@ def _launch_once(script, nproc: int, args: Sequence[str], work_dir: Path, timeou
 
 def _start_launchers(script, nproc: int, args: Sequence[str], log_dirs: list[Path],
                      run_env: dict[str, str]) -> list[subprocess.Popen]:
-    """One `paddle.distributed.launch` per node, each starting `nproc` ranks that log to its log dir."""
+    """One Paddle launcher per node (`runtime/launcher.py`: `paddle.distributed.launch` noticing its ranks'
+    exit within 50 ms), each starting `nproc` ranks that log to its log dir."""
     master = f"127.0.0.1:{free_port()}"
     procs = []
     for node, log_dir in enumerate(log_dirs):
-        cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc),
+        cmd = [sys.executable, "-m", "paddle_pp.runtime.launcher", "--nproc_per_node", str(nproc),
                "--log_dir", str(log_dir)]
         if len(log_dirs) > 1:
             cmd += ["--master", master, "--nnodes", str(len(log_dirs)), "--rank", str(node)]

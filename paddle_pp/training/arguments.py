@@ -42,6 +42,10 @@ class ModelArguments:
     allow_unsafe_pickle: bool = flag(False, "with a pdparams --model_name_or_path: read it with paddle.load, which "
                                             "runs any code the file carries (only for a folder you trust; default: "
                                             "data only, see docs/known-problems.md, Security)")
+    fresh_prediction_layers: bool = flag(False, "with a --model_name_or_path folder whose config counts multi-token "
+                                                "prediction layers it does not hold (transformers saves none): train "
+                                                "them from fresh weights (default: without them, as transformers "
+                                                "reads the folder)")
     initializer_range: float = flag(0.02, "std of the initial matrices")
     recompute: bool = flag(False, "recompute activations in backward instead of keeping them (what: "
                                   "--recompute_granularity)")
@@ -88,6 +92,9 @@ class DataArguments:
     tokenizer_dir: Path = flag(Path("data/tokenizer"), "tokenizer folder: tokenizer.model (SentencePiece) or one "
                                                        "PaddleNLP's AutoTokenizer loads")
     data_cache: Path = flag(Path("data/cache"), "folder for index files and the preprocessed --corpus")
+    add_bos_token: bool = flag(True, "begin each --corpus document as the tokenizer begins a text (tokenizer_config."
+                                     "json's add_bos_token, tokenizer.json's template: Gemma's <bos>, Llama 3's "
+                                     "<|begin_of_text|>); false: documents as PaddleNLP's preprocessing makes them")
     max_seq_length: int = flag(128, "tokens per training sample")
     per_device_train_batch_size: int = flag(4, "micro-batch size per data replica")
     gradient_accumulation_steps: int = flag(2, "micro-batches per step (the pipeline's accumulate steps)")

@@ -51,7 +51,7 @@ class Generator:
 
     def complete(self, prompt: str, max_new_tokens: int, top_p: float = 0.0, temperature: float = 1.0,
                  seed: int = 0) -> str:
-        prompt_ids = self.tokenizer.encode(prompt)
+        prompt_ids = self.tokenizer.encode_declared(prompt)  # Gemma's <bos> first, as transformers encodes it
         if not prompt_ids:
             raise ValueError("the prompt encodes to no tokens; give some text")
         new_ids = self.token_ids(prompt_ids, max_new_tokens, top_p, temperature, seed)

@@ -96,7 +96,8 @@ class Pretrainer:
         source = args.model.model_name_or_path
         self.pretrained = open_pretrained(
             Path(source), weights=self.resume_dir is None and args.model.continue_training,
-            allow_unsafe_pickle=args.model.allow_unsafe_pickle) if source else None
+            allow_unsafe_pickle=args.model.allow_unsafe_pickle,
+            fresh_prediction_layers=args.model.fresh_prediction_layers) if source else None
         self.tokenizer = load_text_tokenizer(
             tokenizer_dir(data, self.pretrained.folder if self.pretrained else None, args.given))
         self.config = model_config(args.model, data.max_seq_length, self.tokenizer.vocab_size, self.pretrained,
@@ -118,7 +119,7 @@ class Pretrainer:
             data.input_dir, data.corpus, self.tokenizer.folder, data.data_cache, data.split, data.data_impl,
             data.max_seq_length, data.seed, dataset_sizes(self.batches.global_batch, args.optim.max_steps,
                                                           args.output.eval_steps, args.output.eval_iters),
-            self.config.vocab_size)
+            self.config.vocab_size, data.add_bos_token)
         optim = args.optim
         self.schedule = WarmupCosine(optim.learning_rate, self.run_plan.warmup_steps, optim.max_steps,
                                      optim.min_learning_rate, optim.lr_scheduler_type, optim.warmup_from_zero)
@@ -147,6 +148,9 @@ class Pretrainer:
         self.axes = self.plan.axes()
         if self.resume_dir is None and self.pretrained is not None and args.model.continue_training:
             load_pretrained(self.pretrained, raw, self.axes, self.topo)
+            if self.pretrained.fresh:  # counted by its config, absent from the folder: drawn as a run from flags would
+                init_single_card_weights(raw, self.plan, self.topo, args.data.seed, args.model.initializer_range,
+                                         self.pretrained.fresh)
         elif self.resume_dir is None:
             init_single_card_weights(raw, self.plan, self.topo, args.data.seed, args.model.initializer_range)
         else:  # weights before the wrappers take the model (stage3 slices what it finds), states after

@@ -98,6 +98,7 @@ def main(argv: list[str]) -> int:
                       "router_margins": [r.get("router_margin") for r in trained],
                       "expert_load": trained[-1].get("expert_load") if trained else None,
                       "eval_loss": history[-1].get("eval_loss") if history else None,
+                      "eval_losses": {str(r["step"]): r["eval_loss"] for r in history if "eval_loss" in r},
                       "dataset_built": trainer.train_data is not None, "stage": trainer.topo.pp_rank,
                       "held_elements": held, "resumed_exactly": resumed.get("exactly")})
 
