@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from modeling.registry import config_from_dict, plan_of
+from modeling.registry import plan_of
 
 PREDICTION_FIELD = "num_nextn_predict_layers"  # our name of the count (GLM's `num_mtp_layers` is read into it)
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -35,11 +35,11 @@ def prediction_layer_names(config) -> list[str]:
             if (match := _LAYER.search(name)) and int(match.group(1)) >= config.num_hidden_layers]
 
 
-def absent_prediction_layers(folder: Path, config: dict, holds: Callable[[str], bool], fresh: bool) -> Absent | None:
-    """None when `config` counts no prediction layer or the folder holds some (`holds`: whether it
-    stores the tensor of one of our names); else the run's config, the tensors it starts fresh and
-    its note."""
-    ours = config_from_dict(config)
+def absent_prediction_layers(folder: Path, config: dict, ours, holds: Callable[[str], bool],
+                             fresh: bool) -> Absent | None:
+    """None when `config` (built: `ours`) counts no prediction layer or the folder holds some (`holds`:
+    whether it stores the tensor of one of our names); else the run's config, the tensors it starts
+    fresh and its note."""
     names = prediction_layer_names(ours) if ours.mtp_depth else []
     if not names or any(holds(name) for name in names):
         return None

@@ -138,21 +138,20 @@ def _transformers_locate(model_family: ModelFamily, ours, shapes: dict[str, list
     return locate
 
 
-def _absent(folder: Path, model_family: ModelFamily, config: dict, shapes: dict[str, list[int]], fresh: bool,
+def _absent(folder: Path, model_family: ModelFamily, config: dict, ours, shapes: dict[str, list[int]], fresh: bool,
             kind: Multimodal | None = None) -> Absent | None:
-    """The prediction layers `config` counts when the folder holds none of their tensors."""
-    ours = config_from_dict(config)
-    if not ours.mtp_depth:
+    """The prediction layers `config` (built: `ours`) counts when the folder holds none of their tensors."""
+    if not ours.mtp_depth:  # most families: no plan to locate
         return None
     locate = _transformers_locate(model_family, ours, shapes, kind)
-    return absent_prediction_layers(folder, config, lambda name: locate(name).name in shapes, fresh)
+    return absent_prediction_layers(folder, config, ours, lambda name: locate(name).name in shapes, fresh)
 
 
 def _unread_transformers_folder(folder: Path, model_family: ModelFamily, config: dict, shapes: dict[str, list[int]],
                                 fresh: bool, kind: Multimodal | None = None) -> PretrainedFolder:
     """A transformers folder opened for its config alone (weights neither read nor checked), its absent
     prediction layers decided as a run that reads it decides them, so a resume builds the same model."""
-    absent = _absent(folder, model_family, config, shapes, fresh, kind)
+    absent = _absent(folder, model_family, config, config_from_dict(config), shapes, fresh, kind)
     return PretrainedFolder(folder, TRANSFORMERS, absent.config if absent else config, read=_not_loaded,
                             notes=(absent.note,) if absent else ())
 
@@ -163,10 +162,10 @@ def _transformers_folder(folder: Path, model_family: ModelFamily, config: dict, 
     """A transformers folder of `model_family` checked and read: each tensor where `_transformers_locate`
     says (cut again where its folders may cut a group elsewhere), whose multimodal parts' tensors are
     left to carry, and whose absent prediction layers are left out or started fresh."""
-    absent = _absent(folder, model_family, config, shapes, fresh_prediction_layers, kind)
-    if absent is not None:
-        config = absent.config
     ours = config_from_dict(config)
+    absent = _absent(folder, model_family, config, ours, shapes, fresh_prediction_layers, kind)
+    if absent is not None:
+        config, ours = absent.config, config_from_dict(absent.config)
     plan, adapter = plan_of(ours), model_family.transformers
     locate = _transformers_locate(model_family, ours, shapes, kind)
     if adapter.recut:
