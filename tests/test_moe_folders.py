@@ -42,6 +42,9 @@ from modeling.transformers_adapter import ConfigFieldError
 from paddle_pp.interop.pretrained import TRANSFORMERS, load_pretrained, open_pretrained
 from paddle_pp.planning.memory import plan_layout
 from paddle_pp.runtime.layout import Layout
+from paddle_pp.training.arguments import parse_args
+from paddle_pp.training.model_config import ModelSourceError
+from paddle_pp.training.trainer import Pretrainer
 
 import hf_models
 from parity import our_logits
@@ -233,12 +236,13 @@ def test_a_released_folders_mtp_layer_is_left_unread_when_the_config_does_not_co
 
 @pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe"])
 def test_a_folder_counting_a_prediction_layer_it_does_not_hold_opens_without_it_or_starts_it_fresh(
-        kind, moe_folders, tmp_path):
+        kind, moe_folders, tmp_path, monkeypatch):
     """Such a folder opens (and opens for a resume, weights unread) without the layer, as transformers
     reads it, with a note naming --fresh_prediction_layers, and gives transformers' logits; with the
     flag it opens with the layer, which loading leaves as the model initialised it while every other
     tensor is read (the logits, which the layer does not reach in evaluation, are transformers');
-    tests/test_moe_runs.py trains one."""
+    tests/test_moe_runs.py trains one. The flag on a folder with no layer to start fresh is refused by
+    name before any process group."""
     root = moe_folders["transformers5"]
     folder = counting_an_absent_prediction_layer(root / kind, tmp_path / kind)
     theirs = np.load(root / f"{kind}.npy")
@@ -258,6 +262,10 @@ def test_a_folder_counting_a_prediction_layer_it_does_not_hold_opens_without_it_
     model.eval()
     with paddle.no_grad():
         np.testing.assert_allclose(model(paddle.to_tensor(IDS)).numpy(), theirs, atol=LOGITS_TOL, rtol=LOGITS_TOL)
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "1")
+    with pytest.raises(ModelSourceError, match="--fresh_prediction_layers: .* has no multi-token prediction layers"):
+        Pretrainer(parse_args(["--model_name_or_path", str(root / kind), "--fresh_prediction_layers",
+                               "--output_dir", str(tmp_path / "out")]))  # its config counts none
 
 
 def test_a_hybrid_folders_mtp_layer_is_left_unread_as_transformers_leaves_it(moe_folders, tmp_path):

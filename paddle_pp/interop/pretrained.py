@@ -153,7 +153,7 @@ def _unread_transformers_folder(folder: Path, model_family: ModelFamily, config:
     prediction layers decided as a run that reads it decides them, so a resume builds the same model."""
     absent = _absent(folder, model_family, config, config_from_dict(config), shapes, fresh, kind)
     return PretrainedFolder(folder, TRANSFORMERS, absent.config if absent else config, read=_not_loaded,
-                            notes=(absent.note,) if absent else ())
+                            notes=(absent.note,) if absent else (), fresh=absent.fresh if absent else ())
 
 
 def _transformers_folder(folder: Path, model_family: ModelFamily, config: dict, shapes: dict[str, list[int]],

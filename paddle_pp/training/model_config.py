@@ -54,6 +54,11 @@ def model_config(args: ModelArguments, max_seq_length: int, tokenizer_vocab: int
                  pretrained: PretrainedFolder | None = None, given: frozenset[str] = frozenset()):
     """The config to build. From flags, the vocabulary is the tokenizer's; from a folder, everything
     is the folder's, the tokenizer must fit its vocabulary, and the sequence its positions."""
+    if args.fresh_prediction_layers and (pretrained is None or not pretrained.fresh):
+        raise ModelSourceError(
+            f"--fresh_prediction_layers: {pretrained.folder if pretrained else 'a run without --model_name_or_path'} "
+            "has no multi-token prediction layers to start fresh (its config counts none, or the folder holds them); "
+            "drop the flag")
     if pretrained is None:
         fields = model_fields(family(args.model_type).config_class)
         values = dict(model_type=args.model_type, vocab_size=tokenizer_vocab, max_position_embeddings=max_seq_length,
