@@ -62,17 +62,21 @@ from paddle_pp.runtime.topology import Topology, gather_objects
 Held = dict[str, dict[str, tuple["paddle.Tensor | FlatSlice", Piece]]]  # kind -> name -> (local, its part)
 
 
-def _held(state: dict, tensors: dict, axes: dict, optimizer, gradients: dict | None, topo: Topology) -> Held:
+def _held(state: dict, tensors: dict, axes: dict, whole: frozenset[str], optimizer, gradients: dict | None,
+          topo: Topology) -> Held:
     """Every tensor this rank could write, by kind: the model's `tensors` (`stage3.model_tensors` of
     `state`); optimizer states and recorded gradients only where this rank holds them (the sharding
-    rank that updates the parameter, or under stage3 every sharding rank, each its slice)."""
-    held: Held = {MODEL: {name: (tensor, held_piece(tensor, axes.get(name), topo)) for name, tensor in tensors.items()}}
+    rank that updates the parameter, or under stage3 every sharding rank, each its slice). `axes` are
+    the declared tp axes, `whole` the parameters this degree leaves whole despite theirs."""
+    held: Held = {MODEL: {name: (tensor, held_piece(tensor, axes.get(name), topo, name in whole))
+                          for name, tensor in tensors.items()}}
     per_parameter = {OPTIMIZER: states_by_parameter(optimizer) if optimizer is not None else None,
                      GRADIENTS: gradients}
     for kind, by_param in per_parameter.items():
         if by_param is not None:
             held[kind] = {f"{name}{STATE_SEPARATOR}{state_name}":
-                          (saved, held_piece(saved, state_tp_axis(saved.shape, param.shape, axes.get(name)), topo))
+                          (saved, held_piece(saved, state_tp_axis(saved.shape, param.shape, axes.get(name)), topo,
+                                             name in whole))
                           for name, param in state.items()
                           for state_name, tensor in by_param.get(slice_param_name(param), {}).items()
                           for saved in [as_saved(param, tensor, topo)]}
@@ -302,16 +306,15 @@ def save_checkpoint(output_dir: Path, step: int, model, optimizer, topo: Topolog
     with `rewrite`: rank 0 clears a stale folder of this step before the first, each rank that
     writes creates the folder after it. Each is a few tens of ms among 4 ranks on 2 cores."""
     output_dir = Path(output_dir)
-    axes = plan.axes()
     state = model.state_dict()
     tensors = model_tensors(state, topo)
-    held = _held(state, tensors, axes, optimizer, gradients, topo)
+    held = _held(state, tensors, plan.axes(), plan.whole_at(topo.layout.tp), optimizer, gradients, topo)
     staged = commits.temp_dir(output_dir, step)
     if topo.global_rank == 0:  # before the all-gather below, so no rank's folder below is cleared
         output_dir.mkdir(parents=True, exist_ok=True)
         commits.clear_stale_temp(output_dir, step)
     holdings = _holdings(held)
-    reports = gather_objects({"fingerprints": replica_fingerprints(tensors, axes, topo),
+    reports = gather_objects({"fingerprints": replica_fingerprints(tensors, plan.tp_axes(topo.layout.tp), topo),
                               "holdings": _report(holdings, topo)}, None, topo.layout.world_size)
     everyone = [report["holdings"] for report in reports]
     judge_replicas([report["fingerprints"] for report in reports], replica_check)

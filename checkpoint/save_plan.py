@@ -66,7 +66,7 @@ def _tensor_items(plan: ModelPlan, name: str, layout: Layout, holding: set, upda
     """A parameter's write items: its weights held by the (stage, dp, sharding, cp) ranks `holding`,
     its states by `updating` (by `holding` under stage3, which slices them all)."""
     row, numel = plan[name], int(np.prod(plan[name].shape))
-    split = row.placement.tp is not None and layout.tp > 1
+    split = row.placement.tp_axis(layout.tp) is not None and layout.tp > 1
     # stage3 slices every parameter over the segment size, which the planner does not know: all are counted
     gathered = gathered_bytes(numel * 4, split, layout.tp,
                               layout.sharding_degree if layout.sharding_stage == "stage3" else 1)

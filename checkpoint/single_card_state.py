@@ -62,7 +62,7 @@ def init_single_card_weights(model, plan: ModelPlan, topo: Topology, seed: int, 
     def draw(name: str, shape: list[int]) -> np.ndarray:
         return initial_values(plan[name].init, shape, np.random.default_rng([seed, zlib.crc32(name.encode())]), std)
 
-    _assign_slices(model, plan.axes(), topo, draw, names)
+    _assign_slices(model, plan.tp_axes(topo.layout.tp), topo, draw, names)
 
 
 def gather_single_card_state(model, axes: Mapping[str, int | None], topo: Topology) -> dict[str, np.ndarray]:

@@ -17,7 +17,15 @@ from typing import Callable
 import numpy as np
 
 from checkpoint.durable import new_folder, write_json_durably
-from checkpoint.format import FORMAT_VERSION, MODEL, OPTIMIZER, CheckpointError, index_name, read_versioned_json
+from checkpoint.format import (
+    FORMAT_VERSION,
+    MODEL,
+    OPTIMIZER,
+    STATE_SEPARATOR,
+    CheckpointError,
+    index_name,
+    read_versioned_json,
+)
 from checkpoint.piece import Piece
 from checkpoint.save_plan import tensor_stages
 from checkpoint.shards import ShardReader, TensorSpec, write_shard
@@ -28,6 +36,7 @@ from paddle_pp.runtime.layout import Layout
 SPLIT_INDEX = "split.index.json"
 DEFAULT_SHARD_BYTES = 5 * 2**30
 KINDS = (MODEL, OPTIMIZER)
+TP_WHOLE = "tp_whole"  # the split index's tensors that have a tp axis but every rank of its degree holds whole
 
 
 def rank_key(tp_rank: int, stage: int) -> str:
@@ -81,6 +90,7 @@ class SplitWriter:
         self.files: dict[str, dict] = {}
         self.ranks: dict[str, dict[str, str]] = {}
         self.tensors: dict[str, dict[str, dict]] = {kind: {} for kind in KINDS}
+        self.whole: set[str] = set()  # tensors with a tp axis that every rank of this degree holds whole
 
     def write(self, kind: str, tp_rank: int, stage: int, specs: list[TensorSpec], arrays, full: dict[str, dict]):
         """One rank's file of `kind`: `arrays` in `specs` order; `full` holds their unified metadata."""
@@ -92,7 +102,7 @@ class SplitWriter:
     def finish(self, model_metadata: dict) -> None:
         write_json_durably(self.folder / SPLIT_INDEX, {
             "metadata": {"format_version": FORMAT_VERSION, "layout": self.layout, "files": self.files,
-                         **model_metadata},
+                         TP_WHOLE: sorted(self.whole), **model_metadata},
             "ranks": self.ranks, "tensors": {kind: t for kind, t in self.tensors.items() if t}})
 
 
@@ -112,10 +122,13 @@ def split_checkpoint(source: Path, target: Path, layout: Layout, plan: ModelPlan
             unified = UnifiedReader(source, kind)
             if kind == MODEL:
                 model_metadata = {k: unified.index["metadata"][k] for k in ("model_type", "tied")}
+            whole = {n for n in unified.tensors if n.split(STATE_SEPARATOR)[0] in plan.whole_at(layout.tp)}
+            writer.whole |= whole
             for stage in range(layout.pp):
                 names = [n for n in sorted(unified.tensors) if stage in tensor_stages(plan, n, layout)]
                 for tp_rank in range(layout.tp):
-                    pieces = {n: unified.piece(n, layout.tp, tp_rank) for n in names}
+                    pieces = {n: Piece(unified.tensors[n].get("tp_axis")) if n in whole else
+                              unified.piece(n, layout.tp, tp_rank) for n in names}
                     specs = [TensorSpec(n, np.dtype(unified.tensors[n]["dtype"]),
                                         tuple(pieces[n].local_shape(unified.tensors[n]["shape"]))) for n in names]
                     writer.write(kind, tp_rank, stage, specs,
@@ -127,11 +140,13 @@ def split_checkpoint(source: Path, target: Path, layout: Layout, plan: ModelPlan
 def join_split(source: Path, target: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
                on_tensor: Callable[[str, int], None] | None = None) -> Path:
     """Write a split copy back as a unified checkpoint: each tensor from the lowest stage holding it,
-    its tp pieces concatenated along its axis (a replicated tensor is taken from tp rank 0)."""
+    its tp pieces concatenated along its axis (a replicated tensor, or one the degree leaves whole, is
+    taken from tp rank 0)."""
     source = Path(source)
     index = read_split_index(source)
     tp, pp, vpp = split_degrees(index)
     meta = index["metadata"]
+    whole = set(meta.get(TP_WHOLE, ()))
     saving_layout = split_layout(tp, pp, vpp).record()
     with new_folder(target) as partial:
         shutil.copytree(source, partial, dirs_exist_ok=True,
@@ -144,7 +159,7 @@ def join_split(source: Path, target: Path, max_shard_bytes: int = DEFAULT_SHARD_
                 first_stage |= {name: s for name in reader.names}
 
             def read(name: str, tensors=tensors, readers=readers, first_stage=first_stage) -> np.ndarray:
-                piece, stage = Piece(tensors[name].get("tp_axis"), tp, 0), first_stage[name]
+                piece, stage = Piece(tensors[name].get("tp_axis"), 1 if name in whole else tp, 0), first_stage[name]
                 if not piece.split:
                     return readers[(0, stage)].read(name)
                 return np.concatenate([readers[(t, stage)].read(name) for t in range(tp)], axis=piece.axis)

@@ -61,8 +61,9 @@ def model_tensors(state: dict, topo) -> dict:
             for name, param in state.items()}
 
 
-def held_piece(tensor, axis: int | None, topo) -> Piece:
+def held_piece(tensor, axis: int | None, topo, whole: bool = False) -> Piece:
     """The part of its single-card tensor that `tensor` (as `as_saved` gives it) is on this rank:
-    its TP piece along `axis`, and its stage3 slice of that when it is a `FlatSlice`."""
-    piece = Piece(axis, topo.layout.tp, topo.tp_rank)
+    its TP piece along `axis` (the whole tensor, its axis kept for the index, where the tensor is
+    `whole` at this degree: `ModelPlan.whole_at`), and its stage3 slice of that when it is a `FlatSlice`."""
+    piece = Piece(axis, 1, 0) if whole else Piece(axis, topo.layout.tp, topo.tp_rank)
     return replace(piece, flat=tensor.flat) if isinstance(tensor, FlatSlice) else piece

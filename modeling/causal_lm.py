@@ -87,7 +87,7 @@ class CausalLMPretrainedModel(PretrainedModel):
 
     @classmethod
     def _get_tensor_parallel_mappings(cls, config, is_split: bool = True) -> dict:
-        return tensor_parallel_mappings(cls.family.tensor_plan(config).axes(), is_split,
+        return tensor_parallel_mappings(cls.family.tensor_plan(config).tp_axes(config.tensor_parallel_degree), is_split,
                                         config.tensor_parallel_degree, config.tensor_parallel_rank)
 
     def _init_weights(self, layer):

@@ -14,7 +14,7 @@ from modeling.blocks.decoder import LayerActivations
 from modeling.causal_lm import CausalLM, Skeleton
 from modeling.execution import Execution
 from modeling.pipeline import CausalLMPipe
-from modeling.placement import ModelPlan, check_divisible
+from modeling.placement import ModelPlan, check_divisible, check_shared
 from modeling.transformers_adapter import TransformersAdapter
 
 
@@ -55,12 +55,15 @@ class ModelFamily:
                          self.skeleton.tied_names(config))
 
     def check_tensor_parallel(self, config, tp: int) -> None:
-        """Fail before any weight is built when the vocabulary or a unit TP splits (heads, kv heads,
-        MLP width) does not divide by `tp`."""
+        """Fail before any weight is built when the vocabulary or a unit TP splits (heads, MLP width)
+        does not divide by `tp`, or key/value heads neither divide by `tp` nor divide it."""
         units: dict[str, int] = {}
+        shared: dict[str, int] = {}
         for _, part, _ in self.skeleton.parts(config):
             units |= part.tp_units()
+            shared |= part.tp_shared_units()
         check_divisible(self.architecture, units, tp)
+        check_shared(self.architecture, shared, tp)
 
     def layer_saved_bytes(self, config, run: Execution, batch: int, seq_len: int, dtype_bytes: int = 4,
                           index: int | None = None) -> dict[str, int]:

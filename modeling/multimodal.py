@@ -1,5 +1,8 @@
 """Multimodal transformers folders whose language model is a registered text family's model (Qwen3.5's
-`qwen3_5`: the text model under `model.language_model.`, the vision tower under `model.visual.`): the
+`qwen3_5`: the text model under `model.language_model.`, the vision tower under `model.visual.`; Gemma 3's
+`gemma3`, whose folders keep the names of its first release, which transformers saves them under still: the
+text model under `language_model.model.`, its head `language_model.lm_head`, the SigLIP tower under
+`vision_tower.` and the projector beside): the
 text config (`text_config`) and weights are what trains; every tensor under a `carried` prefix is
 carried through the checkpoints and written back bit for bit (`paddle_pp/interop/carried.py`), so a
 checkpoint saved in transformers' layout, and an export, is the multimodal folder transformers loads.
@@ -17,22 +20,25 @@ BODY = "model."  # where a text family's transformers folders keep everything bu
 @dataclass(frozen=True)
 class Multimodal:
     """A multimodal folder kind: its `model_type` and class, its language model's model_type, where
-    that model's body sits (`text_body`, for the text folders' "model."), and the name prefixes of the
-    other parts' tensors (`carried`)."""
+    that model's body sits (`text_body`, for the text folders' "model.") and its head (`text_head`
+    before the text folders' "lm_head."), and the name prefixes of the other parts' tensors (`carried`)."""
 
     model_type: str
     architecture: str
     text_model_type: str
     text_body: str = "model.language_model."
     carried: tuple[str, ...] = ("model.visual.",)
+    text_head: str = ""
 
     def stored(self, stored: Stored) -> Stored:
         """Where this kind's folders keep a text model's tensor that its own folders keep at `stored`."""
         if not stored.name.startswith(BODY):
-            return stored  # the head
+            return replace(stored, name=self.text_head + stored.name)  # the head
         return replace(stored, name=self.text_body + stored.name.removeprefix(BODY))
 
 
 MULTIMODAL = {kind.model_type: kind for kind in (
     Multimodal("qwen3_5", "Qwen3_5ForConditionalGeneration", "qwen3_5_text"),
-    Multimodal("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe_text"))}
+    Multimodal("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe_text"),
+    Multimodal("gemma3", "Gemma3ForConditionalGeneration", "gemma3_text", text_body="language_model.model.",
+               carried=("vision_tower.", "multi_modal_projector."), text_head="language_model."))}

@@ -85,6 +85,12 @@ class Placement:
     tp: int | None
     stage: int | str | None = None
     expert: int | None = None
+    tp_units: int | None = None  # the whole heads along `tp` (kv heads): with more tp ranks, each holds it whole
+
+    def tp_axis(self, tp: int) -> int | None:
+        """The axis tp splits under degree `tp`: None where every rank holds the tensor whole (replicated,
+        or a tensor of `tp_units` heads over more ranks than heads)."""
+        return None if self.tp_units is not None and tp > self.tp_units else self.tp
 
     def stages(self, mesh: Mesh) -> list[int]:
         """The pipeline stages holding it: its decoder layer's (`layer_stage`), or those of its place."""
@@ -98,7 +104,7 @@ class Placement:
 
     def local_shape(self, shape, mesh: Mesh) -> tuple[int, ...]:
         """A tp rank's shape of a tensor so placed whose single-card shape is `shape`."""
-        return local_shape(shape, self.tp, mesh.tp)
+        return local_shape(shape, self.tp_axis(mesh.tp), mesh.tp)
 
 
 @dataclass(frozen=True)
@@ -144,8 +150,17 @@ class ModelPlan(Mapping):
         return len(self.tensors)
 
     def axes(self) -> dict[str, int | None]:
-        """Each parameter's tp axis (None: whole on every tp rank)."""
+        """Each parameter's tp axis as declared (None: whole on every tp rank), what an index records."""
         return {name: row.placement.tp for name, row in self.tensors.items()}
+
+    def tp_axes(self, tp: int) -> dict[str, int | None]:
+        """Each parameter's tp axis under degree `tp`: how a rank of that degree cuts it (`Placement.tp_axis`)."""
+        return {name: row.placement.tp_axis(tp) for name, row in self.tensors.items()}
+
+    def whole_at(self, tp: int) -> frozenset[str]:
+        """The parameters declared split over tp that degree `tp` leaves whole on every rank (key/value
+        projections with fewer heads than ranks)."""
+        return frozenset(name for name, row in self.tensors.items() if row.placement.tp_axis(tp) != row.placement.tp)
 
     def mesh(self, pp: int = 1, vpp: int = 1, ep: int = 1, tp: int = 1, v_shape: bool = False) -> Mesh:
         """The mesh of this model under those degrees."""
@@ -254,6 +269,17 @@ def check_divisible(architecture: str, units: dict[str, int], tp: int) -> None:
             raise TPPlanError(
                 f"{architecture} {name}={value} is not divisible by --tensor_parallel_degree {tp}; "
                 f"choose a degree that divides it{' (or pad the vocabulary)' if name == 'vocab_size' else ''}.")
+
+
+def check_shared(architecture: str, units: dict[str, int], tp: int) -> None:
+    """Fail before any weight is built when a unit TP splits or, with more ranks than units, gives
+    each rank whole (key/value heads) neither divides by `tp` nor divides it: a rank's query heads
+    would use more than one of them, or one split between ranks."""
+    for name, value in units.items():
+        if value % tp and tp % value:
+            raise TPPlanError(
+                f"{architecture} {name}={value} neither divides by nor divides --tensor_parallel_degree {tp}; "
+                f"choose a degree that is a multiple or a divisor of {value}")
 
 
 def split_tensor(full: np.ndarray, axis: int | None, tp: int, rank: int) -> np.ndarray:

@@ -64,8 +64,6 @@ class UnknownModelError(UserError, ValueError):
 
 
 NOT_YET = {  # families users bring that are refused with why
-    "gemma3": "a Gemma 3 multimodal folder: its text model (text_config, language_model weights) is a gemma3_text "
-              "model; save it as one (transformers' Gemma3ForCausalLM) and pass that folder",
     "llama4": "Llama 4's chunked attention, NoPE temperature tuning and input-side routing are not modelled",
     "llama4_text": "Llama 4's chunked attention, NoPE temperature tuning and input-side routing are not modelled",
     "gemma3n": "Gemma 3n's per-layer embeddings and AltUp are not modelled",
@@ -129,12 +127,16 @@ def validate_layout(config, layout: Layout) -> None:
     elif layout.ep > 1:
         raise LayoutModelError(f"--expert_parallel_degree {layout.ep} with {family_of(config).architecture}, which has "
                                "no experts; drop --expert_parallel_degree")
-    if layout.tp > 1 and layout.group_sharded_level and any(
-            row.tp_partial_grad == ALWAYS for row in plan_of(config).values()):
-        raise LayoutModelError(
-            f"{family_of(config).architecture} has per-head norms (q/k norms) whose gradients are summed over "
-            f"tp after backward; with --sharding {layout.sharding_stage} that sum and the sharded gradient "
-            "reduction both hook the backward pass (untested order); use --sharding stage1 with tp, or tp 1")
+    if layout.tp > 1 and layout.group_sharded_level:
+        plan = plan_of(config)
+        partial = ("per-head norms (q/k norms)" if any(row.tp_partial_grad == ALWAYS for row in plan.values()) else
+                   f"{config.num_key_value_heads} key/value heads, fewer than the tp ranks (each rank holds the "
+                   "projections whole)" if plan.whole_at(layout.tp) else None)
+        if partial:
+            raise LayoutModelError(
+                f"{family_of(config).architecture} has {partial}, whose gradients are summed over tp after "
+                f"backward; with --sharding {layout.sharding_stage} that sum and the sharded gradient reduction "
+                "both hook the backward pass (untested order); use --sharding stage1 with tp, or tp 1")
 
 
 def _check_context_parallel(config, layout: Layout) -> None:

@@ -32,6 +32,28 @@ def column_linear(run: Execution, in_features: int, out_features: int, bias: boo
     return whole_linear(run, in_features, out_features, bias)
 
 
+class SharedColumnLinear(nn.Linear):
+    """A column linear every tp rank holds whole (a key/value projection with fewer heads than tp
+    ranks): each rank uses only its queries' heads of the output, so its gradients are partial, the
+    weight's summed over tp at the update (`tp_gradients`), the input's over tp in backward (an
+    identity whose backward all-reduces, as fleet's column linear has; under sequence parallelism the
+    block's gather already reduce-scatters it)."""
+
+    def __init__(self, run: Execution, in_features: int, out_features: int, bias: bool):
+        super().__init__(in_features, out_features, bias_attr=None if bias else False)
+        self.tp_group = None if run.sequence_first else run.tp_group
+
+    def forward(self, x):
+        if self.tp_group is not None:
+            x = paddle.distributed.collective._c_identity(x, group=self.tp_group)
+        return super().forward(x)
+
+
+def shared_column_linear(run: Execution, in_features: int, out_features: int, bias: bool = False) -> nn.Layer:
+    """`SharedColumnLinear` (tp > 1: a single card's linear is whole already)."""
+    return SharedColumnLinear(run, in_features, out_features, bias)
+
+
 def row_linear(run: Execution, in_features: int, out_features: int, bias: bool = False) -> nn.Layer:
     """Input features split over tp ranks; partial outputs are all-reduced (bias added once), or under
     sequence parallelism reduce-scattered along the sequence (the bias then marked sequence-parallel)."""

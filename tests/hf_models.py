@@ -76,7 +76,8 @@ KINDS = {
                                                          attn_logit_softcapping=0.5, final_logit_softcapping=2.0)),
     # Gemma 3's q/k norms make scores O(head_dim): at scale 24^-1/2 its attention is near one-hot and 20 steps
     # amplify fp32 summation noise past 1e-4 in any two layouts (pp2 included); its own scalar (256) is smooth
-    "gemma3_text": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(SHAPE, num_key_value_heads=2, head_dim=32,
+    # one key/value head, as Gemma 3 270M and 1B have: under tp2 each rank holds the projections whole
+    "gemma3_text": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(SHAPE, num_key_value_heads=1, head_dim=32,
                                                                   query_pre_attn_scalar=256, sliding_window=8,
                                                                   sliding_window_pattern=2, rope_theta=50000.0,
                                                                   rope_local_base_freq=5000.0,
@@ -202,7 +203,12 @@ VARIANT_KINDS = {"granitemoehybrid_dense": ("GraniteMoeHybridForCausalLM", "Gran
 MULTIMODAL_KINDS = {"qwen3_5_multimodal": ("Qwen3_5ForConditionalGeneration", "Qwen3_5Config", dict(
     text_config=HYBRID_KINDS["qwen3_5_text"][2], vision_config=dict(
         depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
-        spatial_merge_size=2, temporal_patch_size=2)))}
+        spatial_merge_size=2, temporal_patch_size=2))),
+    # Gemma 3 4B-27B's folders: a SigLIP tower of 16 patches pooled to 4 image tokens
+    "gemma3_multimodal": ("Gemma3ForConditionalGeneration", "Gemma3Config", dict(
+        text_config=KINDS["gemma3_text"][2], mm_tokens_per_image=4, vision_config=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=16,
+            patch_size=4)))}
 ROUTED_KINDS = {**MOE_KINDS, **HYBRID_MOE_KINDS}  # their router weights spread (ROUTER_SCALE)
 STACKED_ON_DISK = ("gpt_oss",)  # kinds whose experts both versions store stacked (no per-expert layout)
 FUSED = "_fused"  # suffix of a kind's folder re-saved by transformers 5 in its in-memory layout (fused experts)

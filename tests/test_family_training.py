@@ -12,7 +12,8 @@ each checkpoint, saved in transformers' layout (`--save_to_hf`), loads as it is 
 that saved its folder with our logits (1e-4). Gemma 3 (tied, sandwich norms, q/k norms, windows, a
 rotary per layer type) trains 20 steps on one card and under tp2 x pp2, and resumes the latter's
 step-10 checkpoint, saved in transformers' layout, under cp2 x tp2 + SP; so do Qwen3.5 and Nemotron-H,
-their tp2 x pp2 runs with SP and full recompute. LLaMA
+their tp2 x pp2 runs with SP and full recompute (Gemma 3 with one key/value head: each tp rank holds its
+projections whole). LLaMA
 (tied, Llama 3.1 rope; their own tokenizers) and GPT-2 (its fused c_attn cut into q, k, v on load; over
 tp in the per-layer launch) train 3 steps on one card through the trainer's flags; the transformers 5 folders whose
 fields differ in their own way start in the per-layer launch.
@@ -33,6 +34,7 @@ from conftest import FOLDER_STEPS, IDS, first_batch
 
 from checkpoint.format import TRANSFORMERS_LAYOUT, weights_layout
 from checkpoint.unified_io import UnifiedReader
+from modeling.multimodal import MULTIMODAL as MULTIMODAL_KINDS
 from modeling.registry import FAMILIES, load_config
 from paddle_pp.interop.transformers import export_hf
 
@@ -56,8 +58,9 @@ RESUMED_UNDER = ("--context_parallel_degree", "2") + TP2 + SP
 # what a family's tp2 x pp2 run adds: the hybrids' recurrent layers (their span recompute inside) and gated attention
 # under full recompute and SP
 SPLIT_WITH = {"qwen3_5_text": SP + ("--recompute",), "nemotron_h": SP + ("--recompute",)}
-# folders whose layer count is not the runs' (their MODEL flags say 4): Nemotron-H's M * - on each of two stages
-LAYERS = {"nemotron_h": ("--num_hidden_layers", "6")}
+# folders whose shape is not the runs' MODEL flags' (4 layers, 2 key/value heads): Nemotron-H's M * - on each of two
+# stages; Gemma 3's one key/value head (Gemma 3 270M's and 1B's), which tp2 gives each rank whole
+FOLDER_SHAPE = {"nemotron_h": ("--num_hidden_layers", "6"), "gemma3_text": ("--num_key_value_heads", "1")}
 # the run whose last checkpoint a PaddleNLP family exports and PaddleNLP loads (their transformers 5 starts)
 EXPORTED = {"qwen2": "qwen2:transformers5", "gemma": "gemma:transformers5"}
 # the kinds whose attention differs per layer, started from both versions' folders in one launch
@@ -73,7 +76,9 @@ FIVE = ["llama3", "llama_linear", "qwen2", "gemma", "gpt2"]
 # transformers 5 folders of the families whose token mixer differs per layer (Gated DeltaNet beside gated
 # attention on each pipeline stage), started in the per-layer launch too (recurrent chunks of 8 tokens, 2 per span)
 HYBRID = list(hf_models.HYBRID_KINDS)
-MULTIMODAL = "qwen3_5_multimodal"  # its language model trains, its vision tower is carried
+# multimodal folders: their language model trains, the rest is carried; the layout of their first run. Gemma 3's
+# folders keep their first release's names (`language_model.model.*`, `vision_tower.*`).
+MULTIMODAL = {"qwen3_5_multimodal": TP2, "gemma3_multimodal": TP2 + PP2}
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +91,7 @@ def runs(pretrain_run, transformers4_folders, transformers5_folders):
         kind, _, which = name.partition(":")
         if which in ("single", "tp2pp2", "resumed"):
             start = ("--model_name_or_path", str(_root(kind, transformers4_folders, transformers5_folders) / kind),
-                     *LAYERS.get(kind, ()))
+                     *FOLDER_SHAPE.get(kind, ()))
             full = Run(f"{kind}_tp2pp2", 4, start + TP2 + PP2 + SPLIT_WITH.get(kind, ()) + MICRO4 +
                        ("--save_steps", str(RESUME_STEP), "--save_to_hf"))
             run = {"single": Run(f"{kind}_single", 1, start + ("--save_steps", "20")), "tp2pp2": full,
@@ -302,34 +307,42 @@ def _stored_bits(folder, prefix: str) -> dict[str, tuple[str, bytes]]:
     return found
 
 
+@pytest.mark.parametrize("kind", list(MULTIMODAL))
 def test_a_multimodal_folder_trains_its_language_model_and_carries_its_vision_tower_bit_for_bit(
-        pretrain_run, transformers5_folders, data_cache, tmp_path):
+        pretrain_run, transformers5_folders, data_cache, tmp_path, kind):
     """Qwen3.5's multimodal folder (its language model under `model.language_model`, a vision tower
-    beside): under tp2 step 1 is the loss transformers 5's Qwen3_5ForConditionalGeneration computes on
-    the batch (1e-5); the run's checkpoint, saved in transformers' layout, and the export of the next
-    step's checkpoint (resumed from it on one card, in our layout) each hold every vision tensor as the
-    folder stored it, byte for byte, keep its multimodal rotary sections, and load in transformers 5 as
-    the multimodal model with our text logits (1e-4)."""
-    folder = transformers5_folders / MULTIMODAL
-    start = ("--model_name_or_path", str(folder), "--eval_steps", "0", "--warmup_steps", "1")
-    (split, *_), out = pretrain_run(Run("qwen3_5_multimodal_tp2", 2, start + TP2 + (
+    beside) under tp2, and Gemma 3's (`language_model.model`, a SigLIP tower and its projector) under
+    tp2 x pp2: step 1 is the loss transformers 5's multimodal class computes on the batch (1e-5); the
+    run's checkpoint, saved in transformers' layout, and the export of the next step's checkpoint
+    (resumed from it on one card, in our layout) each hold every vision tensor as the folder stored it,
+    byte for byte, keep the folder's multimodal config (Qwen3.5's rotary sections), and load in
+    transformers 5 as the multimodal model with our text logits (1e-4)."""
+    folder, layout = transformers5_folders / kind, MULTIMODAL[kind]
+    config = json.loads((folder / "config.json").read_text())
+    start = ("--model_name_or_path", str(folder), "--eval_steps", "0", "--warmup_steps", "1",
+             *FOLDER_SHAPE.get(kind.replace("_multimodal", "_text"), ()))
+    nproc = 4 if PP2[0] in layout else 2
+    (split, *_), out = pretrain_run(Run(f"{kind}_first", nproc, start + layout + (
         "--max_steps", str(FOLDER_STEPS), "--save_steps", str(FOLDER_STEPS), "--save_to_hf")))
     np.testing.assert_allclose(split["losses"][0], _transformers_loss(folder, data_cache, FOLDER_STEPS, 0),
                                rtol=LOSS_RTOL)
     saved = out / f"checkpoint-{FOLDER_STEPS}"
-    _, resumed = pretrain_run(Run("qwen3_5_multimodal_resumed", 1, start + (
+    _, resumed = pretrain_run(Run(f"{kind}_resumed", 1, start + (
         "--max_steps", str(FOLDER_STEPS + 1), "--save_steps", str(FOLDER_STEPS + 1), "--resume_from_checkpoint",
         str(saved))))
     exported = export_hf(resumed / f"checkpoint-{FOLDER_STEPS + 1}", tmp_path / "export")
-    vision = _stored_bits(folder, "model.visual.")
+    carried = MULTIMODAL_KINDS[config["model_type"]].carried
+    vision = {name: bits for prefix in carried for name, bits in _stored_bits(folder, prefix).items()}
     assert len(vision) > 20
     ids = tmp_path / "ids.npy"
     np.save(ids, IDS)
     hf_models.transformers5("logits", ids, saved, exported)
     for checkpoint in (saved, exported):
-        assert _stored_bits(checkpoint, "model.visual.") == vision, checkpoint
+        assert {name: bits for prefix in carried for name, bits in _stored_bits(checkpoint, prefix).items()} == vision
         written = json.loads((checkpoint / "config.json").read_text())
-        assert written["architectures"] == ["Qwen3_5ForConditionalGeneration"]
-        assert written["text_config"]["rope_scaling"]["mrope_section"] == [2, 1, 1]  # the vision inputs' positions
+        assert {key: written[key] for key in config if key not in ("text_config", "transformers_version")} == \
+            {key: value for key, value in config.items() if key not in ("text_config", "transformers_version")}
+        if kind == "qwen3_5_multimodal":  # the vision inputs' positions
+            assert written["text_config"]["rope_scaling"]["mrope_section"] == [2, 1, 1]
         np.testing.assert_allclose(np.load(f"{checkpoint}.npy"), our_logits(checkpoint, IDS), atol=EXPORT_TOL,
                                    rtol=EXPORT_TOL)

@@ -186,8 +186,30 @@ def test_unknown_family_and_indivisible_tp_are_user_errors():
     with pytest.raises(UnknownModelError, match="'bert' is not one of"):
         config_from_dict({"model_type": "bert"})
     config = config_from_dict({"model_type": "llama", **CONFIGS["llama"]})
+    with pytest.raises(TPPlanError, match="num_attention_heads=4 is not divisible by --tensor_parallel_degree 8"):
+        FAMILIES["llama"].check_tensor_parallel(config, 8)
+    three = config_from_dict({"model_type": "llama", **CONFIGS["llama"], "num_attention_heads": 6,
+                              "num_key_value_heads": 3})
+    with pytest.raises(TPPlanError, match="num_key_value_heads=3 neither divides by nor divides --tensor_parallel_degree 2"):
+        FAMILIES["llama"].check_tensor_parallel(three, 2)
+    olmo2 = config_from_dict({"model_type": "olmo2", **CONFIGS["olmo2"]})
     with pytest.raises(TPPlanError, match="num_key_value_heads=2 is not divisible by --tensor_parallel_degree 4"):
-        FAMILIES["llama"].check_tensor_parallel(config, 4)
+        FAMILIES["olmo2"].check_tensor_parallel(olmo2, 4)  # its k norm spans the whole projection
+
+
+def test_fewer_kv_heads_than_tp_ranks_leave_the_kv_projections_whole_on_every_rank():
+    """2 kv heads over 4 tp ranks: the key/value projections (weights and biases) are held whole, their
+    declared axis kept for the index; over 2 ranks they split as before; nothing else changes."""
+    config = config_from_dict({"model_type": "llama", **CONFIGS["llama"]})
+    FAMILIES["llama"].check_tensor_parallel(config, 4)
+    plan = FAMILIES["llama"].tensor_plan(config)
+    kv = {name for name in plan if name.rsplit(".", 2)[-2] in ("k_proj", "v_proj")}
+    assert len(kv) == 4 * config.num_hidden_layers and plan.whole_at(4) == kv and not plan.whole_at(2)
+    assert plan.axes() == plan.tp_axes(2) == plan.tp_axes(1)
+    assert plan.tp_axes(4) == {name: None if name in kv else axis for name, axis in plan.axes().items()}
+    name = min(n for n in kv if n.endswith("k_proj.weight"))
+    assert plan[name].placement.local_shape(plan[name].shape, plan.mesh(tp=4)) == plan[name].shape
+    assert plan[name].placement.local_shape(plan[name].shape, plan.mesh(tp=2))[1] == plan[name].shape[1] // 2
 
 
 def test_uneven_pipeline_stages_keep_every_layer_and_give_the_first_stage_the_fewer():

@@ -1,8 +1,7 @@
 """Sequence parallelism (`--sequence_parallel`, Paddle's sequence_parallel_utils on CPU processes):
 the single-card loss curve, grad norms and last saved weights under tp2 x pp2 with recompute (10 steps) and GPT tp2
-(20)
-(and LLaMA cp2 x tp2 + SP: tests/test_context_parallel.py), and a checkpoint saved with SP resuming
-on one card.
+(20) (and LLaMA cp2 x tp2 + SP: tests/test_context_parallel.py), a checkpoint saved with SP resuming
+on one card, and a single-card one resuming under tp4 + SP (more tp ranks than key/value heads).
 
 SP moves activations, never parameters: if a norm weight's gradient were not summed over the tp
 ranks (each sees only its half of the positions) the weights would drift from single card's within
@@ -54,9 +53,13 @@ def test_sequence_parallel_trains_like_single_card(pretrain_run, run, reference)
     assert_trains_like(pretrain_run, run, reference, PARITY_RTOL, skip=ZERO_GRADIENT)
 
 
-SP_RESUMES = {  # the checkpoint does not depend on SP: either way the single-card curve continues
+# The checkpoint does not depend on SP: either way the single-card curve continues. Over 4 tp ranks the test
+# model's 2 key/value heads are fewer than the ranks: each rank holds the projections whole and attends with its
+# queries' head, their gradients summed over tp (the single-card checkpoint loads into that placement exactly).
+SP_RESUMES = {
     "tp2_pp2_sp->single": Run("tp2_pp2_sp_to_single", 1, (), resume_from=TP2_PP2_SP),
-    "single->tp2_sp": Run("single_to_tp2_sp", 2, TP2 + ("--sequence_parallel",), resume_from=SINGLE),
+    "single->tp4_sp": Run("single_to_tp4_sp", 4, ("--tensor_parallel_degree", "4", "--sequence_parallel"),
+                          resume_from=SINGLE),
 }
 
 

@@ -87,8 +87,8 @@ class Attention(Declared):
         q_width, k_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
         parts: dict[str, Part] = {
             "q_proj": ColumnLinear(self.hidden, q_width * (2 if self.output_gate else 1), self.qkv_bias),
-            "k_proj": ColumnLinear(self.hidden, k_width, self.qkv_bias),
-            "v_proj": ColumnLinear(self.hidden, self.kv_heads * self.v_dim, self.qkv_bias),
+            "k_proj": ColumnLinear(self.hidden, k_width, self.qkv_bias, self.kv_heads),
+            "v_proj": ColumnLinear(self.hidden, self.kv_heads * self.v_dim, self.qkv_bias, self.kv_heads),
             self.output: RowLinear(self.heads * self.v_dim, self.hidden, self.o_bias),
         }
         if self.qk_norm == HEAD_NORM:
@@ -101,10 +101,24 @@ class Attention(Declared):
         return parts
 
     def own_tp_units(self) -> dict[str, int]:
-        return {"num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads}
+        """The query heads split over tp; the key/value heads too when a k norm spans the whole projection
+        (its statistics need every head a rank holds, and a rank holding them all would normalise other
+        ranks' heads)."""
+        units = {"num_attention_heads": self.heads}
+        return units | ({"num_key_value_heads": self.kv_heads} if self.qk_norm == PROJECTION_NORM else {})
+
+    def own_tp_shared_units(self) -> dict[str, int]:
+        """Key/value heads: split over tp, or with fewer heads than tp ranks each rank holds the projections
+        whole and attends with its queries' head (`kv_slot`)."""
+        return {} if self.qk_norm == PROJECTION_NORM else {"num_key_value_heads": self.kv_heads}
 
     def local_heads(self, run: Execution) -> Heads:
-        return Heads(self.heads // run.tp, self.kv_heads // run.tp, self.head_dim, self.v_dim)
+        return Heads(self.heads // run.tp, max(self.kv_heads // run.tp, 1), self.head_dim, self.v_dim)
+
+    def kv_slot(self, run: Execution) -> int | None:
+        """With more tp ranks than key/value heads: the head this rank's queries use (its queries are a
+        contiguous 1/tp of the heads, inside one group of heads / kv_heads); None when tp splits them."""
+        return run.tp_rank * self.kv_heads // run.tp if run.tp > self.kv_heads else None
 
     def core(self, run: Execution) -> AttentionCore:
         """The core computing this layer in `run` (the run's, or blockwise where it cannot)."""
@@ -164,6 +178,10 @@ class SelfAttention(Block):
         if declared.output_gate:  # per head: its q, then its gate (Qwen3.5's and Qwen3-Next's full layers)
             q, gate = paddle.split(q.reshape(lead + [heads.heads, 2 * heads.qk_dim]), 2, axis=-1)
         q = q.reshape(lead + [heads.heads, heads.qk_dim])
+        slot = declared.kv_slot(run)
+        if slot is not None:  # the projections are whole: this rank's queries use one of their heads
+            k = k.reshape(lead + [declared.kv_heads, heads.qk_dim])[..., slot:slot + 1, :]
+            v = v.reshape(lead + [declared.kv_heads, heads.v_dim])[..., slot:slot + 1, :]
         k = k.reshape(lead + [heads.kv_heads, heads.qk_dim])
         v = v.reshape(lead + [heads.kv_heads, heads.v_dim])
         if declared.qk_norm == HEAD_NORM:

@@ -47,11 +47,16 @@ class Part(Protocol):
 
     def tp_units(self) -> dict[str, int]: ...
 
+    def tp_shared_units(self) -> dict[str, int]: ...
+
 
 class Leaf:
     """A part that builds one layer and splits no unit of its own."""
 
     def tp_units(self) -> dict[str, int]:
+        return {}
+
+    def tp_shared_units(self) -> dict[str, int]:
         return {}
 
 
@@ -72,6 +77,11 @@ class Declared:
         """Units this block's own code splits over tp (heads, MLP width)."""
         return {}
 
+    def own_tp_shared_units(self) -> dict[str, int]:
+        """Units this block's own code splits over tp or, with more tp ranks than units, gives each rank
+        whole (key/value heads: `ColumnLinear.heads`)."""
+        return {}
+
     def tensors(self) -> dict[str, TensorPlan]:
         """Every parameter's plan under its name in the block (a part that is one parameter: its own)."""
         return {f"{name}.{key}" if key else name: row for name, part in self.parts().items()
@@ -81,6 +91,12 @@ class Declared:
         units = dict(self.own_tp_units())
         for part in self.parts().values():
             units |= part.tp_units()
+        return units
+
+    def tp_shared_units(self) -> dict[str, int]:
+        units = dict(self.own_tp_shared_units())
+        for part in self.parts().values():
+            units |= part.tp_shared_units()
         return units
 
     def build(self, config, run: Execution) -> nn.Layer:
@@ -103,17 +119,25 @@ class Block(nn.Layer):
 
 @dataclass(frozen=True)
 class ColumnLinear(Leaf):
-    """Output features split over tp (and the bias with them); the output stays split."""
+    """Output features split over tp (and the bias with them); the output stays split. With `heads`
+    (key/value projections) the features are that many heads, and more tp ranks than heads each hold
+    the projection whole (`tp_layers.shared_column_linear`)."""
 
     in_features: int
     out_features: int
     bias: bool = False
+    heads: int | None = None
 
     def tensors(self) -> dict[str, TensorPlan]:
-        weight = {"weight": TensorPlan((self.in_features, self.out_features), Placement(COLUMN), linear=True)}
-        return weight | ({"bias": TensorPlan((self.out_features,), Placement(VECTOR_SPLIT), init=ZEROS)} if self.bias else {})
+        weight = {"weight": TensorPlan((self.in_features, self.out_features), Placement(COLUMN, tp_units=self.heads),
+                                       linear=True)}
+        return weight | ({"bias": TensorPlan((self.out_features,), Placement(VECTOR_SPLIT, tp_units=self.heads),
+                                             init=ZEROS)} if self.bias else {})
 
     def build(self, config, run: Execution) -> nn.Layer:
+        if self.heads is not None and run.tp > self.heads:
+            return tp_gradients.mark(tp_layers.shared_column_linear(run, self.in_features, self.out_features, self.bias),
+                                     run, always=True)
         return tp_layers.column_linear(run, self.in_features, self.out_features, self.bias)
 
 

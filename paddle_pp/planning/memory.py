@@ -92,7 +92,7 @@ def ring_bytes_per_step(config, layout: Layout, workload: Workload, compute_byte
     if layout.cp == 1:
         return 0
     per_call = ring_traffic_bytes(workload.micro_batch, workload.seq_len // layout.cp,
-                                  config.num_key_value_heads // layout.tp, config.head_dim, layout.cp, compute_bytes,
+                                  max(config.num_key_value_heads // layout.tp, 1), config.head_dim, layout.cp, compute_bytes,
                                   forward_passes=2 if workload.recompute else 1)
     layers = max(Counter(layer_stage(index, config.num_hidden_layers, layout.pp, layout.vpp, layout.dualpipev)
                          for index in range(config.num_hidden_layers)).values())  # the busiest stage's

@@ -145,7 +145,7 @@ class Pretrainer:
         paddle.seed(args.data.seed)
         raw = build_causal_lm(self.config, self.topo, self.execution)
         self.plan = plan_of(self.config)
-        self.axes = self.plan.axes()
+        self.axes = self.plan.tp_axes(self.layout.tp)
         if self.resume_dir is None and self.pretrained is not None and args.model.continue_training:
             load_pretrained(self.pretrained, raw, self.axes, self.topo)
             if self.pretrained.fresh:  # counted by its config, absent from the folder: drawn as a run from flags would

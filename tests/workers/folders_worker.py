@@ -50,7 +50,7 @@ def start(folder: Path, rows: np.ndarray, out: Path, choices: Execution, topo, s
     validate_layout(config, topo.layout)
     raw = build_causal_lm(config, topo, choices)
     plan = plan_of(config)
-    load_pretrained(pretrained, raw, plan.axes(), topo)
+    load_pretrained(pretrained, raw, plan.tp_axes(topo.layout.tp), topo)
     clip = ReportingGlobalNormClip(1.0)  # the trainer's: every expert's gradient counted once under ep
     # epsilon 1e-6: at 1e-8 Adam's first steps move an entry whose gradient is only summation noise (an
     # expert few tokens reached) by up to lr, and layouts sum in different orders

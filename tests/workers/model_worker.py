@@ -71,7 +71,7 @@ def main(argv: list[str]) -> None:
     documents = None if args.documents is None else (args.documents,)
     raw = build_causal_lm(config, topo, Execution(attention=core, documents=documents,
                                                   within_documents=not args.across_documents))
-    axes = plan_of(config).axes()
+    axes = plan_of(config).tp_axes(layout.tp)
     load_single_card_state(raw, dict(np.load(args.init)), axes, topo)
     criterion = getattr(raw, "criterion", None)
     clip = paddle.nn.ClipGradByGlobalNorm(args.clip_norm)

@@ -46,10 +46,11 @@ def resumed_exactly(trainer) -> bool | None:
     if folder is None:
         return None
     tp, tp_rank = trainer.layout.tp, trainer.topo.tp_rank
+    whole = trainer.plan.whole_at(tp)  # key/value projections with fewer heads than tp ranks
 
     def piece(reader, key: str) -> np.ndarray:
-        if isinstance(reader, ShardReader):  # a pre-split copy's rank file holds this rank's pieces whole
-            return reader.read(key).reshape(-1)
+        if isinstance(reader, ShardReader) or key.split(STATE_SEPARATOR)[0] in whole:  # held whole: a pre-split
+            return reader.read(key).reshape(-1)  # copy's rank file holds this rank's pieces whole
         return reader.read(key, reader.piece(key, tp, tp_rank)).reshape(-1)
 
     if is_split(folder):
