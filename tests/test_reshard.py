@@ -32,6 +32,7 @@ from runs import MODEL, PP2, REPO, SCRIPT, TP2, TRAINER
 RESUME_TOL = 1e-5
 TOOL = REPO / "tools" / "reshard.py"
 TP2PP2 = Layout(world_size=4, tensor_parallel_degree=2, pipeline_parallel_degree=2)
+TP4 = Layout(world_size=4, tensor_parallel_degree=4)
 
 
 @pytest.fixture(scope="module")
@@ -127,14 +128,25 @@ def test_split_holds_exactly_each_fleet_rank_and_each_rank_loads_its_file_exactl
     np.testing.assert_allclose(results[0]["losses"][0], next_loss, rtol=RESUME_TOL)
 
 
-def test_join_gives_back_the_unified_tensors_bit_for_bit(merged, tmp_path):
-    joined = join_split(split_checkpoint(merged, tmp_path / "split", TP2PP2, plan_of_folder(merged)), tmp_path / "joined")
+@pytest.mark.parametrize("layout", [TP2PP2, TP4], ids=["tp2pp2", "tp4"])
+def test_join_gives_back_the_unified_tensors_bit_for_bit(merged, tmp_path, layout):
+    """Split for tp2 x pp2, or for tp4 where the model's 2 key/value heads are fewer than the ranks (each
+    rank file holds the k/v projections and their states whole), and joined back: the same tensors."""
+    split = split_checkpoint(merged, tmp_path / "split", layout, plan_of_folder(merged))
+    joined = join_split(split, tmp_path / "joined")
     assert verify_checkpoint(joined, plan_of_folder) == []
     for kind in ("model", "optimizer"):
         before, after = UnifiedReader(merged, kind), UnifiedReader(joined, kind)
         assert before.tensors.keys() == after.tensors.keys()
         for name in before.tensors:
             assert np.array_equal(before.read(name), after.read(name)), name
+        last = ShardReader(split / rank_file(kind, layout.tp - 1, layout.pp - 1))
+        projections = [name for name in last.names if "v_proj.weight" in name]
+        assert projections, kind
+        for name in projections:
+            whole = layout.tp > 2  # 2 kv heads: split over tp2, each of 4 ranks holds them whole
+            expected = before.read(name) if whole else before.read(name, before.piece(name, layout.tp, layout.tp - 1))
+            assert np.array_equal(last.read(name), expected), name
 
 
 def test_split_copy_under_another_layout_fails_before_training(merged, tmp_path, data_cache):
