@@ -71,6 +71,12 @@ class CausalLMConfig(PretrainedConfig):
         self.initializer_range = initializer_range
         super().__init__(**kwargs)
 
+    def transformers_spelling(self, values: dict) -> dict:
+        """`values` (this config's fields, transformers 4.x spelling) as its transformers config.json spells
+        them: 4.x's, which 5 reads too, unless a family's transformers 5 class reads a field only in its own
+        spelling."""
+        return values
+
     def decoder_layer(self, index: int) -> Part:
         """Decoder layer `index`'s declaration."""
         raise NotImplementedError
@@ -103,6 +109,8 @@ class DecoderConfig(CausalLMConfig):
 
     model_type = "llama"
     qk_norm: str | None = None  # "head" (Qwen3): RMSNorm over each q and k head; "projection" (OLMoE): over q and k
+    qk_norm_names = ("q_norm", "k_norm")  # their names in the layer's attention
+    qk_norm_after_rotary = False  # per-head norms of the rotated q and k (Hunyuan), not before the rotary
     norm_offset = False  # Gemma: norms scale by 1 + weight
     scales_embeddings = False  # Gemma: embeddings times sqrt(hidden_size)
     norms: NormPlacement = PRE_NORMS
@@ -180,7 +188,8 @@ class DecoderConfig(CausalLMConfig):
                          qkv_bias=self.qkv_bias, o_bias=self.o_bias, output=self.attention_output,
                          qk_norm=self.qk_norm, norm=Norm(self.head_dim, self.rms_norm_eps, self.norm_offset),
                          spec=CoreSpec(self.attention_scale(), self.window(index), self.attention_softcap()),
-                         rotary=self.rotary(index))
+                         rotary=self.rotary(index), qk_norm_names=self.qk_norm_names,
+                         qk_norm_after_rotary=self.qk_norm_after_rotary)
 
     def feed_forward(self, index: int) -> tuple[str, Part]:
         """Layer `index`'s feed-forward part, under its name."""

@@ -21,10 +21,12 @@ from modeling.family import ModelFamily
 from modeling.gemma import GEMMA
 from modeling.gemma2 import GEMMA2, GEMMA3_TEXT
 from modeling.glm4_moe import GLM4_MOE
+from modeling.glm4_moe_lite import GLM4_MOE_LITE
 from modeling.gpt import GPT
 from modeling.gpt_oss import GPT_OSS
 from modeling.granite import GRANITE
 from modeling.granitemoehybrid import GRANITEMOEHYBRID
+from modeling.hunyuan_v1_dense import HUNYUAN_V1_DENSE
 from modeling.kimi_linear import KIMI_LINEAR
 from modeling.llama import LLAMA
 from modeling.mistral import MISTRAL
@@ -32,6 +34,7 @@ from modeling.mixtral import MIXTRAL
 from modeling.mpt import MPT
 from modeling.nemotron_h import NEMOTRON_H
 from modeling.olmo2 import OLMO2
+from modeling.olmo3 import OLMO3
 from modeling.olmo_hybrid import OLMO_HYBRID
 from modeling.olmoe import OLMOE
 from modeling.phi3 import PHI3
@@ -43,6 +46,7 @@ from modeling.qwen3 import QWEN3
 from modeling.qwen3_5 import QWEN3_5_MOE_TEXT, QWEN3_5_TEXT
 from modeling.qwen3_moe import QWEN3_MOE
 from modeling.qwen3_next import QWEN3_NEXT
+from modeling.seed_oss import SEED_OSS
 from modeling.smollm3 import SMOLLM3
 from paddle_pp.runtime.errors import UserError
 from paddle_pp.runtime.experts import ExpertGroup
@@ -54,7 +58,8 @@ if TYPE_CHECKING:
 FAMILIES: dict[str, ModelFamily] = {family.model_type: family for family in (
     LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GPT, GEMMA2, GEMMA3_TEXT, PHI3, OLMO2, SMOLLM3, GRANITE, ERNIE4_5, MPT, QWEN2_MOE,
     QWEN3_MOE, MIXTRAL, OLMOE, DEEPSEEK_V3, DEEPSEEK_V2, GLM4_MOE, GPT_OSS, ERNIE4_5_MOE, QWEN3_5_TEXT,
-    QWEN3_5_MOE_TEXT, QWEN3_NEXT, OLMO_HYBRID, KIMI_LINEAR, NEMOTRON_H, GRANITEMOEHYBRID, FALCON_H1)}
+    QWEN3_5_MOE_TEXT, QWEN3_NEXT, OLMO_HYBRID, KIMI_LINEAR, NEMOTRON_H, GRANITEMOEHYBRID, FALCON_H1, OLMO3, SEED_OSS,
+    HUNYUAN_V1_DENSE, GLM4_MOE_LITE)}
 BY_TRANSFORMERS_TYPE = {family.transformers.model_type: family for family in FAMILIES.values() if family.transformers}
 ALIASES = {"kimi_k2": DEEPSEEK_V3}  # Kimi-K2's folders are DeepSeek-V3's (transformers' kimi_k25 rewrites it so)
 

@@ -141,12 +141,13 @@ class TransformersAdapter:
         return ours
 
     def their_config(self, config, dtype: str) -> dict:
-        """transformers' config.json for `config` (transformers 4.x spelling, which 5 reads too)."""
+        """transformers' config.json for `config` (transformers 4.x spelling, which 5 reads too, or 5's
+        where 4.x has no spelling for a field: `config.transformers_spelling`)."""
         theirs = {ours: name for name, ours in self.renamed.items()}
         values = {theirs.get(name, name): getattr(config, name) for name in model_fields(type(config))
                   if name not in config.derived_fields}
         return {"architectures": [self.architecture], "model_type": self.model_type, "torch_dtype": dtype,
-                **self.fixed, **values}
+                **self.fixed, **config.transformers_spelling(values)}
 
 
 def model_fields(config_class: type) -> tuple[str, ...]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from moe_cases import HYBRID_KINDS, KINDS, PREDICTING
+from moe_cases import FIVE_ONLY_KINDS, KINDS, PREDICTING
 
 from checkpoint.format import tokenizer_files
 from paddle_pp.runtime.launch import launch
@@ -82,13 +82,14 @@ def transformers4_folders(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def transformers5_folders(tmp_path_factory, data_cache) -> Path:
-    """Every model kind of `hf_models.KINDS`, `HYBRID_KINDS`, `VARIANT_KINDS` and `MULTIMODAL_KINDS` saved by transformers 5, with transformers
+    """Every model kind of `hf_models.KINDS`, `HYBRID_KINDS`, `VARIANT_KINDS`, `DECLARED_KINDS` and `MULTIMODAL_KINDS` saved by transformers 5, with transformers
     5's loss on the first batch of a FOLDER_STEPS run and its logits on IDS beside each folder (one
     subprocess)."""
     root = tmp_path_factory.mktemp("transformers5")
     np.save(root / "rows.npy", first_batch(data_cache, TOKENIZER, FOLDER_STEPS))
     np.save(root / "ids.npy", IDS)
-    kinds = [*hf_models.KINDS, *hf_models.HYBRID_KINDS, *hf_models.VARIANT_KINDS, *hf_models.MULTIMODAL_KINDS]
+    kinds = [*hf_models.KINDS, *hf_models.HYBRID_KINDS, *hf_models.VARIANT_KINDS, *hf_models.DECLARED_KINDS,
+             *hf_models.MULTIMODAL_KINDS]
     hf_models.transformers5("make", root, root / "rows.npy", root / "ids.npy", *kinds)
     for kind in kinds:
         shutil.copy(TOKENIZER / "tokenizer.model", root / kind)
@@ -125,8 +126,8 @@ def moe_folders(tmp_path_factory, data_cache) -> dict:
     np.save(roots["transformers5"] / "rows.npy", rows)
     np.save(roots["transformers5"] / "ids.npy", IDS)
     hf_models.transformers5("make", roots["transformers5"], roots["transformers5"] / "rows.npy",
-                            roots["transformers5"] / "ids.npy", *KINDS, *HYBRID_KINDS)
-    for root, kinds in ((roots["transformers4"], KINDS), (roots["transformers5"], KINDS + HYBRID_KINDS)):
+                            roots["transformers5"] / "ids.npy", *KINDS, *FIVE_ONLY_KINDS)
+    for root, kinds in ((roots["transformers4"], KINDS), (roots["transformers5"], KINDS + FIVE_ONLY_KINDS)):
         for kind in kinds:
             for path in tokenizer_files(TOKENIZER):
                 shutil.copy(path, root / kind)

@@ -199,6 +199,19 @@ VARIANT_KINDS = {"granitemoehybrid_dense": ("GraniteMoeHybridForCausalLM", "Gran
         FALCON_H1, mamba_rms_norm=True, mamba_norm_before_gate=True)),
     "falcon_h1_gate_first": ("FalconH1ForCausalLM", "FalconH1Config", dict(
         FALCON_H1, mamba_rms_norm=True, mamba_norm_before_gate=False))}
+# dense families of 2025-26 only transformers 5 has, declared on what exists: OLMo 3's windows on three layers of four
+# with a rotary per layer type (YaRN-like scaling on full layers only), Seed-OSS's q/k/v biases without an o bias
+DECLARED_KINDS = {
+    "olmo3": ("Olmo3ForCausalLM", "Olmo3Config", dict(SHAPE, num_key_value_heads=2, sliding_window=8, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0}})),
+    "seed_oss": ("SeedOssForCausalLM", "SeedOssConfig", dict(SHAPE, num_key_value_heads=2, head_dim=32,
+                                                             attention_dropout=0.0, residual_dropout=0.0)),
+    # Hunyuan: q/k norms after the rotary, its releases' fixed-alpha NTK rotary
+    "hunyuan_v1_dense": ("HunYuanDenseV1ForCausalLM", "HunYuanDenseV1Config", dict(
+        SHAPE, num_key_value_heads=2, head_dim=16, rope_parameters={"rope_type": "dynamic", "alpha": 50.0, "factor": 1.0,
+                                                                    "rope_theta": 10000.0})),
+}
 # multimodal folders (transformers 5 only) whose language model trains: Qwen3.5's, a vision tower of two blocks beside
 MULTIMODAL_KINDS = {"qwen3_5_multimodal": ("Qwen3_5ForConditionalGeneration", "Qwen3_5Config", dict(
     text_config=HYBRID_KINDS["qwen3_5_text"][2], vision_config=dict(
@@ -209,12 +222,18 @@ MULTIMODAL_KINDS = {"qwen3_5_multimodal": ("Qwen3_5ForConditionalGeneration", "Q
         text_config=KINDS["gemma3_text"][2], mm_tokens_per_image=4, vision_config=dict(
             hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=16,
             patch_size=4)))}
-ROUTED_KINDS = {**MOE_KINDS, **HYBRID_MOE_KINDS}  # their router weights spread (ROUTER_SCALE)
+# mixtures of experts of 2025-26 only transformers 5 has, declared on what exists: GLM-4.7-Flash (DeepSeek-V3's layers,
+# dense or with experts as mlp_layer_types says)
+DECLARED_MOE_KINDS = {"glm4_moe_lite": ("Glm4MoeLiteForCausalLM", "Glm4MoeLiteConfig", dict(
+    SHAPE, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+    v_head_dim=16, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32, num_experts_per_tok=2, n_group=2,
+    topk_group=1, mlp_layer_types=["dense", "sparse", "sparse", "dense"]))}
+ROUTED_KINDS = {**MOE_KINDS, **HYBRID_MOE_KINDS, **DECLARED_MOE_KINDS}  # their router weights spread (ROUTER_SCALE)
 STACKED_ON_DISK = ("gpt_oss",)  # kinds whose experts both versions store stacked (no per-expert layout)
 FUSED = "_fused"  # suffix of a kind's folder re-saved by transformers 5 in its in-memory layout (fused experts)
 ROUTER_SCALE = 30.0  # router weights times this: scores spread, so test tokens sit far from top-k ties
 SIGMOID_ROUTER_SCALE = 10.0  # sigmoid routers' (30 would saturate their scores at 0 and 1: ties again)
-SIGMOID_ROUTED = ("deepseek_v3", "glm4_moe", "kimi_linear", "nemotron_h_moe")
+SIGMOID_ROUTED = ("deepseek_v3", "glm4_moe", "kimi_linear", "nemotron_h_moe", "glm4_moe_lite")
 BIAS_SCALE = 0.05  # correction biases drawn from U(0, this): they change which experts are chosen, and none is
 # negative, where transformers 4.55 (groups left out filled with 0.0) and 5 (-inf) would route differently
 SEEDS = {"qwen2_moe": 1, "deepseek_v3": 5, "gpt_oss": 6}  # kinds whose seed-0 weights route some token of the layout runs within 1e-4 of a tie
@@ -270,7 +289,8 @@ def make(kind: str, folder: Path, seed: int = 0) -> Path:
     import torch
     import transformers
 
-    model_class, config_class, fields = {**KINDS, **ROUTED_KINDS, **HYBRID_KINDS, **VARIANT_KINDS, **MULTIMODAL_KINDS}[kind]
+    model_class, config_class, fields = {**KINDS, **ROUTED_KINDS, **HYBRID_KINDS, **VARIANT_KINDS, **DECLARED_KINDS,
+                                         **MULTIMODAL_KINDS}[kind]
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(getattr(transformers, config_class)(**fields))
     with torch.no_grad():

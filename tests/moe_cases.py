@@ -29,8 +29,9 @@ KINDS = list(hf_models.MOE_KINDS)
 # with a prediction layer (MTP_KIND: the same weights and one layer more) starts there, and Mixtral, whose layers
 # are Qwen3-MoE's without q/k norms (its own tensor names are read before any layout applies)
 SPLIT_KINDS = [kind for kind in KINDS if kind not in ("deepseek_v3", "mixtral")]
-# MoE kinds of transformers 5 only whose token mixer differs per layer (Gated DeltaNet beside gated attention)
-HYBRID_KINDS = list(hf_models.HYBRID_MOE_KINDS)
+# MoE kinds only transformers 5 has: those whose token mixer differs per layer (Gated DeltaNet, KDA or Mamba-2 beside
+# attention), and GLM-4.7-Flash (DeepSeek-V3's layers, dense or with experts as mlp_layer_types says)
+FIVE_ONLY_KINDS = [*hf_models.HYBRID_MOE_KINDS, *hf_models.DECLARED_MOE_KINDS]
 MTP_KIND = "deepseek_v3_mtp"  # transformers 5's DeepSeek-V3 folder given a multi-token prediction layer
 # such folders: from which kind's, with how many prediction layers (GLM's two chained, as transformers chains them)
 PREDICTING = {MTP_KIND: ("deepseek_v3", 1), "glm4_moe_mtp": ("glm4_moe", 2)}

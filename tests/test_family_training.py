@@ -76,6 +76,9 @@ FIVE = ["llama3", "llama_linear", "qwen2", "gemma", "gpt2"]
 # transformers 5 folders of the families whose token mixer differs per layer (Gated DeltaNet beside gated
 # attention on each pipeline stage), started in the per-layer launch too (recurrent chunks of 8 tokens, 2 per span)
 HYBRID = list(hf_models.HYBRID_KINDS)
+# transformers 5 folders of the dense families of 2025-26 declared on what exists (OLMo 3, Seed-OSS, Hunyuan), started
+# in the per-layer launch too
+DECLARED = list(hf_models.DECLARED_KINDS)
 # multimodal folders: their language model trains, the rest is carried; the layout of their first run. Gemma 3's
 # folders keep their first release's names (`language_model.model.*`, `vision_tower.*`).
 MULTIMODAL = {"qwen3_5_multimodal": TP2, "gemma3_multimodal": TP2 + PP2}
@@ -116,7 +119,7 @@ def per_layer_starts(run_workers_module, transformers4_folders, transformers5_fo
     links = tmp_path_factory.mktemp("per_layer")
     folders = {"transformers4": [], "transformers5": []}
     for kind, version in [(kind, version) for kind in PER_LAYER for version in ("transformers4", "transformers5")] + \
-            [(kind, "transformers5") for kind in FIVE + HYBRID]:
+            [(kind, "transformers5") for kind in FIVE + HYBRID + DECLARED]:
         root = transformers4_folders if version == "transformers4" else transformers5_folders
         (links / f"{kind}-{version}").symlink_to(root / kind)
         folders[version].append(links / f"{kind}-{version}")
@@ -136,7 +139,7 @@ def transformers5_checkpoint_logits(per_layer_starts, tmp_path_factory):
     _, out = per_layer_starts
     ids = tmp_path_factory.mktemp("ids5") / "ids.npy"
     np.save(ids, IDS)
-    kinds = PER_LAYER + FIVE + HYBRID
+    kinds = PER_LAYER + FIVE + HYBRID + DECLARED
     folders = [out / f"{kind}-transformers5" / "checkpoint-2" for kind in kinds]
     hf_models.transformers5("logits", ids, *folders)
     return {kind: np.load(f"{folder}.npy") for kind, folder in zip(kinds, folders)}
@@ -272,14 +275,15 @@ def test_a_transformers_folder_starts_at_transformers_loss_and_exports_back(
     _one_embedding(checkpoint, tmp_path / "export")
 
 
-@pytest.mark.parametrize("kind", FIVE + HYBRID)
+@pytest.mark.parametrize("kind", FIVE + HYBRID + DECLARED)
 def test_a_transformers_5_folder_starts_at_its_loss_and_its_checkpoint_loads_back(
         kind, per_layer_starts, transformers5_folders, transformers5_checkpoint_logits):
     """Llama 3's rope, linear rope with biases, Qwen2's layer_types, Gemma's norms and GPT-2 from
     transformers 5's folders under tp2 x pp2 + SP, Qwen3.5's Gated DeltaNet and gated attention
     layers (one of each per stage; its linear layers' fused q/k/v projection and conv cut by heads
     over tp) and Olmo-Hybrid's, and Nemotron-H's Mamba-2, attention and MLP layers (its fused in_proj
-    and conv1d cut by heads and groups): the loss transformers 5 computed on the rows (1e-5), and the checkpoint, in
+    and conv1d cut by heads and groups), OLMo 3's windows and rotary per layer type, Seed-OSS's biases and Hunyuan's
+    q/k norms after its fixed-alpha rotary: the loss transformers 5 computed on the rows (1e-5), and the checkpoint, in
     transformers' layout, loads in transformers 5 with our logits (1e-4), a tied model's with one
     embedding."""
     started, out = per_layer_starts

@@ -17,7 +17,7 @@ from moe_cases import (
     DP2_TP2_PP2_SP,
     EP2,
     EXPORT_TOL,
-    HYBRID_KINDS,
+    FIVE_ONLY_KINDS,
     KINDS,
     LOGITS_TOL,
     LOSS_RTOL,
@@ -58,10 +58,10 @@ def moe_starts(moe_folders, run_workers_module, tmp_path_factory):
     links = tmp_path_factory.mktemp("moe_starts")
     folders = {version: [] for version in VERSIONS}
     for kind, version in [(kind, version) for kind in KINDS for version in VERSIONS] + \
-            [(kind, SPLIT_VERSION) for kind in (MTP_KIND, *HYBRID_KINDS)]:
+            [(kind, SPLIT_VERSION) for kind in (MTP_KIND, *FIVE_ONLY_KINDS)]:
         (links / f"{kind}-{version}").symlink_to(moe_folders[version] / kind)
         folders[version].append(links / f"{kind}-{version}")
-    split = [links / f"{kind}-{SPLIT_VERSION}" for kind in (*SPLIT_KINDS, MTP_KIND, *HYBRID_KINDS)]
+    split = [links / f"{kind}-{SPLIT_VERSION}" for kind in (*SPLIT_KINDS, MTP_KIND, *FIVE_ONLY_KINDS)]
     rows = moe_folders["transformers5"] / "rows.npy"
     started = {}
     for name, nproc, started_folders, layout in (
@@ -113,15 +113,16 @@ def test_an_moe_folder_starts_under_ep2_tp2_pp2_sp_at_its_loss_and_trains_like_s
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("kind", HYBRID_KINDS)
+@pytest.mark.parametrize("kind", FIVE_ONLY_KINDS)
 def test_a_hybrid_moe_folder_starts_under_ep2_tp2_pp2_sp_at_its_loss_and_trains_like_single_card(
         kind, moe_starts, moe_folders, transformers5_checkpoint_logits, tmp_path):
     """Qwen3.5-MoE and Qwen3-Next (Gated DeltaNet and gated attention layers, one of each per stage,
     their experts over ep2 and a gated shared expert), Kimi Linear (Kimi Delta Attention beside
     latent attention without rotary, DeepSeek-V3's experts after a dense layer), Nemotron 3's layers
     (Mamba-2, attention without rotary and latent ReLU^2 experts, one of each per stage; tp over the
-    Mamba groups) and Granite 4.0-H (Mamba-2 and NoPE attention, its multipliers, GraniteMoE's experts
-    beside a shared MLP) from transformers 5's folders: on one card and under ep2 x dp2 x tp2 x pp2 + SP at
+    Mamba groups), Granite 4.0-H (Mamba-2 and NoPE attention, its multipliers, GraniteMoE's experts
+    beside a shared MLP) and GLM-4.7-Flash (latent attention, V3 routing, a dense layer on each stage as
+    its mlp_layer_types says) from transformers 5's folders: on one card and under ep2 x dp2 x tp2 x pp2 + SP at
     transformers' loss (1e-5); the split layout's two steps and checkpoint are one card's, and
     transformers 5 loads that checkpoint (in its layout: Qwen's q, k, v and their convs fused again,
     Kimi's stored apart, the Mamba-2 in_proj and conv1d fused, Granite's experts stacked, with its
@@ -187,7 +188,7 @@ def transformers5_checkpoint_logits(moe_starts, tmp_path_factory):
     ids = tmp_path_factory.mktemp("moe_ids") / "ids.npy"
     np.save(ids, IDS)
     folders = {f"{kind}-{SPLIT_VERSION}": out / f"{kind}-{SPLIT_VERSION}" / "checkpoint-2"
-               for kind in SPLIT_KINDS + HYBRID_KINDS}
+               for kind in SPLIT_KINDS + FIVE_ONLY_KINDS}
     hf_models.transformers5("logits", ids, *folders.values())
     return {name: np.load(f"{folder}.npy") for name, folder in folders.items()}
 

@@ -60,7 +60,8 @@ class HeadVector(Leaf):
 @dataclass(frozen=True)
 class Attention(Declared):
     """One layer's attention. `qk_norm`: HEAD_NORM, PROJECTION_NORM or None, with `norm` the norm
-    used (its eps and form; its dim is set per place)."""
+    used (its eps and form; its dim is set per place), under the names `qk_norm_names`; per-head norms
+    apply before the rotary, or after it (`qk_norm_after_rotary`: Hunyuan's)."""
 
     hidden: int
     heads: int
@@ -77,6 +78,8 @@ class Attention(Declared):
     sinks: bool = False
     clip_qkv: float | None = None
     output_gate: bool = False  # q_proj also emits a gate per head (after each head's q); out * sigmoid(gate)
+    qk_norm_names: tuple[str, str] = ("q_norm", "k_norm")
+    qk_norm_after_rotary: bool = False
     recurrent: ClassVar[bool] = False  # a token mixer with an attention core (a recurrent one: blocks/gated_delta.py)
 
     @property
@@ -91,11 +94,12 @@ class Attention(Declared):
             "v_proj": ColumnLinear(self.hidden, self.kv_heads * self.v_dim, self.qkv_bias, self.kv_heads),
             self.output: RowLinear(self.heads * self.v_dim, self.hidden, self.o_bias),
         }
+        q_norm, k_norm = self.qk_norm_names
         if self.qk_norm == HEAD_NORM:
             head = Norm(self.head_dim, self.norm.eps, self.norm.offset, per_head=True)
-            parts |= {"q_norm": head, "k_norm": head}
+            parts |= {q_norm: head, k_norm: head}
         elif self.qk_norm == PROJECTION_NORM:
-            parts |= {"q_norm": Norm(q_width, self.norm.eps, split=True), "k_norm": Norm(k_width, self.norm.eps, split=True)}
+            parts |= {q_norm: Norm(q_width, self.norm.eps, split=True), k_norm: Norm(k_width, self.norm.eps, split=True)}
         if self.sinks:
             parts["sinks"] = HeadVector(self.heads)
         return parts
@@ -147,13 +151,14 @@ class Attention(Declared):
                  self.output: 0 if keeps_output and not self.output_gate else output}
         if self.output_gate:  # sigmoid(gate), and the core's output unless the core keeps it
             saved[""] += tokens * heads.heads * self.head_dim * dtype_bytes + (0 if keeps_output else output)
+        q_norm, k_norm = self.qk_norm_names
         if self.qk_norm == HEAD_NORM:
-            saved |= {"q_norm": rms_norm_saved_bytes(tokens, self.head_dim, dtype_bytes, self.norm.offset, heads.heads),
-                      "k_norm": rms_norm_saved_bytes(tokens, self.head_dim, dtype_bytes, self.norm.offset,
-                                                     heads.kv_heads)}
+            saved |= {q_norm: rms_norm_saved_bytes(tokens, self.head_dim, dtype_bytes, self.norm.offset, heads.heads),
+                      k_norm: rms_norm_saved_bytes(tokens, self.head_dim, dtype_bytes, self.norm.offset,
+                                                   heads.kv_heads)}
         elif self.qk_norm == PROJECTION_NORM:
-            saved |= {"q_norm": rms_norm_saved_bytes(tokens, heads.heads * self.head_dim, dtype_bytes, False),
-                      "k_norm": rms_norm_saved_bytes(tokens, heads.kv_heads * self.head_dim, dtype_bytes, False)}
+            saved |= {q_norm: rms_norm_saved_bytes(tokens, heads.heads * self.head_dim, dtype_bytes, False),
+                      k_norm: rms_norm_saved_bytes(tokens, heads.kv_heads * self.head_dim, dtype_bytes, False)}
         return saved
 
 
@@ -173,8 +178,9 @@ class SelfAttention(Block):
         q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
         if declared.clip_qkv is not None:
             q, k, v = (paddle.clip(t, -declared.clip_qkv, declared.clip_qkv) for t in (q, k, v))
+        q_norm, k_norm = (getattr(self, name) for name in declared.qk_norm_names) if declared.qk_norm else (None, None)
         if declared.qk_norm == PROJECTION_NORM:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = q_norm(q), k_norm(k)
         if declared.output_gate:  # per head: its q, then its gate (Qwen3.5's and Qwen3-Next's full layers)
             q, gate = paddle.split(q.reshape(lead + [heads.heads, 2 * heads.qk_dim]), 2, axis=-1)
         q = q.reshape(lead + [heads.heads, heads.qk_dim])
@@ -184,10 +190,12 @@ class SelfAttention(Block):
             v = v.reshape(lead + [declared.kv_heads, heads.v_dim])[..., slot:slot + 1, :]
         k = k.reshape(lead + [heads.kv_heads, heads.qk_dim])
         v = v.reshape(lead + [heads.kv_heads, heads.v_dim])
-        if declared.qk_norm == HEAD_NORM:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if declared.qk_norm == HEAD_NORM and not declared.qk_norm_after_rotary:
+            q, k = q_norm(q), k_norm(k)
         if declared.rotary is not None:
             q, k = declared.rotary.rotate(q, k, seq_first, run.kernels.fused_rope, run.cp, positions)
+        if declared.qk_norm == HEAD_NORM and declared.qk_norm_after_rotary:
+            q, k = q_norm(q), k_norm(k)
         sinks = self.sinks if declared.sinks else None
         documents = run.documents_at(positions)
         out = run.recompute("core_attn", lambda *qkv: self.attend(*qkv, seq_first, self.spec, sinks, documents),

@@ -31,10 +31,13 @@ from modeling.attention_core.spec import CoreSpec
 from modeling.blocks.latent_attention import LatentAttention
 from modeling.blocks.rotary import Rotary, frozen, rope_type
 from modeling.blocks.router import SEQUENCE, SOFTMAX, SWITCH, Routing
-from modeling.config import ModelConfigError
+from modeling.config import ModelConfigError, check_layer_kinds
 from modeling.config_fields import MOE_ACCEPTED, any_value
 from modeling.decoder_family import decoder_family
 from modeling.moe_config import DeepSeekMoEFields
+
+LATENT_NORM_EPS = 1e-6  # transformers builds the latents' norms with RMSNorm's default, whatever rms_norm_eps says
+DENSE, SPARSE = "dense", "sparse"  # mlp_layer_types
 
 
 def _mscale(factor: float, mscale: float) -> float:
@@ -76,7 +79,7 @@ class DeepseekV3Config(DeepSeekMoEFields):
 
     def attention(self, index: int) -> LatentAttention:
         return LatentAttention(self.hidden_size, self.num_attention_heads, self.q_lora_rank, self.kv_lora_rank,
-                               self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, self.rms_norm_eps,
+                               self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, LATENT_NORM_EPS,
                                self.attention_bias, CoreSpec(self.softmax_scale()),
                                Rotary(self.qk_rope_head_dim, float(self.rope_theta), frozen(self.rope_scaling or {}),
                                       self.rotary_interleaved, self.max_position_embeddings))
@@ -86,6 +89,21 @@ class DeepseekV3Config(DeepSeekMoEFields):
         if self.num_key_value_heads != self.num_attention_heads:
             raise ModelConfigError(f"num_key_value_heads={self.num_key_value_heads} must equal num_attention_heads="
                                    f"{self.num_attention_heads}: latent attention expands k and v for every head")
+
+
+class MlpLayerTypes:
+    """For a DeepSeek-V3-shaped config whose layers are dense or have experts as `mlp_layer_types` says
+    ("dense" / "sparse"; GLM-4.7-Flash, Kimi Linear), where DeepSeek-V3 counts `first_k_dense_replace`."""
+
+    num_hidden_layers: int
+    mlp_layer_types: list[str]
+
+    def is_dense(self, index: int) -> bool:
+        """Layers `mlp_layer_types` calls dense (prediction layers, past the last, have experts)."""
+        return index < self.num_hidden_layers and self.mlp_layer_types[index] == DENSE
+
+    def check_mlp_layer_types(self) -> None:
+        check_layer_kinds("mlp_layer_types", self.mlp_layer_types, (DENSE, SPARSE), self.num_hidden_layers)
 
 
 class DeepseekV2Config(DeepseekV3Config):
@@ -135,12 +153,13 @@ def _only(expected):
 MTP_LAYERS = "multi-token prediction (num_nextn_predict_layers)"
 _SHARED_FIELDS = {**MOE_ACCEPTED, "ep_size": any_value, "qk_head_dim": any_value, "head_dim": any_value,
                   "moe_layer_freq": _only(1)}
-DEEPSEEK_V3 = decoder_family(
-    DeepseekV3Config, "DeepseekV3ForCausalLM", "deepseek_v3", paddlenlp=False,
+# how DeepSeek-V3's folders spell and store it (GLM-4.7-Flash's too: `modeling/glm4_moe_lite`)
+V3_FOLDERS = dict(
     renamed={"n_routed_experts": "num_experts"},
     aliases={"num_local_experts": "num_experts", "num_mtp_layers": "num_nextn_predict_layers"},
     accepted={**_SHARED_FIELDS, "scoring_func": _only("sigmoid"), "topk_method": _only("noaux_tc"),
               "seq_aux": _only(True)}, layers_past_last=MTP_LAYERS, prediction_layers=True)
+DEEPSEEK_V3 = decoder_family(DeepseekV3Config, "DeepseekV3ForCausalLM", "deepseek_v3", paddlenlp=False, **V3_FOLDERS)
 DEEPSEEK_V2 = decoder_family(
     DeepseekV2Config, "DeepseekV2ForCausalLM", "deepseek_v2", paddlenlp=False,
     renamed={"n_routed_experts": "num_experts"}, aliases={"num_local_experts": "num_experts"},

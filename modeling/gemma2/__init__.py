@@ -8,8 +8,8 @@ q/k norms (`1 + weight`, before rotary) and a rotary per layer type: `rope_theta
 
 transformers 5 spells Gemma 3's rotary as `rope_parameters` per layer type and Gemma 2's activation
 `hidden_activation`; both are read (config_fields.as_transformers4). `use_bidirectional_attention`
-(EmbeddingGemma) is refused unless false. Gemma 3's multimodal folders (`gemma3`) are refused by name
-in the registry; their text model is a `gemma3_text` folder.
+(EmbeddingGemma) is refused unless false. Gemma 3's multimodal folders (`gemma3`) train this text model
+and carry the rest (`modeling/multimodal.py`).
 """
 
 from __future__ import annotations

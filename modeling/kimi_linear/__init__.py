@@ -22,16 +22,14 @@ from modeling.blocks.latent_attention import LatentAttention
 from modeling.config import FULL, ModelConfigError, check_layer_kinds
 from modeling.config_fields import MOE_ACCEPTED, any_value
 from modeling.decoder_family import decoder_family
-from modeling.deepseek import DeepseekV3Config
+from modeling.deepseek import DENSE, SPARSE, DeepseekV3Config, MlpLayerTypes
 from modeling.qwen3_5 import LINEAR
 from modeling.transformers_adapter import Stored
 
-DENSE, SPARSE = "dense", "sparse"  # mlp_layer_types
-LATENT_NORM_EPS = 1e-6
 _PATTERN_KEYS = {"kda_layers", "full_attn_layers", "num_heads", "head_dim", "short_conv_kernel_size"}
 
 
-class KimiLinearConfig(DeepseekV3Config):
+class KimiLinearConfig(MlpLayerTypes, DeepseekV3Config):
     model_type = "kimi_linear"
     # no rotary anywhere: the rotary fields a DeepSeek config carries are not Kimi Linear's
     derived_fields = (*DeepseekV3Config.derived_fields, "rope_theta", "rope_scaling", "rope_interleave")
@@ -73,13 +71,9 @@ class KimiLinearConfig(DeepseekV3Config):
                          eos_token_id=eos_token_id, **kwargs)
 
     def attention(self, index: int) -> LatentAttention:
-        """Latent attention with its rope slice unrotated, and its latents' norms at eps 1e-6 whatever
-        `rms_norm_eps` says (transformers' KimiLinearAttention builds them with RMSNorm's default)."""
+        """Latent attention with its rope slice unrotated."""
         return replace(super().attention(index), spec=CoreSpec((self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5),
-                       rotary=None, eps=LATENT_NORM_EPS)
-
-    def is_dense(self, index: int) -> bool:
-        return index < self.num_hidden_layers and self.mlp_layer_types[index] == DENSE
+                       rotary=None)
 
     def token_mixer(self, index: int) -> tuple[str, KimiDelta | LatentAttention]:
         if self.layer_types[index] != LINEAR:
@@ -99,7 +93,7 @@ class KimiLinearConfig(DeepseekV3Config):
                                    f"(it reads {', '.join(sorted(_PATTERN_KEYS))})")
         check_layer_kinds("layer_types (or linear_attn_config's kda_layers and full_attn_layers)", self.layer_types,
                           (LINEAR, FULL), self.num_hidden_layers)
-        check_layer_kinds("mlp_layer_types", self.mlp_layer_types, (DENSE, SPARSE), self.num_hidden_layers)
+        self.check_mlp_layer_types()
         super().validate()
 
 
