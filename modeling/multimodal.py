@@ -2,7 +2,8 @@
 `qwen3_5`: the text model under `model.language_model.`, the vision tower under `model.visual.`; Gemma 3's
 `gemma3`, whose folders keep the names of its first release, which transformers saves them under still: the
 text model under `language_model.model.`, its head `language_model.lm_head`, the SigLIP tower under
-`vision_tower.` and the projector beside): the
+`vision_tower.` and the projector beside; Kimi K2.5's `kimi_k25`, a DeepSeek-V3 text model under the same
+names beside the MoonViT tower and its projector): the
 text config (`text_config`) and weights are what trains; every tensor under a `carried` prefix is
 carried through the checkpoints and written back bit for bit (`paddle_pp/interop/carried.py`), so a
 checkpoint saved in transformers' layout, and an export, is the multimodal folder transformers loads.
@@ -21,7 +22,8 @@ BODY = "model."  # where a text family's transformers folders keep everything bu
 class Multimodal:
     """A multimodal folder kind: its `model_type` and class, its language model's model_type, where
     that model's body sits (`text_body`, for the text folders' "model.") and its head (`text_head`
-    before the text folders' "lm_head."), and the name prefixes of the other parts' tensors (`carried`)."""
+    before the text folders' "lm_head."), the name prefixes of the other parts' tensors (`carried`), and
+    the text config's other model_types (`text_aliases`)."""
 
     model_type: str
     architecture: str
@@ -29,6 +31,16 @@ class Multimodal:
     text_body: str = "model.language_model."
     carried: tuple[str, ...] = ("model.visual.",)
     text_head: str = ""
+    text_aliases: tuple[str, ...] = ()  # other model_types its folders give the text config (transformers reads as it)
+    resaved: tuple[str, str] | None = None  # (released prefix, the prefix transformers saves it under instead)
+
+    def as_released(self, name: str) -> str:
+        """A folder's tensor name as the released folders spell it (transformers 5.23 saves Kimi K2.5's
+        text layers as `language_model.model.blocks.*`: its rename of the vision tower's `blocks` to
+        `layers` is reversed on every name; it loads both)."""
+        if self.resaved is not None and name.startswith(self.resaved[1]):
+            return self.resaved[0] + name.removeprefix(self.resaved[1])
+        return name
 
     def stored(self, stored: Stored) -> Stored:
         """Where this kind's folders keep a text model's tensor that its own folders keep at `stored`."""
@@ -41,4 +53,7 @@ MULTIMODAL = {kind.model_type: kind for kind in (
     Multimodal("qwen3_5", "Qwen3_5ForConditionalGeneration", "qwen3_5_text"),
     Multimodal("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe_text"),
     Multimodal("gemma3", "Gemma3ForConditionalGeneration", "gemma3_text", text_body="language_model.model.",
-               carried=("vision_tower.", "multi_modal_projector."), text_head="language_model."))}
+               carried=("vision_tower.", "multi_modal_projector."), text_head="language_model."),
+    Multimodal("kimi_k25", "Kimi_K25ForConditionalGeneration", "deepseek_v3", text_body="language_model.model.",
+               carried=("vision_tower.", "mm_projector.", "model.mm_projector."), text_head="language_model.",
+               text_aliases=("kimi_k2",), resaved=("language_model.model.layers.", "language_model.model.blocks.")))}

@@ -217,6 +217,12 @@ MULTIMODAL_KINDS = {"qwen3_5_multimodal": ("Qwen3_5ForConditionalGeneration", "Q
     text_config=HYBRID_KINDS["qwen3_5_text"][2], vision_config=dict(
         depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
         spatial_merge_size=2, temporal_patch_size=2))),
+    # Kimi K2.5's folders: a DeepSeek-V3 text model (its routing groups, a dense first layer) beside a MoonViT tower
+    "kimi_k25_multimodal": ("Kimi_K25ForConditionalGeneration", "Kimi_K25Config", dict(
+        text_config=dict(MOE_KINDS["deepseek_v3"][2], model_type="deepseek_v3"), tie_word_embeddings=False,
+        projection_hidden_size=32, vision_config=dict(
+            patch_size=4, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2, num_attention_heads=2,
+            num_hidden_layers=2, hidden_size=32, intermediate_size=64))),
     # Gemma 3 4B-27B's folders: a SigLIP tower of 16 patches pooled to 4 image tokens
     "gemma3_multimodal": ("Gemma3ForConditionalGeneration", "Gemma3Config", dict(
         text_config=KINDS["gemma3_text"][2], mm_tokens_per_image=4, vision_config=dict(

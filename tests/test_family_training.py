@@ -79,9 +79,11 @@ HYBRID = list(hf_models.HYBRID_KINDS)
 # transformers 5 folders of the dense families of 2025-26 declared on what exists (OLMo 3, Seed-OSS, Hunyuan), started
 # in the per-layer launch too
 DECLARED = list(hf_models.DECLARED_KINDS)
-# multimodal folders: their language model trains, the rest is carried; the layout of their first run. Gemma 3's
-# folders keep their first release's names (`language_model.model.*`, `vision_tower.*`).
-MULTIMODAL = {"qwen3_5_multimodal": TP2, "gemma3_multimodal": TP2 + PP2}
+# multimodal folders: their language model trains, the rest is carried; the layout of their first run (with the flags
+# their text model's shape needs). Gemma 3's and Kimi K2.5's folders keep their first release's names
+# (`language_model.model.*`, `vision_tower.*`; transformers 5.23 saves Kimi's text layers as `blocks`, read as well).
+MULTIMODAL = {"qwen3_5_multimodal": (TP2, ()), "gemma3_multimodal": (TP2 + PP2, FOLDER_SHAPE["gemma3_text"]),
+              "kimi_k25_multimodal": (TP2 + PP2, ("--num_key_value_heads", "4"))}
 
 
 @pytest.fixture(scope="module")
@@ -315,16 +317,16 @@ def _stored_bits(folder, prefix: str) -> dict[str, tuple[str, bytes]]:
 def test_a_multimodal_folder_trains_its_language_model_and_carries_its_vision_tower_bit_for_bit(
         pretrain_run, transformers5_folders, data_cache, tmp_path, kind):
     """Qwen3.5's multimodal folder (its language model under `model.language_model`, a vision tower
-    beside) under tp2, and Gemma 3's (`language_model.model`, a SigLIP tower and its projector) under
-    tp2 x pp2: step 1 is the loss transformers 5's multimodal class computes on the batch (1e-5); the
+    beside) under tp2, Gemma 3's (`language_model.model`, a SigLIP tower and its projector) and Kimi
+    K2.5's (a DeepSeek-V3 text model, transformers 5's `blocks` spelling, MoonViT beside) under tp2 x
+    pp2: step 1 is the loss transformers 5's multimodal class computes on the batch (1e-5); the
     run's checkpoint, saved in transformers' layout, and the export of the next step's checkpoint
     (resumed from it on one card, in our layout) each hold every vision tensor as the folder stored it,
     byte for byte, keep the folder's multimodal config (Qwen3.5's rotary sections), and load in
     transformers 5 as the multimodal model with our text logits (1e-4)."""
-    folder, layout = transformers5_folders / kind, MULTIMODAL[kind]
+    folder, (layout, shape) = transformers5_folders / kind, MULTIMODAL[kind]
     config = json.loads((folder / "config.json").read_text())
-    start = ("--model_name_or_path", str(folder), "--eval_steps", "0", "--warmup_steps", "1",
-             *FOLDER_SHAPE.get(kind.replace("_multimodal", "_text"), ()))
+    start = ("--model_name_or_path", str(folder), "--eval_steps", "0", "--warmup_steps", "1", *shape)
     nproc = 4 if PP2[0] in layout else 2
     (split, *_), out = pretrain_run(Run(f"{kind}_first", nproc, start + layout + (
         "--max_steps", str(FOLDER_STEPS), "--save_steps", str(FOLDER_STEPS), "--save_to_hf")))

@@ -76,7 +76,7 @@ def text_config(raw: dict, folder: Path) -> dict:
     tied as the folder says."""
     kind = MULTIMODAL[raw["model_type"]]
     text = dict(raw.get(TEXT_CONFIG) or {})
-    if text.get("model_type", kind.text_model_type) != kind.text_model_type:
+    if text.get("model_type", kind.text_model_type) not in (kind.text_model_type, *kind.text_aliases):
         raise CheckpointError(f"--model_name_or_path {folder}: a {kind.model_type} folder's text_config is "
                               f"{text.get('model_type')!r}, where transformers builds {kind.text_model_type!r}")
     outer, inner = raw.get("tie_word_embeddings"), text.get("tie_word_embeddings")

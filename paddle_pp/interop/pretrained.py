@@ -188,15 +188,16 @@ def _multimodal(folder: Path, raw: dict, kind: Multimodal, weights: bool, fresh_
     if raw.get("quantization_config"):
         raise CheckpointError(f"--model_name_or_path {folder}: a quantized {kind.model_type} folder; its carried parts "
                               "would be written back dequantized. Pass its unquantized release")
-    readers = _safetensors_readers(folder)
-    shapes = _header_shapes(readers)
+    stored = _safetensors_readers(folder)
+    readers = {kind.as_released(name): (reader, name) for name, reader in stored.items()}
+    shapes = {name: reader.shape(key) for name, (reader, key) in readers.items()}
     carried = tuple(sorted(name for name in shapes if name.startswith(kind.carried)))
     pretrained = _transformers_folder(folder, model_family, config, shapes,
-                                      _by_axis(lambda key, piece: readers[key].read(key, piece)), kind,
-                                      fresh_prediction_layers)
+                                      _by_axis(lambda name, piece: readers[name][0].read(readers[name][1], piece)),
+                                      kind, fresh_prediction_layers)
     return replace(pretrained, notes=pretrained.notes + (
         f"{folder}: {len(carried)} tensors of its other parts ({', '.join(kind.carried)}) carried through every "
-        "checkpoint as they are",), carried=Carried(raw, carried, lambda name: readers[name].read_stored(name)))
+        "checkpoint as they are",), carried=Carried(raw, carried, lambda name: stored[name].read_stored(name)))
 
 
 def _paddlenlp_locator(config: dict, fused: frozenset[str]) -> Callable[[str], Stored]:
