@@ -117,6 +117,13 @@ class Documents:
         inside = positions.numpy()
         return cls((np.arange(inside.shape[1]) if held is None else held)[None, :] - inside)
 
+    @classmethod
+    def in_chunks(cls, chunk: int, held: np.ndarray, documents: Documents | None, batch: int) -> Documents:
+        """Each query's start under chunked attention (Llama 4: chunks of `chunk` sequence positions),
+        inside its document when `documents` are given; `held` the queries' sequence positions."""
+        starts = np.broadcast_to((held // chunk * chunk)[None, :], (batch, held.shape[0]))
+        return cls(starts.copy() if documents is None else np.maximum(starts, documents.starts))
+
     def for_keys(self, keys: np.ndarray, rows: slice = slice(None)) -> Documents:
         """The documents of a call of the queries `rows` on the keys at positions `keys`."""
         return Documents(self.starts[:, rows], keys)

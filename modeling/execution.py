@@ -19,7 +19,7 @@ from paddle.distributed.fleet.utils import recompute as fleet_recompute
 
 from modeling.attention_core import CORES, AttentionCore, DenseCost, choose_core
 from modeling.attention_core.ring import Ring
-from modeling.attention_core.spec import CoreSpec
+from modeling.attention_core.spec import PLAIN, CoreSpec
 from modeling.context_parallel import local_positions
 from modeling.documents import Documents
 from modeling.recurrent_core import RecurrentCore
@@ -115,16 +115,24 @@ class Execution:
             return None
         return local_positions(local_len * self.ring.degree, self.ring.degree, self.ring.rank)
 
-    def documents_at(self, positions: paddle.Tensor | None) -> Documents | None:
+    def documents_at(self, positions: paddle.Tensor | None, spec: CoreSpec = PLAIN,
+                     lead: tuple[int, int] | None = None) -> Documents | None:
         """Where the documents of this rank's queries start, from their positions inside their documents
-        (None: one causal stream); sequence positions, which under context parallelism are not 0..n-1."""
-        if positions is None or not self.within_documents:
-            return None
-        return Documents.of(positions, self.positions(positions.shape[1]))
+        (None: one causal stream); sequence positions, which under context parallelism are not 0..n-1.
+        A chunked layer's (`spec.chunk`) start at their chunk too: `lead` is its (batch, local length)."""
+        documents = None
+        if positions is not None and self.within_documents:
+            documents = Documents.of(positions, self.positions(positions.shape[1]))
+        if spec.chunk is None:
+            return documents
+        batch, local = lead
+        held = self.positions(local)
+        return Documents.in_chunks(spec.chunk, np.arange(local) if held is None else held, documents, batch)
 
     def spec_for(self, spec: CoreSpec) -> CoreSpec:
-        """A layer's attention spec as this run computes it (inside documents, when per-document)."""
-        return replace(spec, documents=True) if self.documents is not None and self.within_documents else spec
+        """A layer's attention spec as this run computes it (inside documents, when per-document or chunked)."""
+        within = (self.documents is not None and self.within_documents) or spec.chunk is not None
+        return replace(spec, documents=True) if within else spec
 
     @property
     def cp(self) -> tuple[int, int]:

@@ -39,12 +39,13 @@ def expert_order(received: np.ndarray, stride: int | None = None) -> np.ndarray:
 
 
 def run_dispatched(flat: paddle.Tensor, chosen: paddle.Tensor, weights: paddle.Tensor, compute: Compute,
-                   group: ExpertGroup, num_experts: int) -> tuple[paddle.Tensor, list[int]]:
+                   group: ExpertGroup, num_experts: int, on_input: bool = False) -> tuple[paddle.Tensor, list[int]]:
     """(the MoE output for this rank's tokens `flat` [tokens, hidden], routed to `chosen` with
     `weights` [tokens, k]; how many of its rows chose each expert). `compute(rows, counts)` runs this
     rank's experts in order on rows sorted by expert (`run_experts`, or `run_experts_over_tp`). An
     expert no row of the group chose runs on a zero row whose output, times zero, joins the result:
-    its gradient is a zero, never missing."""
+    its gradient is a zero, never missing. `on_input`: the weights scale the rows sent, not the rows
+    returned (Llama 4)."""
     choice = chosen.reshape([-1])
     order = paddle.argsort(choice, stable=True)  # (token, choice) rows by expert
     token_of = order // chosen.shape[1]
@@ -52,13 +53,15 @@ def run_dispatched(flat: paddle.Tensor, chosen: paddle.Tensor, weights: paddle.T
     local = len(group.local(num_experts))
     every = group.gather_counts(counts).reshape([group.degree, group.degree, local])  # [source, destination, expert]
     sent = every.sum(axis=2)
-    received = group.exchange(paddle.gather(flat, token_of), sent)
+    row_weights = paddle.gather(weights.reshape([-1]), order).unsqueeze(-1)
+    rows = paddle.gather(flat, token_of)
+    received = group.exchange(rows * row_weights if on_input else rows, sent)
     mine = every[:, group.rank]
     by_expert = paddle.to_tensor(expert_order(mine))
     outputs, idle = compute(paddle.gather(received, by_expert), mine.sum(axis=0).tolist())
     computed = paddle.scatter(paddle.zeros_like(received), by_expert, outputs) if outputs is not None else received
     returned = group.exchange(computed, sent.T)
-    weighted = returned * paddle.gather(weights.reshape([-1]), order).unsqueeze(-1)
+    weighted = returned if on_input else returned * row_weights
     return paddle.index_add(paddle.zeros_like(flat), token_of, 0, weighted) + idle, counts.tolist()
 
 

@@ -19,6 +19,7 @@ class MoEConfig(DecoderConfig):
     moe_block = "mlp"  # the MoE block's name in a decoder layer (Mixtral: block_sparse_moe)
     expert_names = GATED_NAMES  # an expert's projections (Mixtral: w1, w3, w2)
     expert_width = "moe_intermediate_size"  # the config field an expert's width is in
+    experts_stacked = False  # its own folders stack the experts (GPT-OSS, Llama 4): they have no other layout
     decoder_sparse_step = 1  # Qwen's fields, fixed where a family has none: every layer sparse
     mlp_only_layers: tuple[int, ...] = ()
 

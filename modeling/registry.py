@@ -29,6 +29,7 @@ from modeling.granitemoehybrid import GRANITEMOEHYBRID
 from modeling.hunyuan_v1_dense import HUNYUAN_V1_DENSE
 from modeling.kimi_linear import KIMI_LINEAR
 from modeling.llama import LLAMA
+from modeling.llama4 import LLAMA4_TEXT
 from modeling.mistral import MISTRAL
 from modeling.mixtral import MIXTRAL
 from modeling.mpt import MPT
@@ -59,7 +60,7 @@ FAMILIES: dict[str, ModelFamily] = {family.model_type: family for family in (
     LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GPT, GEMMA2, GEMMA3_TEXT, PHI3, OLMO2, SMOLLM3, GRANITE, ERNIE4_5, MPT, QWEN2_MOE,
     QWEN3_MOE, MIXTRAL, OLMOE, DEEPSEEK_V3, DEEPSEEK_V2, GLM4_MOE, GPT_OSS, ERNIE4_5_MOE, QWEN3_5_TEXT,
     QWEN3_5_MOE_TEXT, QWEN3_NEXT, OLMO_HYBRID, KIMI_LINEAR, NEMOTRON_H, GRANITEMOEHYBRID, FALCON_H1, OLMO3, SEED_OSS,
-    HUNYUAN_V1_DENSE, GLM4_MOE_LITE)}
+    HUNYUAN_V1_DENSE, GLM4_MOE_LITE, LLAMA4_TEXT)}
 BY_TRANSFORMERS_TYPE = {family.transformers.model_type: family for family in FAMILIES.values() if family.transformers}
 ALIASES = {"kimi_k2": DEEPSEEK_V3}  # Kimi-K2's folders are DeepSeek-V3's (transformers' kimi_k25 rewrites it so)
 
@@ -69,8 +70,8 @@ class UnknownModelError(UserError, ValueError):
 
 
 NOT_YET = {  # families users bring that are refused with why
-    "llama4": "Llama 4's chunked attention, NoPE temperature tuning and input-side routing are not modelled",
-    "llama4_text": "Llama 4's chunked attention, NoPE temperature tuning and input-side routing are not modelled",
+    "llama4": "a Llama 4 multimodal folder: its text model is a llama4_text model; save it as one (transformers' "
+              "Llama4ForCausalLM) and pass that folder",
     "gemma3n": "Gemma 3n's per-layer embeddings and AltUp are not modelled",
     "deepseek_v32": "DeepSeek-V3.2's sparse attention (its indexer) is not modelled",
     "deepseek_v4": "DeepSeek-V4 is not modelled",

@@ -229,11 +229,18 @@ MULTIMODAL_KINDS = {"qwen3_5_multimodal": ("Qwen3_5ForConditionalGeneration", "Q
             hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=16,
             patch_size=4)))}
 # mixtures of experts of 2025-26 only transformers 5 has, declared on what exists: GLM-4.7-Flash (DeepSeek-V3's layers,
-# dense or with experts as mlp_layer_types says)
+# dense or with experts as mlp_layer_types says) and Llama 4
 DECLARED_MOE_KINDS = {"glm4_moe_lite": ("Glm4MoeLiteForCausalLM", "Glm4MoeLiteConfig", dict(
     SHAPE, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
     v_head_dim=16, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32, num_experts_per_tok=2, n_group=2,
-    topk_group=1, mlp_layer_types=["dense", "sparse", "sparse", "dense"]))}
+    topk_group=1, mlp_layer_types=["dense", "sparse", "sparse", "dense"])),
+    # Llama 4: chunks of 8 on its rotary layers 0 and 2 (interleaved pairs, llama3 scaling, L2 q/k norms), NoPE layers
+    # 1 and 3 with their queries' temperature changing every 4 positions, experts (top-1, input-scaled) beside a
+    # shared expert on layers 1 and 3, dense MLPs twice as wide on 0 and 2
+    "llama4_text": ("Llama4ForCausalLM", "Llama4TextConfig", dict(
+        SHAPE, num_key_value_heads=2, head_dim=16, intermediate_size=32, intermediate_size_mlp=128,
+        num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layer_interval=2,
+        attention_chunk_size=8, floor_scale=4, attn_scale=0.1, rope_scaling=LLAMA3_ROPE))}
 ROUTED_KINDS = {**MOE_KINDS, **HYBRID_MOE_KINDS, **DECLARED_MOE_KINDS}  # their router weights spread (ROUTER_SCALE)
 STACKED_ON_DISK = ("gpt_oss",)  # kinds whose experts both versions store stacked (no per-expert layout)
 FUSED = "_fused"  # suffix of a kind's folder re-saved by transformers 5 in its in-memory layout (fused experts)

@@ -46,6 +46,8 @@ CONFIGS = {  # each family with what sets it apart: GQA, tied embeddings, biases
     "deepseek_v2": dict(SHAPE, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
                         qk_rope_head_dim=4, v_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                         first_k_dense_replace=1),
+    "llama4_text": dict(SHAPE, num_key_value_heads=2, intermediate_size=16, intermediate_size_mlp=64, num_experts=4,
+                        num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=4),
     "glm4_moe_lite": dict(SHAPE, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
                           qk_rope_head_dim=4, v_head_dim=8, num_experts=4, n_group=2, topk_group=1,
                           num_experts_per_tok=2, moe_intermediate_size=16, mlp_layer_types=["dense", "sparse"] * 2),

@@ -1,11 +1,14 @@
 """What one attention call computes besides causal softmax(q k^T) v, as a layer declares it and
 every core honours it (torchtitan hands its inner attention a mask spec; Megatron has
-`window_size`): the softmax scale, a sliding window, a soft-cap on the scores and ALiBi slopes.
+`window_size`): the softmax scale, a sliding window, chunks, a soft-cap on the scores and ALiBi slopes.
 Per-head sink logits are a parameter, so they travel beside the spec as a tensor; so do a
 per-document run's document boundaries (`modeling/documents.py`), which the spec only announces.
 
 Semantics are transformers': a query at position i sees keys j with i - window < j <= i (`window`
-keys, itself included); scores are `scale` q.k, then `softcap` * tanh(score / softcap) (Gemma 2),
+keys, itself included); with `chunk` (Llama 4's `attention_chunk_size`) only the keys of its own chunk
+of that many positions, j >= chunk x floor(i / chunk): a document boundary every `chunk` positions,
+which every core computes as it computes documents (`Execution.documents_at`: O(s x chunk) in the
+blockwise core, flashmask's start rows, the ring's per-query bounds); scores are `scale` q.k, then `softcap` * tanh(score / softcap) (Gemma 2),
 then plus slope_h * (j - i) (ALiBi: MPT, BLOOM; transformers adds slope_h * j, which differs per
 row by a constant the softmax cancels); sinks add one value-less logit per head to every row's
 softmax (GPT-OSS).
@@ -20,13 +23,15 @@ from dataclasses import dataclass, replace
 @dataclass(frozen=True)
 class CoreSpec:
     """`scale` None is qk_head_dim^-1/2; `alibi` holds the slopes of the query heads the call
-    sees (a tp rank's share); `documents`: each query sees only the keys of its own document."""
+    sees (a tp rank's share); `documents`: each query sees only the keys of its own document;
+    `chunk`: only the keys of its own chunk (the call's documents start at chunks too)."""
 
     scale: float | None = None
     window: int | None = None
     softcap: float | None = None
     alibi: tuple[float, ...] | None = None
     documents: bool = False
+    chunk: int | None = None
 
     def softmax_scale(self, head_dim: int) -> float:
         return self.scale if self.scale is not None else 1 / math.sqrt(head_dim)

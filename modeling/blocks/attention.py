@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import paddle
 import paddle.nn.functional as F
 
@@ -23,6 +24,19 @@ from modeling.placement import A_LOG, ONES, VECTOR_SPLIT, ZEROS, Placement, Tens
 from modeling.sequence_parallel import gather_tokens
 
 HEAD_NORM, PROJECTION_NORM = "head", "projection"  # q/k norms over each head, or over the whole projection
+L2_NORM = "l2"  # each rotated q and k head over its root mean square, no weight (Llama 4's rotary layers)
+
+
+def l2_norm(x: paddle.Tensor, eps: float) -> paddle.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last axis, in fp32 (transformers' Llama4TextL2Norm)."""
+    wide = x.astype("float32")
+    return (wide * paddle.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).astype(x.dtype)
+
+
+def temperature_scales(positions: paddle.Tensor, attn_scale: float, floor_scale: float) -> paddle.Tensor:
+    """Llama 4's query scales on its layers without rotary: 1 + attn_scale x log(1 + floor((p + 1) /
+    floor_scale)) at each position p, so long contexts sharpen the softmax."""
+    return paddle.log1p(paddle.floor((positions.astype("float32") + 1.0) / floor_scale)) * attn_scale + 1.0
 
 
 @dataclass(frozen=True)
@@ -61,7 +75,8 @@ class HeadVector(Leaf):
 class Attention(Declared):
     """One layer's attention. `qk_norm`: HEAD_NORM, PROJECTION_NORM or None, with `norm` the norm
     used (its eps and form; its dim is set per place), under the names `qk_norm_names`; per-head norms
-    apply before the rotary, or after it (`qk_norm_after_rotary`: Hunyuan's)."""
+    apply before the rotary, or after it (`qk_norm_after_rotary`: Hunyuan's); L2_NORM has no weight and
+    applies after the rotary. `temperature` scales each query by its position (`temperature_scales`)."""
 
     hidden: int
     heads: int
@@ -80,6 +95,7 @@ class Attention(Declared):
     output_gate: bool = False  # q_proj also emits a gate per head (after each head's q); out * sigmoid(gate)
     qk_norm_names: tuple[str, str] = ("q_norm", "k_norm")
     qk_norm_after_rotary: bool = False
+    temperature: tuple[float, float] | None = None  # (attn_scale, floor_scale): Llama 4's query scales by position
     recurrent: ClassVar[bool] = False  # a token mixer with an attention core (a recurrent one: blocks/gated_delta.py)
 
     @property
@@ -152,6 +168,11 @@ class Attention(Declared):
         if self.output_gate:  # sigmoid(gate), and the core's output unless the core keeps it
             saved[""] += tokens * heads.heads * self.head_dim * dtype_bytes + (0 if keeps_output else output)
         q_norm, k_norm = self.qk_norm_names
+        if self.qk_norm == L2_NORM:  # each keeps its fp32 input and 1/rms per vector
+            vectors = tokens * (heads.heads + heads.kv_heads)
+            saved[""] += vectors * self.head_dim * max(dtype_bytes, 4) + vectors * 4
+        if self.temperature is not None:  # the product keeps the rotated queries
+            saved[""] += tokens * heads.heads * self.head_dim * dtype_bytes
         if self.qk_norm == HEAD_NORM:
             saved |= {q_norm: rms_norm_saved_bytes(tokens, self.head_dim, dtype_bytes, self.norm.offset, heads.heads),
                       k_norm: rms_norm_saved_bytes(tokens, self.head_dim, dtype_bytes, self.norm.offset,
@@ -178,7 +199,8 @@ class SelfAttention(Block):
         q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
         if declared.clip_qkv is not None:
             q, k, v = (paddle.clip(t, -declared.clip_qkv, declared.clip_qkv) for t in (q, k, v))
-        q_norm, k_norm = (getattr(self, name) for name in declared.qk_norm_names) if declared.qk_norm else (None, None)
+        q_norm, k_norm = (getattr(self, name) for name in declared.qk_norm_names) \
+            if declared.qk_norm in (HEAD_NORM, PROJECTION_NORM) else (None, None)
         if declared.qk_norm == PROJECTION_NORM:
             q, k = q_norm(q), k_norm(k)
         if declared.output_gate:  # per head: its q, then its gate (Qwen3.5's and Qwen3-Next's full layers)
@@ -196,13 +218,30 @@ class SelfAttention(Block):
             q, k = declared.rotary.rotate(q, k, seq_first, run.kernels.fused_rope, run.cp, positions)
         if declared.qk_norm == HEAD_NORM and declared.qk_norm_after_rotary:
             q, k = q_norm(q), k_norm(k)
+        elif declared.qk_norm == L2_NORM:
+            q, k = l2_norm(q, declared.norm.eps), l2_norm(k, declared.norm.eps)
+        batch_local = (lead[1], lead[0]) if seq_first else (lead[0], lead[1])
+        if declared.temperature is not None:
+            q = q * self._temperature(positions, batch_local, seq_first)
         sinks = self.sinks if declared.sinks else None
-        documents = run.documents_at(positions)
+        documents = run.documents_at(positions, self.spec, batch_local)
         out = run.recompute("core_attn", lambda *qkv: self.attend(*qkv, seq_first, self.spec, sinks, documents),
                             q, k, v, training=self.training)
         if declared.output_gate:
             out = out * F.sigmoid(gate.reshape(out.shape))
         return getattr(self, declared.output)(out)
+
+
+    def _temperature(self, positions, batch_local: tuple[int, int], seq_first: bool) -> paddle.Tensor:
+        """The queries' scales, broadcast over heads: by their positions in their documents when per-document,
+        else by their sequence positions (under context parallelism not 0..n-1)."""
+        batch, local = batch_local
+        if positions is None:
+            held = self.run.positions(local)
+            positions = paddle.to_tensor(np.arange(local) if held is None else held).unsqueeze(0)
+        scales = temperature_scales(positions, *self.declared.temperature)  # [batch or 1, local]
+        scales = scales.transpose([1, 0]) if seq_first else scales
+        return scales.unsqueeze(-1).unsqueeze(-1)
 
 
 Attention.layer = SelfAttention

@@ -188,8 +188,10 @@ class SparseMoE(Block):
             return outputs, idle
 
         rows = flat if declared.latent is None else self.fc1_latent_proj(flat)
-        out, counts = (self._local(rows, chosen, weights, compute) if self.run.experts is None
-                       else run_dispatched(rows, chosen, weights, compute, self.run.experts, declared.experts.count))
+        on_input = declared.routing.on_input
+        out, counts = (self._local(rows, chosen, weights, compute, on_input) if self.run.experts is None
+                       else run_dispatched(rows, chosen, weights, compute, self.run.experts, declared.experts.count,
+                                           on_input))
         if declared.latent is not None:
             out = self.fc2_latent_proj(out)
         if shared_layer is not None:
@@ -224,17 +226,20 @@ class SparseMoE(Block):
         seq, batch = hidden.shape[:2]
         return scores.reshape([seq, batch, -1]).transpose([1, 0, 2]).reshape([seq * batch, -1])
 
-    def _local(self, flat, chosen, weights, compute) -> tuple[paddle.Tensor, list[int]]:
+    def _local(self, flat, chosen, weights, compute, on_input: bool = False) -> tuple[paddle.Tensor, list[int]]:
         """Every expert on this rank, on its rows, in one pass: the (token, choice) rows sorted by
         expert once, their counts read once (one host synchronisation per layer, however many experts),
-        each expert run on its slice, the weighted outputs added back to their tokens in expert order.
-        An expert no token chose runs on one zero row with weight zero: its gradient is a zero."""
+        each expert run on its slice, the weighted outputs (or outputs of weighted rows: `on_input`)
+        added back to their tokens in expert order. An expert no token chose runs on one zero row with
+        weight zero: its gradient is a zero."""
         choice = chosen.reshape([-1])
         order = paddle.argsort(choice, stable=True)
         token_of = order // chosen.shape[1]
         counts = np.bincount(choice.numpy(), minlength=self.declared.experts.count).tolist()
-        outputs, idle = compute(paddle.gather(flat, token_of), counts)
-        weighted = outputs * paddle.gather(weights.reshape([-1]), order).unsqueeze(-1)
+        row_weights = paddle.gather(weights.reshape([-1]), order).unsqueeze(-1)
+        rows = paddle.gather(flat, token_of)
+        outputs, idle = compute(rows * row_weights if on_input else rows, counts)
+        weighted = outputs if on_input else outputs * row_weights
         return paddle.index_add(paddle.zeros_like(flat), token_of, 0, weighted) + idle, counts
 
 

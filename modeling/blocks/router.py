@@ -4,7 +4,11 @@ experts and their weights, and what balances the experts.
 
 `Routing` is the family's rule:
 - `score`: "softmax" over the experts (Qwen-MoE, Mixtral, OLMoE, DeepSeek-V2), "sigmoid" per expert
-  (DeepSeek-V3, GLM-4.5), or "softmax_of_top_k" (GPT-OSS: the k largest logits, softmax over them);
+  (DeepSeek-V3, GLM-4.5), "softmax_of_top_k" (GPT-OSS: the k largest logits, softmax over them) or
+  "sigmoid_of_top_k" (Llama 4: the k largest logits, each through a sigmoid); the balancing statistics
+  of the last two read the softmax over all experts;
+- `on_input`: the weights scale each expert's input instead of its output (Llama 4), which differs
+  since an expert is not linear;
 - `correction_bias`: DeepSeek-V3's `e_score_correction_bias`, added to the scores for choosing the
   experts only (the weights are the unbiased scores), moved after each optimizer step by the
   aux-loss-free balancing rule (`paddle_pp/training/expert_balance.py`), never by the optimizer;
@@ -36,7 +40,7 @@ from modeling.blocks.parts import Leaf
 from modeling.execution import Execution
 from modeling.placement import REPLICATED, ZEROS, Placement, TensorPlan
 
-SOFTMAX, SIGMOID, SOFTMAX_OF_TOP_K = "softmax", "sigmoid", "softmax_of_top_k"
+SOFTMAX, SIGMOID, SOFTMAX_OF_TOP_K, SIGMOID_OF_TOP_K = "softmax", "sigmoid", "softmax_of_top_k", "sigmoid_of_top_k"
 SWITCH, SEQUENCE = "switch", "sequence"
 CORRECTION_BIAS = "e_score_correction_bias"
 
@@ -60,6 +64,7 @@ class Routing:
     aux: str = SWITCH
     aux_coef: float = 0.0
     aux_counts_routed: bool = False
+    on_input: bool = False
 
     def correction_shape(self, experts: int) -> tuple[int, ...]:
         return (self.correction_rows, experts) if self.correction_rows else (experts,)
@@ -68,9 +73,10 @@ class Routing:
                                                                                   paddle.Tensor]:
         """(the scores the balancing statistics read [tokens, E] fp32, chosen experts [tokens, k],
         their weights [tokens, k] fp32) from the router logits (`bias`: the correction bias)."""
-        if self.score == SOFTMAX_OF_TOP_K:
+        if self.score in (SOFTMAX_OF_TOP_K, SIGMOID_OF_TOP_K):
             top, chosen = paddle.topk(logits, self.top_k, axis=-1)
-            return F.softmax(logits.astype("float32"), axis=-1), chosen, F.softmax(top, axis=-1).astype("float32")
+            weights = F.softmax(top, axis=-1) if self.score == SOFTMAX_OF_TOP_K else F.sigmoid(top.astype("float32"))
+            return F.softmax(logits.astype("float32"), axis=-1), chosen, weights.astype("float32")
         scores = F.softmax(logits, axis=-1) if self.score == SOFTMAX else F.sigmoid(logits)
         choice = scores + bias if bias is not None else scores
         if self.groups > 1:

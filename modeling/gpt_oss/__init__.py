@@ -29,6 +29,7 @@ from modeling.transformers_adapter import Stored
 class GptOssConfig(MoEConfig):
     model_type = "gpt_oss"
     expert_width = "intermediate_size"
+    experts_stacked = True
 
     def __init__(self, vocab_size: int = 201088, hidden_size: int = 2880, intermediate_size: int = 2880,
                  num_hidden_layers: int = 36, num_attention_heads: int = 64, num_key_value_heads: int | None = 8,

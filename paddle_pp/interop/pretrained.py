@@ -131,7 +131,7 @@ def _transformers_locate(model_family: ModelFamily, ours, shapes: dict[str, list
     `kind`'s text body when given."""
     plan, adapter = plan_of(ours), model_family.transformers
     locate = lambda name: adapter.stored(name, plan[name], ours)  # noqa: E731
-    if stores_fused_experts(shapes):
+    if stores_fused_experts(shapes) and not getattr(ours, "experts_stacked", False):
         locate = lambda name, per_expert=locate: fused_expert_stored(per_expert(name), ours)  # noqa: E731
     if kind is not None:
         locate = lambda name, text=locate: kind.stored(text(name))  # noqa: E731

@@ -4,7 +4,7 @@ the whole sequence, which every rank also runs (same seed).
 For each case (batch-first and sequence-first, GQA, blocks that split the chunks unevenly; a layer
 of its own scale, and one with a scale, a soft-cap and sinks; per-document attention, an
 end-of-document token at about one position in five; sliding windows shorter than a rank's part and
-longer, the latter with a soft-cap, sinks and documents): the blockwise core on the whole sequence,
+longer, the latter with a soft-cap, sinks and documents; chunks within documents): the blockwise core on the whole sequence,
 and `ring_attention` on this rank's two chunks; this rank's rows of the output and of dq, dk, dv
 (and of the sinks' gradient) are compared; per document, also this rank's positions inside their
 documents found from its own tokens (`document_positions` over the ring) against the whole
@@ -156,7 +156,9 @@ def main(cp: int, measure_len: int = 0):
             # sliding windows: shorter than a part (reaching into the one before), and longer (across parts),
             # with a soft-cap, sinks and documents
             (2, 8, 4, 2, 8, 3, False, CoreSpec(window=5), False, False),
-            (1, 6, 4, 1, 8, 4, True, CoreSpec(window=9, softcap=2.0), True, True)]:
+            (1, 6, 4, 1, 8, 4, True, CoreSpec(window=9, softcap=2.0), True, True),
+            # Llama 4's chunks (of 6 positions: some inside a part, some across two) within documents
+            (2, 8, 4, 2, 8, 3, False, CoreSpec(chunk=6), False, True)]:
         seq = 2 * cp * chunk
         whole_documents = local_documents = None
         positions_differ = 0.0
@@ -169,6 +171,10 @@ def main(cp: int, measure_len: int = 0):
             positions_differ = float(np.abs(mine_in_documents.numpy()
                                             - split_sequence(in_documents.numpy(), cp, ring.rank)).max())
             local_documents = Documents.of(mine_in_documents, local_positions(seq, cp, ring.rank))
+        if spec.chunk is not None:  # each query's start at its chunk too (`Execution.documents_at`)
+            whole_documents = Documents.in_chunks(spec.chunk, np.arange(seq), whole_documents, batch)
+            local_documents = Documents.in_chunks(spec.chunk, local_positions(seq, cp, ring.rank), local_documents,
+                                                  batch)
         rng = np.random.default_rng(7)
         lead = [seq, batch] if seq_first else [batch, seq]
         whole = [rng.standard_normal(lead + [n, head_dim]).astype("float32") for n in (heads, kv_heads, kv_heads)]
