@@ -3,7 +3,8 @@
 `gemma3`, whose folders keep the names of its first release, which transformers saves them under still: the
 text model under `language_model.model.`, its head `language_model.lm_head`, the SigLIP tower under
 `vision_tower.` and the projector beside; Kimi K2.5's `kimi_k25`, a DeepSeek-V3 text model under the same
-names beside the MoonViT tower and its projector): the
+names beside the MoonViT tower and its projector; Llama 4's `llama4`, beside its vision model and
+projector): the
 text config (`text_config`) and weights are what trains; every tensor under a `carried` prefix is
 carried through the checkpoints and written back bit for bit (`paddle_pp/interop/carried.py`), so a
 checkpoint saved in transformers' layout, and an export, is the multimodal folder transformers loads.
@@ -56,4 +57,6 @@ MULTIMODAL = {kind.model_type: kind for kind in (
                carried=("vision_tower.", "multi_modal_projector."), text_head="language_model."),
     Multimodal("kimi_k25", "Kimi_K25ForConditionalGeneration", "deepseek_v3", text_body="language_model.model.",
                carried=("vision_tower.", "mm_projector.", "model.mm_projector."), text_head="language_model.",
-               text_aliases=("kimi_k2",), resaved=("language_model.model.layers.", "language_model.model.blocks.")))}
+               text_aliases=("kimi_k2",), resaved=("language_model.model.layers.", "language_model.model.blocks.")),
+    Multimodal("llama4", "Llama4ForConditionalGeneration", "llama4_text", text_body="language_model.model.",
+               carried=("vision_model.", "multi_modal_projector."), text_head="language_model."))}

@@ -70,8 +70,6 @@ class UnknownModelError(UserError, ValueError):
 
 
 NOT_YET = {  # families users bring that are refused with why
-    "llama4": "a Llama 4 multimodal folder: its text model is a llama4_text model; save it as one (transformers' "
-              "Llama4ForCausalLM) and pass that folder",
     "gemma3n": "Gemma 3n's per-layer embeddings and AltUp are not modelled",
     "deepseek_v32": "DeepSeek-V3.2's sparse attention (its indexer) is not modelled",
     "deepseek_v4": "DeepSeek-V4 is not modelled",

@@ -212,6 +212,9 @@ DECLARED_KINDS = {
         SHAPE, num_key_value_heads=2, head_dim=16, rope_parameters={"rope_type": "dynamic", "alpha": 50.0, "factor": 1.0,
                                                                     "rope_theta": 10000.0})),
 }
+LLAMA4_TEXT = dict(SHAPE, num_key_value_heads=2, head_dim=16, intermediate_size=32, intermediate_size_mlp=128,
+                   num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layer_interval=2, attention_chunk_size=8,
+                   floor_scale=4, attn_scale=0.1, rope_scaling=LLAMA3_ROPE)
 # multimodal folders (transformers 5 only) whose language model trains: Qwen3.5's, a vision tower of two blocks beside
 MULTIMODAL_KINDS = {"qwen3_5_multimodal": ("Qwen3_5ForConditionalGeneration", "Qwen3_5Config", dict(
     text_config=HYBRID_KINDS["qwen3_5_text"][2], vision_config=dict(
@@ -223,6 +226,11 @@ MULTIMODAL_KINDS = {"qwen3_5_multimodal": ("Qwen3_5ForConditionalGeneration", "Q
         projection_hidden_size=32, vision_config=dict(
             patch_size=4, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2, num_attention_heads=2,
             num_hidden_layers=2, hidden_size=32, intermediate_size=64))),
+    # Llama 4's folders: its text model (experts, chunks, NoPE layers) beside a vision encoder and its projector
+    "llama4_multimodal": ("Llama4ForConditionalGeneration", "Llama4Config", dict(
+        text_config=dict(LLAMA4_TEXT, num_local_experts=4, model_type="llama4_text"), vision_config=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=16,
+            patch_size=4, vision_output_dim=32, projector_input_dim=64, projector_output_dim=64))),
     # Gemma 3 4B-27B's folders: a SigLIP tower of 16 patches pooled to 4 image tokens
     "gemma3_multimodal": ("Gemma3ForConditionalGeneration", "Gemma3Config", dict(
         text_config=KINDS["gemma3_text"][2], mm_tokens_per_image=4, vision_config=dict(
@@ -237,10 +245,7 @@ DECLARED_MOE_KINDS = {"glm4_moe_lite": ("Glm4MoeLiteForCausalLM", "Glm4MoeLiteCo
     # Llama 4: chunks of 8 on its rotary layers 0 and 2 (interleaved pairs, llama3 scaling, L2 q/k norms), NoPE layers
     # 1 and 3 with their queries' temperature changing every 4 positions, experts (top-1, input-scaled) beside a
     # shared expert on layers 1 and 3, dense MLPs twice as wide on 0 and 2
-    "llama4_text": ("Llama4ForCausalLM", "Llama4TextConfig", dict(
-        SHAPE, num_key_value_heads=2, head_dim=16, intermediate_size=32, intermediate_size_mlp=128,
-        num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layer_interval=2,
-        attention_chunk_size=8, floor_scale=4, attn_scale=0.1, rope_scaling=LLAMA3_ROPE))}
+    "llama4_text": ("Llama4ForCausalLM", "Llama4TextConfig", dict(LLAMA4_TEXT, num_local_experts=4))}
 ROUTED_KINDS = {**MOE_KINDS, **HYBRID_MOE_KINDS, **DECLARED_MOE_KINDS}  # their router weights spread (ROUTER_SCALE)
 STACKED_ON_DISK = ("gpt_oss",)  # kinds whose experts both versions store stacked (no per-expert layout)
 FUSED = "_fused"  # suffix of a kind's folder re-saved by transformers 5 in its in-memory layout (fused experts)

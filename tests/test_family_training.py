@@ -34,7 +34,7 @@ from conftest import FOLDER_STEPS, IDS, first_batch
 
 from checkpoint.format import TRANSFORMERS_LAYOUT, weights_layout
 from checkpoint.unified_io import UnifiedReader
-from modeling.multimodal import MULTIMODAL as MULTIMODAL_KINDS
+from modeling import multimodal
 from modeling.registry import FAMILIES, load_config
 from paddle_pp.interop.transformers import export_hf
 
@@ -299,6 +299,22 @@ def test_a_transformers_5_folder_starts_at_its_loss_and_its_checkpoint_loads_bac
                     if "lm_head" in name]
 
 
+@pytest.mark.parametrize("kind", list(hf_models.MULTIMODAL_KINDS))
+def test_a_multimodal_folder_gives_transformers_text_logits_and_holds_its_other_parts_as_stored(
+        kind, transformers5_folders):
+    """Every multimodal kind (Llama 4's too, whose text model the MoE launch trains): opened for its language
+    model, our logits on text are its multimodal class's in transformers 5 (1e-5), and every tensor it does
+    not train is held to be carried, none of the language model's among them."""
+    from paddle_pp.interop.pretrained import open_pretrained
+
+    folder = transformers5_folders / kind
+    pretrained = open_pretrained(folder)
+    kind_of = multimodal.MULTIMODAL[json.loads((folder / "config.json").read_text())["model_type"]]
+    assert pretrained.carried.names and all(name.startswith(kind_of.carried) for name in pretrained.carried.names)
+    assert set(pretrained.carried.names) == {name for prefix in kind_of.carried for name in _stored_bits(folder, prefix)}
+    np.testing.assert_allclose(our_logits(folder, IDS), np.load(f"{folder}.npy"), rtol=LOSS_RTOL, atol=LOSS_RTOL)
+
+
 def _stored_bits(folder, prefix: str) -> dict[str, tuple[str, bytes]]:
     """Every tensor of a transformers folder under `prefix`: its dtype and bytes, read by safetensors."""
     import torch
@@ -337,7 +353,7 @@ def test_a_multimodal_folder_trains_its_language_model_and_carries_its_vision_to
         "--max_steps", str(FOLDER_STEPS + 1), "--save_steps", str(FOLDER_STEPS + 1), "--resume_from_checkpoint",
         str(saved))))
     exported = export_hf(resumed / f"checkpoint-{FOLDER_STEPS + 1}", tmp_path / "export")
-    carried = MULTIMODAL_KINDS[config["model_type"]].carried
+    carried = multimodal.MULTIMODAL[config["model_type"]].carried
     vision = {name: bits for prefix in carried for name, bits in _stored_bits(folder, prefix).items()}
     assert len(vision) > 20
     ids = tmp_path / "ids.npy"
