@@ -27,10 +27,12 @@ from modeling.gpt_oss import GPT_OSS
 from modeling.granite import GRANITE
 from modeling.granitemoehybrid import GRANITEMOEHYBRID
 from modeling.hunyuan_v1_dense import HUNYUAN_V1_DENSE
+from modeling.hunyuan_v1_moe import HUNYUAN_V1_MOE
 from modeling.kimi_linear import KIMI_LINEAR
 from modeling.llama import LLAMA
 from modeling.llama4 import LLAMA4_TEXT
 from modeling.mistral import MISTRAL
+from modeling.mistral4 import MISTRAL4
 from modeling.mixtral import MIXTRAL
 from modeling.mpt import MPT
 from modeling.nemotron_h import NEMOTRON_H
@@ -60,7 +62,7 @@ FAMILIES: dict[str, ModelFamily] = {family.model_type: family for family in (
     LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GPT, GEMMA2, GEMMA3_TEXT, PHI3, OLMO2, SMOLLM3, GRANITE, ERNIE4_5, MPT, QWEN2_MOE,
     QWEN3_MOE, MIXTRAL, OLMOE, DEEPSEEK_V3, DEEPSEEK_V2, GLM4_MOE, GPT_OSS, ERNIE4_5_MOE, QWEN3_5_TEXT,
     QWEN3_5_MOE_TEXT, QWEN3_NEXT, OLMO_HYBRID, KIMI_LINEAR, NEMOTRON_H, GRANITEMOEHYBRID, FALCON_H1, OLMO3, SEED_OSS,
-    HUNYUAN_V1_DENSE, GLM4_MOE_LITE, LLAMA4_TEXT)}
+    HUNYUAN_V1_DENSE, GLM4_MOE_LITE, LLAMA4_TEXT, MISTRAL4, HUNYUAN_V1_MOE)}
 BY_TRANSFORMERS_TYPE = {family.transformers.model_type: family for family in FAMILIES.values() if family.transformers}
 ALIASES = {"kimi_k2": DEEPSEEK_V3}  # Kimi-K2's folders are DeepSeek-V3's (transformers' kimi_k25 rewrites it so)
 

@@ -237,7 +237,7 @@ MULTIMODAL_KINDS = {"qwen3_5_multimodal": ("Qwen3_5ForConditionalGeneration", "Q
             hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=16,
             patch_size=4)))}
 # mixtures of experts of 2025-26 only transformers 5 has, declared on what exists: GLM-4.7-Flash (DeepSeek-V3's layers,
-# dense or with experts as mlp_layer_types says) and Llama 4
+# dense or with experts as mlp_layer_types says), Llama 4, Mistral 4 and Hunyuan-A13B
 DECLARED_MOE_KINDS = {"glm4_moe_lite": ("Glm4MoeLiteForCausalLM", "Glm4MoeLiteConfig", dict(
     SHAPE, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
     v_head_dim=16, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32, num_experts_per_tok=2, n_group=2,
@@ -245,7 +245,18 @@ DECLARED_MOE_KINDS = {"glm4_moe_lite": ("Glm4MoeLiteForCausalLM", "Glm4MoeLiteCo
     # Llama 4: chunks of 8 on its rotary layers 0 and 2 (interleaved pairs, llama3 scaling, L2 q/k norms), NoPE layers
     # 1 and 3 with their queries' temperature changing every 4 positions, experts (top-1, input-scaled) beside a
     # shared expert on layers 1 and 3, dense MLPs twice as wide on 0 and 2
-    "llama4_text": ("Llama4ForCausalLM", "Llama4TextConfig", dict(LLAMA4_TEXT, num_local_experts=4))}
+    "llama4_text": ("Llama4ForCausalLM", "Llama4TextConfig", dict(LLAMA4_TEXT, num_local_experts=4)),
+    # Mistral Small 4: latent attention with its queries scaled by position (every 8 positions here), softmax groups
+    "mistral4": ("Mistral4ForCausalLM", "Mistral4Config", dict(
+        SHAPE, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32, num_experts_per_tok=2,
+        n_group=2, topk_group=1, first_k_dense_replace=1, rope_parameters={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "rope_theta": 10000.0,
+            "llama_4_scaling_beta": 0.1})),
+    # Hunyuan-A13B: Hunyuan's attention, softmax top-2 of 4 experts beside an ungated shared MLP
+    "hunyuan_v1_moe": ("HunYuanMoEV1ForCausalLM", "HunYuanMoEV1Config", dict(
+        SHAPE, num_key_value_heads=2, head_dim=16, intermediate_size=32, num_experts=4, moe_topk=2,
+        rope_parameters={"rope_type": "dynamic", "alpha": 50.0, "factor": 1.0, "rope_theta": 10000.0}))}
 ROUTED_KINDS = {**MOE_KINDS, **HYBRID_MOE_KINDS, **DECLARED_MOE_KINDS}  # their router weights spread (ROUTER_SCALE)
 STACKED_ON_DISK = ("gpt_oss",)  # kinds whose experts both versions store stacked (no per-expert layout)
 FUSED = "_fused"  # suffix of a kind's folder re-saved by transformers 5 in its in-memory layout (fused experts)
@@ -335,8 +346,8 @@ def reference_model(folder: Path):
     import transformers
 
     architecture = json.loads((Path(folder) / "config.json").read_text()).get("architectures", [""])[0]
-    model_class = getattr(transformers, architecture) if architecture.endswith("ForConditionalGeneration") \
-        else transformers.AutoModelForCausalLM
+    # the folder's own class (transformers 5.23's auto classes leave Mistral4ForCausalLM out)
+    model_class = getattr(transformers, architecture, transformers.AutoModelForCausalLM)
     return model_class.from_pretrained(str(folder), attn_implementation="eager").eval()
 
 

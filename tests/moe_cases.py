@@ -30,7 +30,8 @@ KINDS = list(hf_models.MOE_KINDS)
 # are Qwen3-MoE's without q/k norms (its own tensor names are read before any layout applies)
 SPLIT_KINDS = [kind for kind in KINDS if kind not in ("deepseek_v3", "mixtral")]
 # MoE kinds only transformers 5 has: those whose token mixer differs per layer (Gated DeltaNet, KDA or Mamba-2 beside
-# attention), GLM-4.7-Flash (DeepSeek-V3's layers, dense or with experts as mlp_layer_types says) and Llama 4
+# attention), GLM-4.7-Flash (DeepSeek-V3's layers, dense or with experts as mlp_layer_types says), Llama 4, Mistral 4 and
+# Hunyuan-A13B
 FIVE_ONLY_KINDS = [*hf_models.HYBRID_MOE_KINDS, *hf_models.DECLARED_MOE_KINDS]
 MTP_KIND = "deepseek_v3_mtp"  # transformers 5's DeepSeek-V3 folder given a multi-token prediction layer
 # such folders: from which kind's, with how many prediction layers (GLM's two chained, as transformers chains them)

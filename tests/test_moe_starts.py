@@ -122,8 +122,10 @@ def test_a_hybrid_moe_folder_starts_under_ep2_tp2_pp2_sp_at_its_loss_and_trains_
     (Mamba-2, attention without rotary and latent ReLU^2 experts, one of each per stage; tp over the
     Mamba groups), Granite 4.0-H (Mamba-2 and NoPE attention, its multipliers, GraniteMoE's experts
     beside a shared MLP), GLM-4.7-Flash (latent attention, V3 routing, a dense layer on each stage as
-    its mlp_layer_types says) and Llama 4 (chunks of 8 of 32 tokens on its rotary layers, temperature-tuned NoPE
-    layers, input-scaled top-1 experts beside a shared expert) from transformers 5's folders: on one card and under ep2 x dp2 x tp2 x pp2 + SP at
+    its mlp_layer_types says), Llama 4 (chunks of 8 of 32 tokens on its rotary layers, temperature-tuned NoPE
+    layers, input-scaled top-1 experts beside a shared expert), Mistral 4 (latent attention with queries
+    scaled by position, softmax groups) and Hunyuan-A13B (q/k norms after the rotary, an ungated shared MLP)
+    from transformers 5's folders: on one card and under ep2 x dp2 x tp2 x pp2 + SP at
     transformers' loss (1e-5); the split layout's two steps and checkpoint are one card's, and
     transformers 5 loads that checkpoint (in its layout: Qwen's q, k, v and their convs fused again,
     Kimi's stored apart, the Mamba-2 in_proj and conv1d fused, Granite's experts stacked, with its

@@ -33,10 +33,31 @@ def l2_norm(x: paddle.Tensor, eps: float) -> paddle.Tensor:
     return (wide * paddle.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).astype(x.dtype)
 
 
-def temperature_scales(positions: paddle.Tensor, attn_scale: float, floor_scale: float) -> paddle.Tensor:
-    """Llama 4's query scales on its layers without rotary: 1 + attn_scale x log(1 + floor((p + 1) /
-    floor_scale)) at each position p, so long contexts sharpen the softmax."""
-    return paddle.log1p(paddle.floor((positions.astype("float32") + 1.0) / floor_scale)) * attn_scale + 1.0
+@dataclass(frozen=True)
+class QueryTemperature:
+    """Queries scaled by their position p so long contexts sharpen the softmax: 1 + scale x log(1 +
+    floor((p + offset) / floor)) (Llama 4's NoPE layers: attn_scale, floor_scale, offset 1; Mistral 4's
+    latent attention: llama_4_scaling_beta, original_max_position_embeddings, offset 0)."""
+
+    scale: float
+    floor: float
+    offset: int = 0
+
+    def scales(self, positions: paddle.Tensor) -> paddle.Tensor:
+        return paddle.log1p(paddle.floor((positions.astype("float32") + self.offset) / self.floor)) * self.scale + 1.0
+
+    def apply(self, q: paddle.Tensor, run: Execution, positions: paddle.Tensor | None,
+              batch_local: tuple[int, int]) -> paddle.Tensor:
+        """`q` [batch, local, heads, d] (or [local, batch, ...] under SP) scaled at its queries' positions: in
+        their documents when per-document, else their sequence positions (under context parallelism not
+        0..n-1)."""
+        local = batch_local[1]
+        if positions is None:
+            held = run.positions(local)
+            positions = paddle.to_tensor(np.arange(local) if held is None else held).unsqueeze(0)
+        scales = self.scales(positions)  # [batch or 1, local]
+        scales = scales.transpose([1, 0]) if run.sequence_first else scales
+        return q * scales.unsqueeze(-1).unsqueeze(-1).astype(q.dtype)
 
 
 @dataclass(frozen=True)
@@ -76,7 +97,7 @@ class Attention(Declared):
     """One layer's attention. `qk_norm`: HEAD_NORM, PROJECTION_NORM or None, with `norm` the norm
     used (its eps and form; its dim is set per place), under the names `qk_norm_names`; per-head norms
     apply before the rotary, or after it (`qk_norm_after_rotary`: Hunyuan's); L2_NORM has no weight and
-    applies after the rotary. `temperature` scales each query by its position (`temperature_scales`)."""
+    applies after the rotary. `temperature` scales each query by its position."""
 
     hidden: int
     heads: int
@@ -95,7 +116,7 @@ class Attention(Declared):
     output_gate: bool = False  # q_proj also emits a gate per head (after each head's q); out * sigmoid(gate)
     qk_norm_names: tuple[str, str] = ("q_norm", "k_norm")
     qk_norm_after_rotary: bool = False
-    temperature: tuple[float, float] | None = None  # (attn_scale, floor_scale): Llama 4's query scales by position
+    temperature: QueryTemperature | None = None  # Llama 4's query scales by position
     recurrent: ClassVar[bool] = False  # a token mixer with an attention core (a recurrent one: blocks/gated_delta.py)
 
     @property
@@ -222,7 +243,7 @@ class SelfAttention(Block):
             q, k = l2_norm(q, declared.norm.eps), l2_norm(k, declared.norm.eps)
         batch_local = (lead[1], lead[0]) if seq_first else (lead[0], lead[1])
         if declared.temperature is not None:
-            q = q * self._temperature(positions, batch_local, seq_first)
+            q = declared.temperature.apply(q, run, positions, batch_local)
         sinks = self.sinks if declared.sinks else None
         documents = run.documents_at(positions, self.spec, batch_local)
         out = run.recompute("core_attn", lambda *qkv: self.attend(*qkv, seq_first, self.spec, sinks, documents),
@@ -231,17 +252,6 @@ class SelfAttention(Block):
             out = out * F.sigmoid(gate.reshape(out.shape))
         return getattr(self, declared.output)(out)
 
-
-    def _temperature(self, positions, batch_local: tuple[int, int], seq_first: bool) -> paddle.Tensor:
-        """The queries' scales, broadcast over heads: by their positions in their documents when per-document,
-        else by their sequence positions (under context parallelism not 0..n-1)."""
-        batch, local = batch_local
-        if positions is None:
-            held = self.run.positions(local)
-            positions = paddle.to_tensor(np.arange(local) if held is None else held).unsqueeze(0)
-        scales = temperature_scales(positions, *self.declared.temperature)  # [batch or 1, local]
-        scales = scales.transpose([1, 0]) if seq_first else scales
-        return scales.unsqueeze(-1).unsqueeze(-1)
 
 
 Attention.layer = SelfAttention

@@ -35,6 +35,7 @@ from paddle.distributed import collective
 
 from modeling.attention_core import AttentionCore, Heads
 from modeling.attention_core.spec import PLAIN, CoreSpec
+from modeling.blocks.attention import QueryTemperature
 from modeling.blocks.norms import rms_norm_saved_bytes
 from modeling.blocks.parts import Block, ColumnLinear, Declared, Norm, Part, RowLinear, WholeLinear
 from modeling.blocks.rotary import Rotary
@@ -56,6 +57,7 @@ class LatentAttention(Declared):
     bias: bool = False  # transformers' attention_bias: on q_a_proj, kv_a_proj_with_mqa and o_proj
     spec: CoreSpec = PLAIN
     rotary: Rotary | None = None
+    temperature: QueryTemperature | None = None  # Mistral 4's query scales by position (llama_4_scaling_beta)
     output = "o_proj"
     sinks = False
 
@@ -101,7 +103,8 @@ class LatentAttention(Declared):
         kept, _, output = self.core_bytes(run, batch, seq_len, dtype_bytes)
         first = "q_a_proj" if self.q_lora_rank else "q_proj"
         rotary = self.rotary.kept_bytes(batch, seq_len, dtype_bytes, run.documents is not None) if self.rotary else 0
-        saved = {first: tokens * self.hidden * dtype_bytes, "": kept + rotary,
+        scaled = tokens * self.local_heads(run).heads * self.qk_dim * dtype_bytes if self.temperature else 0
+        saved = {first: tokens * self.hidden * dtype_bytes, "": kept + rotary + scaled,
                  "kv_a_layernorm": rms_norm_saved_bytes(tokens, self.kv_lora_rank, dtype_bytes, False),
                  "kv_b_proj": tokens * self.kv_lora_rank * dtype_bytes,
                  self.output: 0 if self.core(run).keeps_output(run.sequence_first) else output}
@@ -138,6 +141,8 @@ class LatentSelfAttention(Block):
         keys = self.kv_b_proj(self.kv_a_layernorm(latent)).reshape(lead + [heads, declared.nope_dim + declared.v_dim])
         k_nope, v = paddle.split(keys, [declared.nope_dim, declared.v_dim], axis=-1)
         q = paddle.concat([q_nope, q_rot], axis=-1)
+        if declared.temperature is not None:
+            q = declared.temperature.apply(q, run, positions, (lead[1], lead[0]) if seq_first else (lead[0], lead[1]))
         k = paddle.concat([k_nope, k_rot.expand(lead + [heads, declared.rope_dim])], axis=-1)
         spec, documents = run.spec_for(declared.spec), run.documents_at(positions)
         out = run.recompute("core_attn", lambda *qkv: self.attend(*qkv, seq_first, spec, None, documents), q, k, v,

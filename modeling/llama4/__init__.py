@@ -19,7 +19,7 @@
 from __future__ import annotations
 
 from modeling.attention_core.spec import CoreSpec
-from modeling.blocks.attention import L2_NORM, Attention
+from modeling.blocks.attention import L2_NORM, Attention, QueryTemperature
 from modeling.blocks.mlp import GatedMLP
 from modeling.blocks.moe import Experts, MoE
 from modeling.blocks.parts import Part
@@ -80,7 +80,7 @@ class Llama4TextConfig(MoEConfig):
                          qkv_bias=self.attention_bias, o_bias=self.attention_bias,
                          qk_norm=L2_NORM if self.use_qk_norm and rotates else None, norm=self.hidden_norm(),
                          spec=CoreSpec(chunk=chunk), rotary=self.rotary(index),
-                         temperature=(self.attn_scale, self.floor_scale) if tuned else None)
+                         temperature=QueryTemperature(self.attn_scale, self.floor_scale, 1) if tuned else None)
 
     def routing(self) -> Routing:
         return Routing(self.num_experts_per_tok, SIGMOID_OF_TOP_K, on_input=True, aux_coef=self.router_aux_loss_coef)
