@@ -27,23 +27,26 @@ DEFAULT_ROPE = {"rope_type": "yarn", "factor": 128.0, ORIGINAL: 8192, "beta_fast
                 "mscale_all_dim": 1.0, "mscale": 1.0, BETA: 0.1}
 
 
+# transformers 5's Mistral4Config defaults (Mistral Small 4's shape) where DeepSeek-V3's differ
+DEFAULTS = dict(vocab_size=131072, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=2048,
+                num_hidden_layers=36, num_attention_heads=32, num_experts=128, routed_scaling_factor=1.0, kv_lora_rank=256,
+                q_lora_rank=1024, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=64, n_group=1, topk_group=1,
+                num_experts_per_tok=4, first_k_dense_replace=0, max_position_embeddings=1048576, pad_token_id=11)
+
+
 class Mistral4Config(DeepseekV3Config):
     model_type = "mistral4"
     experts_stacked = True  # its folders hold transformers 5's fused experts, which has no per-expert form to save
 
-    def __init__(self, vocab_size: int = 131072, hidden_size: int = 4096, intermediate_size: int = 12288,
-                 moe_intermediate_size: int = 2048, num_hidden_layers: int = 36, num_attention_heads: int = 32,
-                 num_experts: int = 128, routed_scaling_factor: float = 1.0, kv_lora_rank: int = 256,
-                 q_lora_rank: int | None = 1024, qk_rope_head_dim: int = 64, v_head_dim: int = 128,
-                 qk_nope_head_dim: int = 64, n_group: int | None = 1, topk_group: int | None = 1,
-                 num_experts_per_tok: int = 4, first_k_dense_replace: int = 0, max_position_embeddings: int = 1048576,
-                 pad_token_id: int | None = 11, rope_scaling: dict | None = None,
-                 llama_4_scaling_beta: float | None = None, **kwargs):
+    def __init__(self, rope_scaling: dict | None = None, llama_4_scaling_beta: float | None = None, **kwargs):
+        values = {**DEFAULTS, **kwargs}
+        qk_rope_head_dim, qk_nope_head_dim = values["qk_rope_head_dim"], values["qk_nope_head_dim"]
+        max_position_embeddings = values["max_position_embeddings"]
         share = (rope_scaling or {}).get("partial_rotary_factor")
         if share is not None and not _is_rope_share(share, qk_rope_head_dim, qk_nope_head_dim):
             raise ModelConfigError(f"rope partial_rotary_factor={share}: Mistral 4 rotates the qk_rope_head_dim="
                                    f"{qk_rope_head_dim} channels of each {qk_nope_head_dim + qk_rope_head_dim}-wide head")
-        given = rope_scaling is not None or llama_4_scaling_beta is not None or "rope_theta" in kwargs
+        given = rope_scaling is not None or llama_4_scaling_beta is not None or "rope_theta" in values
         # the rope parameters' `max_position_embeddings` is read by nothing (transformers leaves it out of validation);
         # their `partial_rotary_factor` (what qk_rope_head_dim says, checked by `_rope_share`) as a config's is
         scaling = {k: v for k, v in ((rope_scaling or {}) if given else DEFAULT_ROPE).items()
@@ -54,15 +57,7 @@ class Mistral4Config(DeepseekV3Config):
             self.scaling_length = scaling.pop(ORIGINAL, max_position_embeddings)
         else:
             self.scaling_length = scaling.get(ORIGINAL, max_position_embeddings)
-        super().__init__(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                         moe_intermediate_size=moe_intermediate_size, num_hidden_layers=num_hidden_layers,
-                         num_attention_heads=num_attention_heads, num_experts=num_experts,
-                         routed_scaling_factor=routed_scaling_factor, kv_lora_rank=kv_lora_rank,
-                         q_lora_rank=q_lora_rank, qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim,
-                         qk_nope_head_dim=qk_nope_head_dim, n_group=n_group, topk_group=topk_group,
-                         num_experts_per_tok=num_experts_per_tok, first_k_dense_replace=first_k_dense_replace,
-                         max_position_embeddings=max_position_embeddings, pad_token_id=pad_token_id,
-                         rope_scaling=scaling or None, **kwargs)
+        super().__init__(rope_scaling=scaling or None, **values)
 
     def transformers_spelling(self, values: dict) -> dict:
         """The query scaling's fields and the rotary slice's share of a q/k head back inside the rope
