@@ -115,8 +115,8 @@ def test_the_save_plan_of_a_70b_llama_on_256_ranks_spreads_the_writing_evenly(tm
 
 
 def test_plan_refuses_an_invalid_layout(checkpoint):
-    with pytest.raises(ValueError, match="num_key_value_heads"):
-        plan_layout(load_config(checkpoint), Layout(world_size=4, tensor_parallel_degree=4, device="gpu"))
+    with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by --tensor_parallel_degree 8"):
+        plan_layout(load_config(checkpoint), Layout(world_size=8, tensor_parallel_degree=8, device="gpu"))
     with pytest.raises(LayoutError):
         Layout(world_size=6, tensor_parallel_degree=4, device="gpu")
     tool = subprocess.run([sys.executable, str(TOOLS / "reshard.py"), "plan", "--checkpoint", str(checkpoint),
