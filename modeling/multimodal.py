@@ -4,7 +4,7 @@
 text model under `language_model.model.`, its head `language_model.lm_head`, the SigLIP tower under
 `vision_tower.` and the projector beside; Kimi K2.5's `kimi_k25`, a DeepSeek-V3 text model under the same
 names beside the MoonViT tower and its projector; Llama 4's `llama4`, beside its vision model and
-projector): the
+projector; Mistral's `mistral3`, a Mistral (Small 3.x) or Mistral 4 (Small 4) text model beside Pixtral): the
 text config (`text_config`) and weights are what trains; every tensor under a `carried` prefix is
 carried through the checkpoints and written back bit for bit (`paddle_pp/interop/carried.py`), so a
 checkpoint saved in transformers' layout, and an export, is the multimodal folder transformers loads.
@@ -32,7 +32,7 @@ class Multimodal:
     text_body: str = "model.language_model."
     carried: tuple[str, ...] = ("model.visual.",)
     text_head: str = ""
-    text_aliases: tuple[str, ...] = ()  # other model_types its folders give the text config (transformers reads as it)
+    text_aliases: tuple[str, ...] = ()  # other model_types its folders' text config may have (an alias, another family)
     resaved: tuple[str, str] | None = None  # (released prefix, the prefix transformers saves it under instead)
 
     def as_released(self, name: str) -> str:
@@ -59,4 +59,7 @@ MULTIMODAL = {kind.model_type: kind for kind in (
                carried=("vision_tower.", "mm_projector.", "model.mm_projector."), text_head="language_model.",
                text_aliases=("kimi_k2",), resaved=("language_model.model.layers.", "language_model.model.blocks.")),
     Multimodal("llama4", "Llama4ForConditionalGeneration", "llama4_text", text_body="language_model.model.",
-               carried=("vision_model.", "multi_modal_projector."), text_head="language_model."))}
+               carried=("vision_model.", "multi_modal_projector."), text_head="language_model."),
+    Multimodal("mistral3", "Mistral3ForConditionalGeneration", "mistral", text_body="language_model.model.",
+               carried=("vision_tower.", "multi_modal_projector."), text_head="language_model.",
+               text_aliases=("mistral4",)))}

@@ -215,6 +215,11 @@ DECLARED_KINDS = {
 LLAMA4_TEXT = dict(SHAPE, num_key_value_heads=2, head_dim=16, intermediate_size=32, intermediate_size_mlp=128,
                    num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layer_interval=2, attention_chunk_size=8,
                    floor_scale=4, attn_scale=0.1, rope_scaling=LLAMA3_ROPE)
+MISTRAL4_TEXT = dict(SHAPE, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16,
+                     qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32,
+                     num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, rope_parameters={
+                         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "rope_theta": 10000.0,
+                         "llama_4_scaling_beta": 0.1})
 # multimodal folders (transformers 5 only) whose language model trains: Qwen3.5's, a vision tower of two blocks beside
 MULTIMODAL_KINDS = {"qwen3_5_multimodal": ("Qwen3_5ForConditionalGeneration", "Qwen3_5Config", dict(
     text_config=HYBRID_KINDS["qwen3_5_text"][2], vision_config=dict(
@@ -231,6 +236,12 @@ MULTIMODAL_KINDS = {"qwen3_5_multimodal": ("Qwen3_5ForConditionalGeneration", "Q
         text_config=dict(LLAMA4_TEXT, num_local_experts=4, model_type="llama4_text"), vision_config=dict(
             hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=16,
             patch_size=4, vision_output_dim=32, projector_input_dim=64, projector_output_dim=64))),
+    # Mistral Small 4's folders: a Mistral 4 text model (latent attention, softmax groups) beside a Pixtral tower
+    "mistral3_multimodal": ("Mistral3ForConditionalGeneration", "Mistral3Config", dict(
+        text_config=dict(MISTRAL4_TEXT, model_type="mistral4"), tie_word_embeddings=False, spatial_merge_size=1,
+        vision_config=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=16,
+            patch_size=4, head_dim=16))),
     # Gemma 3 4B-27B's folders: a SigLIP tower of 16 patches pooled to 4 image tokens
     "gemma3_multimodal": ("Gemma3ForConditionalGeneration", "Gemma3Config", dict(
         text_config=KINDS["gemma3_text"][2], mm_tokens_per_image=4, vision_config=dict(
@@ -247,12 +258,7 @@ DECLARED_MOE_KINDS = {"glm4_moe_lite": ("Glm4MoeLiteForCausalLM", "Glm4MoeLiteCo
     # shared expert on layers 1 and 3, dense MLPs twice as wide on 0 and 2
     "llama4_text": ("Llama4ForCausalLM", "Llama4TextConfig", dict(LLAMA4_TEXT, num_local_experts=4)),
     # Mistral Small 4: latent attention with its queries scaled by position (every 8 positions here), softmax groups
-    "mistral4": ("Mistral4ForCausalLM", "Mistral4Config", dict(
-        SHAPE, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=16, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32, num_experts_per_tok=2,
-        n_group=2, topk_group=1, first_k_dense_replace=1, rope_parameters={
-            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "rope_theta": 10000.0,
-            "llama_4_scaling_beta": 0.1})),
+    "mistral4": ("Mistral4ForCausalLM", "Mistral4Config", MISTRAL4_TEXT),
     # Hunyuan-A13B: Hunyuan's attention, softmax top-2 of 4 experts beside an ungated shared MLP
     "hunyuan_v1_moe": ("HunYuanMoEV1ForCausalLM", "HunYuanMoEV1Config", dict(
         SHAPE, num_key_value_heads=2, head_dim=16, intermediate_size=32, num_experts=4, moe_topk=2,

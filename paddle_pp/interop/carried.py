@@ -53,7 +53,7 @@ class Carried:
     def their_config(self, text: dict) -> dict:
         """The multimodal config.json around the language model's `text` config (transformers' form)."""
         inner = {key: value for key, value in text.items() if key not in ("architectures", "torch_dtype")}
-        inner["model_type"] = self.kind.text_model_type
+        inner["model_type"] = self.config.get(TEXT_CONFIG, {}).get("model_type", self.kind.text_model_type)
         outer = {key: value for key, value in self.config.items() if key != "torch_dtype"}
         return {**outer, TEXT_CONFIG: inner, "tie_word_embeddings": text.get("tie_word_embeddings", False),
                 "dtype": text.get("torch_dtype", self.config.get("dtype"))}
@@ -72,16 +72,20 @@ def carried_in(folder: Path) -> Carried | None:
 
 
 def text_config(raw: dict, folder: Path) -> dict:
-    """A multimodal config.json's language model config, checked: of the text family the kind names,
-    tied as the folder says."""
+    """A multimodal config.json's language model config, checked: of a text family the kind names (the
+    family its model_type is, an alias read as its family), tied as the folder says."""
+    from modeling.registry import family
+
     kind = MULTIMODAL[raw["model_type"]]
     text = dict(raw.get(TEXT_CONFIG) or {})
-    if text.get("model_type", kind.text_model_type) not in (kind.text_model_type, *kind.text_aliases):
+    model_type = text.get("model_type", kind.text_model_type)
+    if model_type not in (kind.text_model_type, *kind.text_aliases):
         raise CheckpointError(f"--model_name_or_path {folder}: a {kind.model_type} folder's text_config is "
-                              f"{text.get('model_type')!r}, where transformers builds {kind.text_model_type!r}")
+                              f"{model_type!r}, where transformers builds one of "
+                              f"{[kind.text_model_type, *kind.text_aliases]}")
     outer, inner = raw.get("tie_word_embeddings"), text.get("tie_word_embeddings")
     if outer is not None and inner is not None and outer != inner:
         raise CheckpointError(f"--model_name_or_path {folder}: config.json says tie_word_embeddings={outer} and its "
                               f"text_config {inner}; make them agree")
     tied = next((value for value in (inner, outer) if value is not None), False)
-    return {**text, "model_type": kind.text_model_type, "tie_word_embeddings": tied}
+    return {**text, "model_type": family(model_type).model_type, "tie_word_embeddings": tied}
