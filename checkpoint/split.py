@@ -116,13 +116,14 @@ def split_checkpoint(source: Path, target: Path, layout: Layout, plan: ModelPlan
                         ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
         writer = SplitWriter(partial, split_layout(layout.tp, layout.pp, layout.vpp))
         model_metadata = {}
+        whole_parameters = plan.whole_at(layout.tp)
         for kind in KINDS:
             if not (source / index_name(kind)).is_file():
                 continue
             unified = UnifiedReader(source, kind)
             if kind == MODEL:
                 model_metadata = {k: unified.index["metadata"][k] for k in ("model_type", "tied")}
-            whole = {n for n in unified.tensors if n.split(STATE_SEPARATOR)[0] in plan.whole_at(layout.tp)}
+            whole = {n for n in unified.tensors if n.split(STATE_SEPARATOR)[0] in whole_parameters}
             writer.whole |= whole
             for stage in range(layout.pp):
                 names = [n for n in sorted(unified.tensors) if stage in tensor_stages(plan, n, layout)]

@@ -49,11 +49,6 @@ class SharedColumnLinear(nn.Linear):
         return super().forward(x)
 
 
-def shared_column_linear(run: Execution, in_features: int, out_features: int, bias: bool = False) -> nn.Layer:
-    """`SharedColumnLinear` (tp > 1: a single card's linear is whole already)."""
-    return SharedColumnLinear(run, in_features, out_features, bias)
-
-
 def row_linear(run: Execution, in_features: int, out_features: int, bias: bool = False) -> nn.Layer:
     """Input features split over tp ranks; partial outputs are all-reduced (bias added once), or under
     sequence parallelism reduce-scattered along the sequence (the bias then marked sequence-parallel)."""

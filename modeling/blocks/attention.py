@@ -46,13 +46,12 @@ class QueryTemperature:
     def scales(self, positions: paddle.Tensor) -> paddle.Tensor:
         return paddle.log1p(paddle.floor((positions.astype("float32") + self.offset) / self.floor)) * self.scale + 1.0
 
-    def apply(self, q: paddle.Tensor, run: Execution, positions: paddle.Tensor | None,
-              batch_local: tuple[int, int]) -> paddle.Tensor:
+    def apply(self, q: paddle.Tensor, run: Execution, positions: paddle.Tensor | None) -> paddle.Tensor:
         """`q` [batch, local, heads, d] (or [local, batch, ...] under SP) scaled at its queries' positions: in
         their documents when per-document, else their sequence positions (under context parallelism not
         0..n-1)."""
-        local = batch_local[1]
         if positions is None:
+            local = q.shape[0 if run.sequence_first else 1]
             held = run.positions(local)
             positions = paddle.to_tensor(np.arange(local) if held is None else held).unsqueeze(0)
         scales = self.scales(positions)  # [batch or 1, local]
@@ -243,7 +242,7 @@ class SelfAttention(Block):
             q, k = l2_norm(q, declared.norm.eps), l2_norm(k, declared.norm.eps)
         batch_local = (lead[1], lead[0]) if seq_first else (lead[0], lead[1])
         if declared.temperature is not None:
-            q = declared.temperature.apply(q, run, positions, batch_local)
+            q = declared.temperature.apply(q, run, positions)
         sinks = self.sinks if declared.sinks else None
         documents = run.documents_at(positions, self.spec, batch_local)
         out = run.recompute("core_attn", lambda *qkv: self.attend(*qkv, seq_first, self.spec, sinks, documents),
@@ -251,7 +250,6 @@ class SelfAttention(Block):
         if declared.output_gate:
             out = out * F.sigmoid(gate.reshape(out.shape))
         return getattr(self, declared.output)(out)
-
 
 
 Attention.layer = SelfAttention

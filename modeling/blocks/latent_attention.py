@@ -142,7 +142,7 @@ class LatentSelfAttention(Block):
         k_nope, v = paddle.split(keys, [declared.nope_dim, declared.v_dim], axis=-1)
         q = paddle.concat([q_nope, q_rot], axis=-1)
         if declared.temperature is not None:
-            q = declared.temperature.apply(q, run, positions, (lead[1], lead[0]) if seq_first else (lead[0], lead[1]))
+            q = declared.temperature.apply(q, run, positions)
         k = paddle.concat([k_nope, k_rot.expand(lead + [heads, declared.rope_dim])], axis=-1)
         spec, documents = run.spec_for(declared.spec), run.documents_at(positions)
         out = run.recompute("core_attn", lambda *qkv: self.attend(*qkv, seq_first, spec, None, documents), q, k, v,

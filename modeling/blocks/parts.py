@@ -121,7 +121,7 @@ class Block(nn.Layer):
 class ColumnLinear(Leaf):
     """Output features split over tp (and the bias with them); the output stays split. With `heads`
     (key/value projections) the features are that many heads, and more tp ranks than heads each hold
-    the projection whole (`tp_layers.shared_column_linear`)."""
+    the projection whole (`tp_layers.SharedColumnLinear`)."""
 
     in_features: int
     out_features: int
@@ -136,7 +136,7 @@ class ColumnLinear(Leaf):
 
     def build(self, config, run: Execution) -> nn.Layer:
         if self.heads is not None and run.tp > self.heads:
-            return tp_gradients.mark(tp_layers.shared_column_linear(run, self.in_features, self.out_features, self.bias),
+            return tp_gradients.mark(tp_layers.SharedColumnLinear(run, self.in_features, self.out_features, self.bias),
                                      run, always=True)
         return tp_layers.column_linear(run, self.in_features, self.out_features, self.bias)
 

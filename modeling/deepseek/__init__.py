@@ -153,7 +153,7 @@ def _only(expected):
 MTP_LAYERS = "multi-token prediction (num_nextn_predict_layers)"
 _SHARED_FIELDS = {**MOE_ACCEPTED, "ep_size": any_value, "qk_head_dim": any_value, "head_dim": any_value,
                   "moe_layer_freq": _only(1)}
-# how DeepSeek-V3's folders spell and store it (GLM-4.7-Flash's too: `modeling/glm4_moe_lite`)
+# how DeepSeek-V3's folders spell and store it (GLM-4.7-Flash's and Mistral 4's too)
 V3_FOLDERS = dict(
     renamed={"n_routed_experts": "num_experts"},
     aliases={"num_local_experts": "num_experts", "num_mtp_layers": "num_nextn_predict_layers"},

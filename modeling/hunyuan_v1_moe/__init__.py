@@ -9,7 +9,6 @@ from dataclasses import replace
 
 from modeling.blocks.mlp import GatedMLP
 from modeling.blocks.parts import Part
-from modeling.blocks.router import Routing
 from modeling.config import ModelConfigError
 from modeling.config_fields import MOE_ACCEPTED, any_value
 from modeling.decoder_family import decoder_family
@@ -28,8 +27,9 @@ class HunYuanMoEV1Config(MoEConfig, HunYuanDenseV1Config):
         kwargs.pop("num_experts_per_tok", None)
         super().__init__(num_experts=num_experts, num_experts_per_tok=moe_topk, **kwargs)
 
-    def routing(self) -> Routing:
-        return Routing(self.moe_topk, renormalize=True, aux_coef=self.router_aux_loss_coef)
+    @property
+    def renormalize_topk(self) -> bool:
+        return True
 
     def feed_forward(self, index: int) -> tuple[str, Part]:
         name, moe = super().feed_forward(index)

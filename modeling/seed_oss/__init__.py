@@ -7,21 +7,19 @@ from __future__ import annotations
 from modeling.config import DecoderConfig
 from modeling.decoder_family import decoder_family
 
+# transformers 5's SeedOssConfig defaults (Seed-OSS-36B's shape) where LLaMA's differ
+DEFAULTS = dict(vocab_size=155136, hidden_size=4096, intermediate_size=27648, num_hidden_layers=64,
+                num_attention_heads=80, num_key_value_heads=8, head_dim=128, max_position_embeddings=524288,
+                pad_token_id=1, bos_token_id=0, eos_token_id=2)
+
 
 class SeedOssConfig(DecoderConfig):
     model_type = "seed_oss"
 
-    def __init__(self, vocab_size: int = 155136, hidden_size: int = 4096, intermediate_size: int = 27648,
-                 num_hidden_layers: int = 64, num_attention_heads: int = 80, num_key_value_heads: int | None = 8,
-                 head_dim: int | None = 128, max_position_embeddings: int = 524288, attention_bias: bool = True,
-                 attention_out_bias: bool = False, mlp_bias: bool = False, pad_token_id: int | None = 1,
-                 bos_token_id: int | None = 0, eos_token_id: int | None = 2, **kwargs):
+    def __init__(self, attention_bias: bool = True, attention_out_bias: bool = False, mlp_bias: bool = False,
+                 **kwargs):
         self.attention_bias, self.attention_out_bias, self.mlp_bias = attention_bias, attention_out_bias, mlp_bias
-        super().__init__(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                         num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
-                         num_key_value_heads=num_key_value_heads, head_dim=head_dim,
-                         max_position_embeddings=max_position_embeddings, pad_token_id=pad_token_id,
-                         bos_token_id=bos_token_id, eos_token_id=eos_token_id, **kwargs)
+        super().__init__(**{**DEFAULTS, **kwargs})
 
     @property
     def o_bias(self) -> bool:
