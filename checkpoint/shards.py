@@ -301,11 +301,11 @@ class ShardStream:
         """Write the next planned tensor."""
         if self.next == len(self.specs):
             raise CheckpointError(f"{self.path}: more tensors than planned")
-        spec, array = self.specs[self.next], np.ascontiguousarray(array)
+        spec, array = self.specs[self.next], np.asarray(array, order="C")  # (ascontiguousarray makes 0-d 1-d)
         if array.dtype != spec.dtype or tuple(array.shape) != spec.shape:
             raise CheckpointError(f"{spec.name}: got {array.dtype}{list(array.shape)}, planned "
                                   f"{spec.dtype}{list(spec.shape)}")
-        self._emit(array.view(np.uint8).reshape(-1).data if array.size else b"")
+        self._emit(array.reshape(-1).view(np.uint8).data if array.size else b"")
         self.next += 1
         self._skip_holes()
 
@@ -545,7 +545,7 @@ class ShardReader:
                     if target is not None and split:
                         target.reshape(array.shape)[...] = array
                 if target is None:
-                    deliver(name, np.ascontiguousarray(array))
+                    deliver(name, np.asarray(array, order="C"))
             elif digest is not None:
                 for first in range(begin, end, chunk):
                     block = np.empty(min(chunk, end - first), np.uint8)

@@ -110,6 +110,7 @@ class DecoderConfig(CausalLMConfig):
     model_type = "llama"
     qk_norm: str | None = None  # "head" (Qwen3): RMSNorm over each q and k head; "projection" (OLMoE): over q and k
     qk_norm_names = ("q_norm", "k_norm")  # their names in the layer's attention
+    learned_activations: tuple[str, ...] = ()  # activations with weights of their own the family's MLP declares
     qk_norm_after_rotary = False  # per-head norms of the rotated q and k (Hunyuan), not before the rotary
     norm_offset = False  # Gemma: norms scale by 1 + weight
     scales_embeddings = False  # Gemma: embeddings times sqrt(hidden_size)
@@ -215,7 +216,7 @@ class DecoderConfig(CausalLMConfig):
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelConfigError(f"num_attention_heads={self.num_attention_heads} is not divisible by "
                                    f"num_key_value_heads={self.num_key_value_heads} (GQA groups must be equal)")
-        if self.hidden_act not in ACTIVATIONS:
+        if self.hidden_act not in ACTIVATIONS and self.hidden_act not in self.learned_activations:
             raise ModelConfigError(f"hidden_act={self.hidden_act!r} is not modelled; use one of {sorted(ACTIVATIONS)}")
         check_layer_kinds("layer_types", self.attention_types(), (FULL, SLIDING), self.num_hidden_layers)
         for index in range(self.num_hidden_layers):

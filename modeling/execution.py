@@ -22,6 +22,7 @@ from modeling.attention_core.ring import Ring
 from modeling.attention_core.spec import PLAIN, CoreSpec
 from modeling.context_parallel import local_positions
 from modeling.documents import Documents
+from modeling.indexer_training import IndexerTraining
 from modeling.recurrent_core import RecurrentCore
 from modeling.router_stats import RouterStats
 from modeling.saved_tensors import recomputed_region
@@ -107,6 +108,7 @@ class Execution:
     router_stats: RouterStats = field(default_factory=RouterStats, compare=False)  # MoE layers' routing, for metrics
     # each training micro-batch's loss of each multi-token prediction depth (the criterion's), for metrics
     prediction_losses: list = field(default_factory=list, compare=False)
+    indexers: IndexerTraining = field(default_factory=IndexerTraining, compare=False)  # sparse attention's
 
     def positions(self, local_len: int) -> np.ndarray | None:
         """The sequence positions of this rank's `local_len` tokens under context parallelism (None

@@ -115,7 +115,7 @@ class TensorPlan:
     shape: tuple[int, ...]
     placement: Placement
     linear: bool = False
-    init: str = NORMAL
+    init: str | float = NORMAL  # a number: every element starts at it
     tp_partial_grad: str | None = None
     buffer: bool = False  # a persistent buffer (saved, loaded, resharded), not a parameter: no gradient, no optimizer
 
@@ -202,8 +202,10 @@ def in_container_order(names: list[str]) -> list[str]:
     return sorted(names, key=containers)
 
 
-def initial_values(init: str, shape, rng: np.random.Generator, std: float = 0.02) -> np.ndarray:
-    """A tensor drawn as its plan's `init` says, fp32 (matrices from N(0, `std`))."""
+def initial_values(init: str | float, shape, rng: np.random.Generator, std: float = 0.02) -> np.ndarray:
+    """A tensor drawn as its plan's `init` says (a number: filled with it), fp32 (matrices from N(0, `std`))."""
+    if isinstance(init, float):
+        return np.full(shape, init, np.float32)
     if init == NORMAL:
         return rng.normal(0.0, std, size=shape).astype(np.float32)
     if init == A_LOG:

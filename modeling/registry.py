@@ -10,9 +10,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from modeling.apertus import APERTUS
 from modeling.attention_core.ring import Ring, RingCore, context_parallel_refusal
 from modeling.blocks.decoder import token_mixers
 from modeling.deepseek import DEEPSEEK_V2, DEEPSEEK_V3
+from modeling.deepseek_v32 import DEEPSEEK_V32, GLM_MOE_DSA
 from modeling.ernie4_5 import ERNIE4_5
 from modeling.ernie4_5_moe import ERNIE4_5_MOE
 from modeling.execution import Execution
@@ -31,6 +33,7 @@ from modeling.hunyuan_v1_moe import HUNYUAN_V1_MOE
 from modeling.kimi_linear import KIMI_LINEAR
 from modeling.llama import LLAMA
 from modeling.llama4 import LLAMA4_TEXT
+from modeling.minimax_m2 import MINIMAX_M2
 from modeling.mistral import MISTRAL
 from modeling.mistral4 import MISTRAL4
 from modeling.mixtral import MIXTRAL
@@ -62,7 +65,7 @@ FAMILIES: dict[str, ModelFamily] = {family.model_type: family for family in (
     LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GPT, GEMMA2, GEMMA3_TEXT, PHI3, OLMO2, SMOLLM3, GRANITE, ERNIE4_5, MPT, QWEN2_MOE,
     QWEN3_MOE, MIXTRAL, OLMOE, DEEPSEEK_V3, DEEPSEEK_V2, GLM4_MOE, GPT_OSS, ERNIE4_5_MOE, QWEN3_5_TEXT,
     QWEN3_5_MOE_TEXT, QWEN3_NEXT, OLMO_HYBRID, KIMI_LINEAR, NEMOTRON_H, GRANITEMOEHYBRID, FALCON_H1, OLMO3, SEED_OSS,
-    HUNYUAN_V1_DENSE, GLM4_MOE_LITE, LLAMA4_TEXT, MISTRAL4, HUNYUAN_V1_MOE)}
+    HUNYUAN_V1_DENSE, GLM4_MOE_LITE, LLAMA4_TEXT, MISTRAL4, HUNYUAN_V1_MOE, DEEPSEEK_V32, GLM_MOE_DSA, APERTUS, MINIMAX_M2)}
 BY_TRANSFORMERS_TYPE = {family.transformers.model_type: family for family in FAMILIES.values() if family.transformers}
 ALIASES = {"kimi_k2": DEEPSEEK_V3}  # Kimi-K2's folders are DeepSeek-V3's (transformers' kimi_k25 rewrites it so)
 
@@ -73,7 +76,6 @@ class UnknownModelError(UserError, ValueError):
 
 NOT_YET = {  # families users bring that are refused with why
     "gemma3n": "Gemma 3n's per-layer embeddings and AltUp are not modelled",
-    "deepseek_v32": "DeepSeek-V3.2's sparse attention (its indexer) is not modelled",
     "deepseek_v4": "DeepSeek-V4 is not modelled",
 }
 
@@ -147,8 +149,15 @@ def validate_layout(config, layout: Layout) -> None:
 
 def _check_context_parallel(config, layout: Layout) -> None:
     """Ring attention computes scale, soft-cap, sinks and windows; ALiBi is refused by name (never
-    trained without its biases). Recurrent layers carry their state and conv window between the parts."""
+    trained without its biases). Recurrent layers carry their state and conv window between the parts.
+    Sparse attention is refused by name: its indexer ranks every earlier key of a query, which under cp
+    other ranks hold (gathering the index keys over the ring, Megatron's balanced indexer, is not built)."""
     for index in range(config.num_hidden_layers):
+        if any(getattr(mixer, "indexer", None) is not None for mixer in token_mixers(config.decoder_layer(index))):
+            raise LayoutModelError(
+                f"--context_parallel_degree {layout.cp} with {family_of(config).architecture}: decoder layer {index}'s "
+                "sparse attention selects each query's keys among all earlier keys, which under cp other ranks hold "
+                "(not implemented). Use --context_parallel_degree 1")
         # a recurrent mixer's state and conv window cross the parts (modeling/recurrent_cp.py)
         problem = next(filter(None, (context_parallel_refusal(mixer.spec)
                                      for mixer in token_mixers(config.decoder_layer(index)) if not mixer.recurrent)), None)

@@ -211,6 +211,8 @@ DECLARED_KINDS = {
     "hunyuan_v1_dense": ("HunYuanDenseV1ForCausalLM", "HunYuanDenseV1Config", dict(
         SHAPE, num_key_value_heads=2, head_dim=16, rope_parameters={"rope_type": "dynamic", "alpha": 50.0, "factor": 1.0,
                                                                     "rope_theta": 10000.0})),
+    # Apertus: per-head q/k norms, an ungated MLP with its learned xIELU, llama3-scaled rotary
+    "apertus": ("ApertusForCausalLM", "ApertusConfig", dict(SHAPE, num_key_value_heads=2, rope_parameters=LLAMA3_ROPE)),
 }
 LLAMA4_TEXT = dict(SHAPE, num_key_value_heads=2, head_dim=16, intermediate_size=32, intermediate_size_mlp=128,
                    num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layer_interval=2, attention_chunk_size=8,
@@ -249,6 +251,9 @@ MULTIMODAL_KINDS = {"qwen3_5_multimodal": ("Qwen3_5ForConditionalGeneration", "Q
             patch_size=4)))}
 # mixtures of experts of 2025-26 only transformers 5 has, declared on what exists: GLM-4.7-Flash (DeepSeek-V3's layers,
 # dense or with experts as mlp_layer_types says), Llama 4, Mistral 4 and Hunyuan-A13B
+SPARSE_ATTENTION = dict(SHAPE, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32,
+                        num_experts_per_tok=2, n_group=2, topk_group=1, index_topk=8, index_head_dim=16, index_n_heads=4)
 DECLARED_MOE_KINDS = {"glm4_moe_lite": ("Glm4MoeLiteForCausalLM", "Glm4MoeLiteConfig", dict(
     SHAPE, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
     v_head_dim=16, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32, num_experts_per_tok=2, n_group=2,
@@ -262,7 +267,15 @@ DECLARED_MOE_KINDS = {"glm4_moe_lite": ("Glm4MoeLiteForCausalLM", "Glm4MoeLiteCo
     # Hunyuan-A13B: Hunyuan's attention, softmax top-2 of 4 experts beside an ungated shared MLP
     "hunyuan_v1_moe": ("HunYuanMoEV1ForCausalLM", "HunYuanMoEV1Config", dict(
         SHAPE, num_key_value_heads=2, head_dim=16, intermediate_size=32, num_experts=4, moe_topk=2,
-        rope_parameters={"rope_type": "dynamic", "alpha": 50.0, "factor": 1.0, "rope_theta": 10000.0}))}
+        rope_parameters={"rope_type": "dynamic", "alpha": 50.0, "factor": 1.0, "rope_theta": 10000.0})),
+    # DeepSeek-V3.2 and GLM-5: DeepSeek-V3's layers with sparse attention, each query's 8 best keys of the 24
+    "deepseek_v32": ("DeepseekV32ForCausalLM", "DeepseekV32Config", dict(SPARSE_ATTENTION, first_k_dense_replace=1)),
+    "glm_moe_dsa": ("GlmMoeDsaForCausalLM", "GlmMoeDsaConfig", dict(SPARSE_ATTENTION, mlp_layer_types=[
+        "dense", "sparse", "dense", "sparse"])),
+    # MiniMax-M2: q/k norms over the whole projections, the rotary on half of each head, sigmoid routing with a bias
+    "minimax_m2": ("MiniMaxM2ForCausalLM", "MiniMaxM2Config", dict(
+        SHAPE, num_key_value_heads=2, head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        rotary_dim=8))}
 ROUTED_KINDS = {**MOE_KINDS, **HYBRID_MOE_KINDS, **DECLARED_MOE_KINDS}  # their router weights spread (ROUTER_SCALE)
 STACKED_ON_DISK = ("gpt_oss",)  # kinds whose experts both versions store stacked (no per-expert layout)
 FUSED = "_fused"  # suffix of a kind's folder re-saved by transformers 5 in its in-memory layout (fused experts)

@@ -12,6 +12,7 @@ import numpy as np
 
 from checkpoint.save_plan import save_items
 from checkpoint.unified_io import UnifiedReader
+from checkpoint.verify import verify_checkpoint
 from checkpoint.writers import assign_writers
 from modeling.registry import plan_of_folder
 from paddle_pp.runtime.layout import Layout
@@ -166,3 +167,14 @@ def assert_continues_single_card(pretrain_run, resumed: Run, rtol: float) -> Non
     """The steps `resumed` trains after step 10 on the uninterrupted single-card run's."""
     reference = history(pretrain_run, SINGLE)
     np.testing.assert_allclose(history(pretrain_run, resumed)["losses"], continued(reference["losses"]), rtol=rtol)
+
+
+def assert_written_as_planned(pretrain_run, run: Run) -> None:
+    """`run`'s step-10 checkpoint: every rank writes a share, each tensor by the rank the planner
+    predicts, and it verifies."""
+    _, out = pretrain_run(run)
+    folder = out / f"checkpoint-{RESUME_STEP}"
+    written, writer = written_by_rank(folder)
+    assert sorted(written) == list(range(run.nproc))
+    assert writer == planned_writers(folder, run.flags, run.nproc)
+    assert verify_checkpoint(folder, plan_of_folder) == []

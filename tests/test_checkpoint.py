@@ -35,7 +35,6 @@ from runs import (
     RESUME_STEP,
     SCRIPT,
     SHARDED_TP_PP_SAVING,
-    SHARDING2,
     SINGLE,
     SINGLE_GPT,
     TP2,
@@ -54,7 +53,6 @@ LAYOUTS = {  # name: (nproc, flags)
     "single": (1, ()),
     "sharding2_tp2_pp2": (SHARDED_TP_PP_SAVING.nproc, SHARDED_TP_PP_SAVING.flags),
     "tp2pp2": (TP2_PP2_SAVING.nproc, TP2_PP2_SAVING.flags),  # TP pieces written in place from host copies, in the background
-    "dp2_sharding2": (4, SHARDING2),
     "pp2_vpp2": (2, PP2 + ("--virtual_pp_degree", "2")),
     "dp2": (2, ()),
     "tp2pp2_dualpipev": (TP2_PP2_DUALPIPEV.nproc, TP2 + PP2 + DUALPIPEV),
@@ -63,7 +61,9 @@ LAYOUTS = {  # name: (nproc, flags)
 # more multi-axis -> single: tests/test_moe_runs.py (experts over ep), tests/test_family_training.py
 # Across schedules: DualPipeV's V (the head on the first stage) saved and read by the interleaved
 # schedule, and a one-card save read into the V.
-MATRIX = [("sharding2_tp2_pp2", "single"), ("tp2pp2", "dp2_sharding2"), ("tp2pp2_dualpipev", "pp2_vpp2"),
+# Into stage1's partitions: tests/test_moe_runs.py (dp2 x pp2 x ep2 saved, ep4 x sharding2 stage1 read); stage1's
+# saved and read under stage3: tests/test_sharding_stages.py.
+MATRIX = [("sharding2_tp2_pp2", "single"), ("tp2pp2_dualpipev", "pp2_vpp2"),
           ("single", "tp2pp2_dualpipev")]
 
 

@@ -66,6 +66,12 @@ FAMILIES = {  # model_type -> our config fields (layer 0 sliding where the famil
     "deepseek_v2": dict(BASE, num_key_value_heads=6, q_lora_rank=None, kv_lora_rank=20, qk_nope_head_dim=16,
                         qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=2, num_experts=4, n_group=1,
                         topk_group=1, num_experts_per_tok=2),
+    # sparse attention (every layer dense): the indexer's 3 heads pick 16 of 64 keys, latent attention absorbed
+    "deepseek_v32": dict(BASE, num_key_value_heads=6, q_lora_rank=24, kv_lora_rank=20, qk_nope_head_dim=16,
+                         qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=2, num_experts=4, n_group=1,
+                         topk_group=1, num_experts_per_tok=2, index_topk=16, index_head_dim=16, index_n_heads=3),
+    # the learned xIELU activation of an ungated MLP
+    "apertus": dict(BASE),
 }
 
 

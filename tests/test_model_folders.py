@@ -115,8 +115,8 @@ REFUSED = {  # kind, config.json fields, what the refusal names
     # PaddleNLP's Mistral has no fused projections: a folder saying so has an unknown layout
     "fused_paddlenlp_weights": ("mistral", {"fuse_attention_qkv": True},
                                 "sets fuse_attention_qkv, which PaddleNLP's MistralForCausalLM does not have"),
-    "other_architecture": ("llama", {"model_type": "deepseek_v32"},
-                           "model_type 'deepseek_v32' is not one of .*sparse attention"),
+    "other_architecture": ("llama", {"model_type": "deepseek_v4"},
+                           "model_type 'deepseek_v4' is not one of .*DeepSeek-V4 is not modelled"),
 }
 
 

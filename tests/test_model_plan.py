@@ -55,6 +55,15 @@ CONFIGS = {  # each family with what sets it apart: GQA, tied embeddings, biases
     "glm4_moe_lite": dict(SHAPE, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
                           qk_rope_head_dim=4, v_head_dim=8, num_experts=4, n_group=2, topk_group=1,
                           num_experts_per_tok=2, moe_intermediate_size=16, mlp_layer_types=["dense", "sparse"] * 2),
+    "deepseek_v32": dict(SHAPE, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+                         qk_rope_head_dim=4, v_head_dim=8, num_experts=4, n_group=2, topk_group=1, num_experts_per_tok=2,
+                         moe_intermediate_size=16, first_k_dense_replace=1, index_topk=4, index_head_dim=8,
+                         index_n_heads=2),
+    "glm_moe_dsa": dict(SHAPE, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+                        qk_rope_head_dim=4, v_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                        mlp_layer_types=["dense", "sparse"] * 2, index_topk=4, index_head_dim=8, index_n_heads=2),
+    "minimax_m2": dict(SHAPE, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, rotary_dim=4),
+    "apertus": dict(SHAPE, num_key_value_heads=2),
     "glm4_moe": dict(SHAPE, num_key_value_heads=2, head_dim=8, num_experts=4, n_group=1, topk_group=1,
                      num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1, use_qk_norm=True,
                      attention_bias=True),
@@ -136,8 +145,10 @@ def test_linears_split_by_column_or_row_and_every_layer_sits_on_one_stage(built)
                                                        "f_a_proj.weight", "g_a_proj.weight",  # Kimi Delta's low ranks
                                                        "fc1_latent_proj.weight", "fc2_latent_proj.weight"))}  # latent MoE
     assert all(plan[name].placement.tp is None for name in latents), "every head reads the whole latent"
+    indexers = {name for name in plan if ".indexer." in name}  # sparse attention's: every rank selects the same keys
+    assert all(plan[name].placement.tp is None and plan[name].tp_partial_grad is None for name in indexers)
     assert all(row.placement.tp in (COLUMN, ROW) for name, row in plan.items()
-               if row.linear and len(row.shape) == 2 and name not in routers | latents)
+               if row.linear and len(row.shape) == 2 and name not in routers | latents | indexers)
     for pp, vpp in ((2, 1), (2, 2), (4, 1)):
         stages = {name: plan.stages(name, pp, vpp) for name in plan}
         assert all(len(held) == 1 for name, held in stages.items() if isinstance(plan[name].placement.stage, int))

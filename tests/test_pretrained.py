@@ -136,8 +136,8 @@ BAD_FOLDERS = {
     "unexpected_tensor": (lambda f: _rewrite(f, lambda t: t | {"model.extra.bias": np.ones(4, np.float32)}),
                           "model.extra.bias: not a tensor of LlamaForCausalLM"),
     "rope_scaling": (lambda f: _edit_config(f, rope_scaling={"type": "dynamic", "factor": 2.0}), "rope_type 'dynamic'"),
-    "architecture": (lambda f: _edit_config(f, model_type="deepseek_v32"),
-                     "model_type 'deepseek_v32'.*sparse attention .its indexer. is not modelled"),
+    "architecture": (lambda f: _edit_config(f, model_type="deepseek_v4"),
+                     "model_type 'deepseek_v4'.*DeepSeek-V4 is not modelled"),
     "no_config": (lambda f: (f / "config.json").unlink() or f, "no config.json"),
     "no_weights": (lambda f: (f / "model.safetensors").unlink() or f, "no weights found"),
 }

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import pytest
 
-from checkpoint.verify import verify_checkpoint
-from modeling.registry import plan_of_folder
-
 from runs import (
     CONTINUED,
     HALF,
@@ -26,10 +23,9 @@ from runs import (
     Run,
     assert_continues_single_card,
     assert_trains_like,
+    assert_written_as_planned,
     continued,
     history,
-    planned_writers,
-    written_by_rank,
 )
 
 PARITY_RTOL = 1e-4  # the issue's bound over 20 steps, kept over the 10 or 14 these runs train
@@ -106,12 +102,7 @@ def _held(pretrain_run, run: Run) -> list[dict]:
 def test_stage_save_is_spread_over_every_rank_as_the_planner_predicts(pretrain_run, run):
     """Stage2 states are written by the rank Paddle's stage2 partition gives them; under stage3 any
     rank can write a tensor its sharding group gathers from slices. The checkpoint verifies."""
-    _, out = pretrain_run(run)
-    folder = out / f"checkpoint-{RESUME_STEP}"
-    written, writer = written_by_rank(folder)
-    assert sorted(written) == [0, 1, 2, 3]
-    assert writer == planned_writers(folder, run.flags, run.nproc)
-    assert verify_checkpoint(folder, plan_of_folder) == []
+    assert_written_as_planned(pretrain_run, run)
 
 
 @pytest.mark.multiproc

@@ -19,6 +19,16 @@ heads' part: the whole-on-every-rank weights (projections and norms) are marked 
 SP are and summed over tp at the update, and the rotary key needs no sum (its part flows back with
 the others, the gather's backward summing the input gradient).
 
+With an `indexer` (DeepSeek Sparse Attention: DeepSeek-V3.2, GLM-5) each query attends to the keys the
+indexer selects, in latent attention's absorbed form (`attention_core/sparse.py`): each head's q_nope
+is taken into the latent space through its rows of `kv_b_proj` (W_uk), every head attends to the
+shared [latent, rotary key], and its latent output leaves through its W_uv rows; one gather of the
+selected keys serves all heads. Without SP the latent's gradient is each rank's heads' part, summed by
+an identity over tp, as the rotary key's; under SP the gather's backward sums it. The indexer's loss
+(`blocks/indexer.py`) is injected where the layer is, scaled as the main loss. In the dense warm-up
+(`IndexerTraining.dense`) the layer attends as DeepSeek-V3's does, to every earlier key, and the
+indexer's loss is taken over every key towards that attention (O(heads x seq^2): the warm-up's cost).
+
 Under context parallelism the ring carries each head's expanded k (192 wide) and v (128), not the
 latent (576 per token for all heads): the expanded tensors are what every core and the ring already
 compute on, and carrying the latent would rerun `kv_b_proj` on every block of every ring step,
@@ -32,14 +42,28 @@ from typing import ClassVar
 
 import paddle
 from paddle.distributed import collective
+from paddle.distributed.fleet.utils import recompute as fleet_recompute
 
 from modeling.attention_core import AttentionCore, Heads
+from modeling.attention_core.sparse import selected_attention, selected_attention_saved_bytes
 from modeling.attention_core.spec import PLAIN, CoreSpec
 from modeling.blocks.attention import QueryTemperature
-from modeling.blocks.norms import rms_norm_saved_bytes
+from modeling.blocks.indexer import (
+    Indexer,
+    dense_target,
+    every_score,
+    indexer_loss,
+    key_starts,
+    select,
+    selected_scores,
+    summed_over_heads,
+    visible_keys,
+)
+from modeling.blocks.norms import FP32_BYTES, rms_norm_saved_bytes
 from modeling.blocks.parts import Block, ColumnLinear, Declared, Norm, Part, RowLinear, WholeLinear
 from modeling.blocks.rotary import Rotary
-from modeling.execution import Execution
+from modeling.execution import Execution, recomputing
+from modeling.injected_loss import inject
 from modeling.sequence_parallel import gather_tokens
 
 
@@ -58,6 +82,7 @@ class LatentAttention(Declared):
     spec: CoreSpec = PLAIN
     rotary: Rotary | None = None
     temperature: QueryTemperature | None = None  # Mistral 4's query scales by position (llama_4_scaling_beta)
+    indexer: Indexer | None = None  # DeepSeek Sparse Attention's: each query sees its selected keys only
     output = "o_proj"
     sinks = False
 
@@ -72,7 +97,8 @@ class LatentAttention(Declared):
                                       "q_b_proj": ColumnLinear(self.q_lora_rank, self.heads * self.qk_dim)}
         else:
             query = {"q_proj": ColumnLinear(self.hidden, self.heads * self.qk_dim)}
-        return {**query,
+        indexer = {"indexer": self.indexer} if self.indexer is not None else {}
+        return {**query, **indexer,
                 "kv_a_proj_with_mqa": WholeLinear(self.hidden, self.kv_lora_rank + self.rope_dim, self.bias),
                 "kv_a_layernorm": Norm(self.kv_lora_rank, self.eps),
                 "kv_b_proj": ColumnLinear(self.kv_lora_rank, self.heads * (self.nope_dim + self.v_dim)),
@@ -111,7 +137,30 @@ class LatentAttention(Declared):
         if self.q_lora_rank:
             saved |= {"q_a_layernorm": rms_norm_saved_bytes(tokens, self.q_lora_rank, dtype_bytes, False),
                       "q_b_proj": tokens * self.q_lora_rank * dtype_bytes}
+        if self.indexer is not None:
+            saved |= self._sparse_saved_bytes(run, batch, seq_len, dtype_bytes)
         return saved
+
+    def _sparse_saved_bytes(self, run: Execution, batch: int, seq_len: int, dtype_bytes: int) -> dict[str, int]:
+        """What the sparse stage's call keeps where it differs from the expanded one (measured in fp32 by
+        `tests/test_family_activations.py`): each head's q_nope taken to the latent and the per-head
+        rows of `kv_b_proj` that absorb (a [heads, kv_lora_rank, nope + v] copy, whatever the length),
+        the selected-key core's q, keys, int64 indices, their bool visibility, output and fp32
+        log-sum-exp (`selected_attention_saved_bytes`), the output projection's input (`kv_b_proj`
+        itself is not called); the indexer's LayerNorm (its input, fp32 mean and variance), rotary
+        tables, and the inputs its loss is recomputed from (index queries, keys, fp32 head weights)."""
+        tokens, heads, indexer = batch * seq_len, self.local_heads(run).heads, self.indexer
+        latent_dim, k = self.kv_lora_rank + self.rope_dim, min(indexer.topk, seq_len)
+        core = selected_attention_saved_bytes(batch, seq_len, heads, latent_dim, self.kv_lora_rank, k, dtype_bytes)
+        absorbed = tokens * heads * self.nope_dim * dtype_bytes + heads * self.kv_lora_rank * (
+            self.nope_dim + self.v_dim) * dtype_bytes
+        loss_inputs = tokens * (indexer.heads * indexer.head_dim + indexer.head_dim) * dtype_bytes + \
+            tokens * indexer.heads * FP32_BYTES
+        documents = run.documents is not None
+        rotary = self.rotary.kept_bytes(batch, seq_len, dtype_bytes, documents) if self.rotary else 0
+        return {"": absorbed + core + loss_inputs + rotary, "kv_b_proj": 0, self.output: tokens * heads * self.v_dim * dtype_bytes,
+                "indexer": indexer.rotary.kept_bytes(batch, seq_len, dtype_bytes, documents),
+                "indexer.k_norm": tokens * indexer.head_dim * dtype_bytes + 2 * tokens * FP32_BYTES}
 
 
 class LatentSelfAttention(Block):
@@ -126,9 +175,12 @@ class LatentSelfAttention(Block):
         """`positions`: each token's position in its document under per-document attention, else None."""
         declared, run, heads = self.declared, self.run, self.heads.heads
         hidden = gather_tokens(hidden, run)
+        if declared.indexer is not None and not run.indexers.dense:
+            return self._sparse(hidden, positions)
         seq_first = run.sequence_first
         lead = hidden.shape[:2]
-        query = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden))) if declared.q_lora_rank else self.q_proj(hidden)
+        q_latent = self.q_a_layernorm(self.q_a_proj(hidden)) if declared.q_lora_rank else None
+        query = self.q_b_proj(q_latent) if declared.q_lora_rank else self.q_proj(hidden)
         q_nope, q_rot = paddle.split(query.reshape(lead + [heads, declared.qk_dim]),
                                      [declared.nope_dim, declared.rope_dim], axis=-1)
         latent, k_rot = paddle.split(self.kv_a_proj_with_mqa(hidden), [declared.kv_lora_rank, declared.rope_dim],
@@ -147,7 +199,76 @@ class LatentSelfAttention(Block):
         spec, documents = run.spec_for(declared.spec), run.documents_at(positions)
         out = run.recompute("core_attn", lambda *qkv: self.attend(*qkv, seq_first, spec, None, documents), q, k, v,
                             training=self.training)
-        return self.o_proj(out)
+        out = self.o_proj(out)
+        if declared.indexer is None:
+            return out
+        # the dense warm-up: every key attended, the indexer trained towards that attention over every key
+        batch_first = (lambda t: t.transpose([1, 0] + list(range(2, len(t.shape))))) if seq_first else (lambda t: t)
+        index_q, index_k, index_w = self.indexer(batch_first(hidden).detach(), batch_first(q_latent).detach(), positions)
+        batch, seq = index_k.shape[:2]
+        starts = key_starts(positions if run.within_documents else None, batch, seq)
+        scale = declared.spec.softmax_scale(declared.qk_dim)
+        return self._trains_indexer(out, (index_q, index_k, index_w), every_score, visible_keys(starts, seq),
+                                    lambda: dense_target(batch_first(q), batch_first(k), starts, scale))
+
+    def _sparse(self, hidden, positions):
+        """Attention over the indexer's selection, absorbed (the module docstring), batch first inside."""
+        declared, run, heads = self.declared, self.run, self.heads.heads
+        if run.sequence_first:
+            hidden = hidden.transpose([1, 0, 2])
+        batch, seq = hidden.shape[:2]
+        q_latent = self.q_a_layernorm(self.q_a_proj(hidden))
+        query = self.q_b_proj(q_latent).reshape([batch, seq, heads, declared.qk_dim])
+        q_nope, q_rot = paddle.split(query, [declared.nope_dim, declared.rope_dim], axis=-1)
+        latent, k_rot = paddle.split(self.kv_a_proj_with_mqa(hidden), [declared.kv_lora_rank, declared.rope_dim],
+                                     axis=-1)
+        latent = self.kv_a_layernorm(latent)
+        k_rot = k_rot.reshape([batch, seq, 1, declared.rope_dim])
+        if self.sums_rotary_key:
+            k_rot = collective._c_identity(k_rot, group=run.tp_group)
+            latent = collective._c_identity(latent, group=run.tp_group)
+        q_rot, k_rot = declared.rotary.rotate(q_rot, k_rot, False, run.kernels.fused_rope, run.cp, positions)
+        absorbed = self.kv_b_proj.weight.reshape([declared.kv_lora_rank, heads, declared.nope_dim + declared.v_dim])
+        into_latent, out_of_latent = paddle.split(absorbed.transpose([1, 0, 2]), [declared.nope_dim, declared.v_dim],
+                                                  axis=-1)  # [heads, kv_lora_rank, nope_dim], [.., v_dim]
+        q_latent_heads = paddle.matmul(q_nope.transpose([2, 0, 1, 3]).reshape([heads, batch * seq, -1]),
+                                       into_latent, transpose_y=True)
+        q = paddle.concat([q_latent_heads.reshape([heads, batch, seq, -1]).transpose([1, 2, 0, 3]), q_rot], axis=-1)
+        keys = paddle.concat([latent, k_rot.squeeze(2)], axis=-1)
+        index_q, index_k, index_w = self.indexer(hidden.detach(), q_latent.detach(), positions)
+        starts = key_starts(positions if run.within_documents else None, batch, seq)
+        selection = select(index_q, index_k, index_w, starts, declared.indexer.topk)
+        out, target = selected_attention(q, keys, selection.indices, selection.visible, declared.kv_lora_rank,
+                                         declared.spec.softmax_scale(declared.qk_dim))
+        out = paddle.matmul(out.transpose([2, 0, 1, 3]).reshape([heads, batch * seq, -1]), out_of_latent)
+        out = out.reshape([heads, batch, seq, declared.v_dim]).transpose([1, 2, 0, 3]).reshape([batch, seq, -1])
+        if run.sequence_first:
+            out = out.transpose([1, 0, 2])
+        return self._trains_indexer(self.o_proj(out), (index_q, index_k, index_w),
+                                    lambda *index: selected_scores(*index, selection), selection.visible, lambda: target)
+
+    def _trains_indexer(self, out, index, scores_of, visible, target):
+        """`out`, with the indexer's loss injected while training: KL(the heads' attention summed over tp,
+        made by `target` only then || softmax(`scores_of(*index)`)) over the `visible` keys. Recomputed in
+        backward from the index queries, keys and weights (`index`): the scores' gradient would otherwise
+        keep each query's gathered index keys (seq x k x index_head_dim)."""
+        run = self.run
+        learning, counting = self.training and paddle.is_grad_enabled(), self.training and not recomputing()
+        if not (learning or counting):
+            return out
+        target = summed_over_heads(target(), run)
+
+        def loss_of(q, keys, weights):
+            return indexer_loss(scores_of(q, keys, weights), visible, target)
+
+        # reentrant: Paddle allows one pair of saved-tensor hooks at a time, which a recompute of the whole layer
+        # without reentry (or a measurement of what it keeps) already holds
+        loss = fleet_recompute(loss_of, *index, use_reentrant=True) if learning else loss_of(*index)
+        if counting:
+            run.indexers.losses.append(loss.detach())
+        if learning:  # at coef 0 too: a zero gradient, never a missing one (fused gradient buffers count on it)
+            out = inject(out, loss * run.indexers.coef / run.accumulate_steps)
+        return out
 
 
 LatentAttention.layer = LatentSelfAttention

@@ -11,7 +11,7 @@ zero, never missing (what Paddle's fused gradient buffers and the sharded reduct
 
 The aux loss is the Switch form per layer, E * sum_e f_e * P_e times `router_aux_loss_coef`
 (f_e: the share of the micro-batch's k x tokens routed to e; P_e: e's mean probability), 1 x the
-coefficient at uniform routing. Its gradient is injected where the layer is (`_AddAuxLoss`), scaled
+coefficient at uniform routing. Its gradient is injected where the layer is (`injected_loss`), scaled
 like the main loss (1 / accumulation steps), so it works the same under pipeline parallelism; its
 value is kept in the run's `RouterStats` (`modeling/router_stats.py`) for the metrics. Under context
 parallelism a rank routes its part of each sequence: the counts and the statistics' sums are pooled
@@ -26,7 +26,6 @@ from dataclasses import dataclass, replace
 import numpy as np
 import paddle
 import paddle.nn.functional as F
-from paddle.autograd import PyLayer
 from paddle.distributed.fleet.utils import sequence_parallel_utils as sp_utils
 
 from modeling import tp_gradients
@@ -36,6 +35,7 @@ from modeling.blocks.parts import Block, Declared, Part, WholeLinear
 from modeling.blocks.router import Router, Routing
 from modeling.execution import Execution, recomputing
 from modeling.expert_parallel import run_dispatched, run_experts, run_experts_over_tp
+from modeling.injected_loss import inject
 from modeling.placement import TensorPlan
 from modeling.sequence_parallel import sequence_shards
 from modeling.token_parts import token_parts
@@ -70,20 +70,6 @@ class ExpertsLayer(Block):
 
 
 Experts.layer = ExpertsLayer
-
-
-class _AddAuxLoss(PyLayer):
-    """Identity on the hidden states whose backward also gives the (already scaled) aux loss the
-    gradient 1, as if it were added to the loss: the pipeline's loss lives on another stage."""
-
-    @staticmethod
-    def forward(ctx, hidden, aux):
-        ctx.aux_shape, ctx.aux_dtype = aux.shape, aux.dtype
-        return hidden.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, paddle.ones(ctx.aux_shape, ctx.aux_dtype)
 
 
 @dataclass(frozen=True)
@@ -215,7 +201,7 @@ class SparseMoE(Block):
                 self.run.router_stats.record(self.layer_index, aux, counts,
                                              declared.routing.margin(scores, self.router_layer.correction))
             if learning and declared.routing.aux_coef:
-                out = _AddAuxLoss.apply(out, aux / self.run.accumulate_steps)
+                out = inject(out, aux / self.run.accumulate_steps)
         return out
 
     def _by_sequence(self, scores: paddle.Tensor, hidden: paddle.Tensor) -> paddle.Tensor:

@@ -208,11 +208,12 @@ class Norm(Leaf):
     split: bool = False
     bias: bool = True  # a LayerNorm's (MPT's have none)
     group_size: int | None = None
+    computed_whole: bool = False  # as `WholeLinear.computed_whole`
 
     def tensors(self) -> dict[str, TensorPlan]:
         if self.split or self.group_size is not None:
             return {"weight": TensorPlan((self.dim,), Placement(VECTOR_SPLIT), init=ONES)}
-        partial = ALWAYS if self.per_head else UNDER_SEQUENCE_PARALLEL
+        partial = None if self.computed_whole else ALWAYS if self.per_head else UNDER_SEQUENCE_PARALLEL
         scale = TensorPlan((self.dim,), Placement(REPLICATED), init=ZEROS if self.offset else ONES, tp_partial_grad=partial)
         bias = TensorPlan((self.dim,), Placement(REPLICATED), init=ZEROS, tp_partial_grad=partial)
         return {"weight": scale, "bias": bias} if self.layer_norm and self.bias else {"weight": scale}
@@ -226,7 +227,7 @@ class Norm(Leaf):
             norm = nn.LayerNorm(self.dim, epsilon=self.eps, bias_attr=None if self.bias else False)
         else:
             norm = RMSNorm(self.dim, self.eps, self.offset, fused=run.kernels.fused_rms_norm)
-        return tp_gradients.mark(norm, run, always=self.per_head)
+        return norm if self.computed_whole else tp_gradients.mark(norm, run, always=self.per_head)
 
 
 @dataclass(frozen=True)
@@ -234,17 +235,22 @@ class WholeLinear(Leaf):
     """A linear every tp rank holds whole (latent attention's down-projections, multi-token
     prediction's `eh_proj`). Under sequence parallelism each rank's gradient of it is a part (its
     positions', or its heads' where the block gathered the sequence first), summed over tp at the
-    update; without, every rank computes the whole one."""
+    update; without, every rank computes the whole one. `computed_whole`: every rank computes it on the
+    whole sequence under SP too, its input and what it is trained towards the same on each (the
+    sparse-attention indexer's), so its gradient is whole on every rank and never summed."""
 
     in_features: int
     out_features: int
     bias: bool = False
+    computed_whole: bool = False
 
     def tensors(self) -> dict[str, TensorPlan]:
+        partial = None if self.computed_whole else UNDER_SEQUENCE_PARALLEL
         weight = TensorPlan((self.in_features, self.out_features), Placement(REPLICATED), linear=True,
-                            tp_partial_grad=UNDER_SEQUENCE_PARALLEL)
+                            tp_partial_grad=partial)
         return {"weight": weight} | ({"bias": TensorPlan((self.out_features,), Placement(REPLICATED), init=ZEROS,
-                                                         tp_partial_grad=UNDER_SEQUENCE_PARALLEL)} if self.bias else {})
+                                                         tp_partial_grad=partial)} if self.bias else {})
 
     def build(self, config, run: Execution) -> nn.Layer:
-        return tp_gradients.mark(tp_layers.whole_linear(run, self.in_features, self.out_features, self.bias), run)
+        linear = tp_layers.whole_linear(run, self.in_features, self.out_features, self.bias)
+        return linear if self.computed_whole else tp_gradients.mark(linear, run)

@@ -58,7 +58,7 @@ def write_model_shards(groups: dict[str, Group], shape_of: Callable[[str], list[
     for number, names in enumerate(files, start=1):
         fname = "model.safetensors" if len(files) == 1 else f"model-{number:05d}-of-{len(files):05d}.safetensors"
         specs = [TensorSpec(name, np.dtype(dtype), tuple(shape_of(name))) for name in names]
-        write_shard(target / fname, specs, (np.ascontiguousarray(read(name)).astype(dtype) for name in names),
+        write_shard(target / fname, specs, (np.asarray(read(name), order="C").astype(dtype) for name in names),
                     {"format": fmt})
         weight_map |= dict.fromkeys(names, fname)
     return weight_map

@@ -17,6 +17,7 @@ import paddle
 from paddle import nn
 
 from modeling.blocks.attention import SelfAttention
+from modeling.blocks.indexer import IndexerLayer
 from modeling.blocks.latent_attention import LatentSelfAttention
 
 
@@ -79,9 +80,12 @@ def rotary_constants(model: nn.Layer, seq_len: int, seq_first: bool = False,
                      cp: tuple[int, int] = (1, 0)) -> frozenset[int]:
     """The data pointers of the rotary tables `model`'s attention layers use for `seq_len` local
     tokens: constants built once per layer kind and length, not activations."""
-    rotaries = {layer.declared.rotary for layer in model.sublayers(include_self=True)
+    rotaries = {(layer.declared.rotary, seq_first) for layer in model.sublayers(include_self=True)
                 if isinstance(layer, (SelfAttention, LatentSelfAttention)) and layer.declared.rotary is not None}
-    return frozenset(table.data_ptr() for rotary in rotaries for table in rotary.tables(seq_len, seq_first, cp))
+    # sparse attention's indexers rotate batch first, without cp (refused beside them)
+    rotaries |= {(layer.declared.rotary, False) for layer in model.sublayers(include_self=True)
+                 if isinstance(layer, IndexerLayer)}
+    return frozenset(table.data_ptr() for rotary, first in rotaries for table in rotary.tables(seq_len, first, cp))
 
 
 def host_allocated() -> int:

@@ -64,6 +64,11 @@ class ModelArguments:
     attention_core: str = flag("auto", "pin the attention core on any device: blockwise (keeps O(seq)) or dense "
                                        "(keeps every score); auto: as --use_flash_attention chooses",
                                choices=list(PINNED))
+    indexer_loss_coef: float = flag(1.0, "sparse attention (DeepSeek-V3.2, GLM-5): the weight of each layer's "
+                                         "indexer KL loss, which trains the indexer alone (0: it does not)")
+    indexer_dense_warmup_steps: int = flag(0, "sparse attention: the DeepSeek-V3.2 report's dense warm-up, these "
+                                              "first steps attending to every earlier key with every weight but the "
+                                              "indexers frozen, the indexers trained towards that attention")
     use_global_causal_attn: bool = flag(True, "one causal stream per packed sample (PaddleNLP's run_pretrain); "
                                               "--no-use_global_causal_attn: each token attends only inside its "
                                               "document (ended by the tokenizer's end-of-sequence token) and "

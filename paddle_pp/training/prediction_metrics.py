@@ -20,6 +20,15 @@ def prediction_metrics(recorded: list, config, topo: Topology) -> dict:
     every rank calls it once per step), {} otherwise; `recorded` is emptied."""
     if not config.mtp_depth:
         return {}
+    mean = job_mean(recorded, topo)
+    return {"mtp_loss": mean} if mean is not None else {}
+
+
+def job_mean(recorded: list, topo: Topology) -> float | None:
+    """The mean of what every rank recorded (None if none did), `recorded` emptied: summed with its count
+    over the pipeline stages and the data and sharding ranks; under cp each rank's values are its part of
+    its replica's, summed over the ring first. Tensor-parallel ranks record the same values and are not
+    summed. A collective: every rank calls it at the same point."""
     losses = paddle.to_tensor(sum(float(loss) for loss in recorded), "float64")
     if topo.ring is not None:  # each cp rank's loss is its part of the replica's (as `step.mean_over_replicas`)
         losses = topo.ring.all_reduce(losses)
@@ -30,4 +39,4 @@ def prediction_metrics(recorded: list, config, topo: Topology) -> dict:
         if size > 1:
             dist.all_reduce(total, group=getattr(topo, group))
     loss, count = total.numpy().tolist()
-    return {"mtp_loss": loss / count} if count else {}
+    return loss / count if count else None

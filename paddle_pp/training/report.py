@@ -59,7 +59,7 @@ class MetricsLog:
 
 SCALAR_TAGS = {"loss": "train/loss", "lr": "train/learning_rate", "grad_norm": "train/grad_norm",
                "tokens_per_sec": "train/tokens_per_second", "eval_loss": "eval/loss", "aux_loss": "train/aux_loss",
-               "mtp_loss": "train/mtp_loss"}
+               "mtp_loss": "train/mtp_loss", "indexer_loss": "train/indexer_loss"}
 
 
 class VisualDLLog:

@@ -12,8 +12,9 @@ It decides, in this order:
    over the data replicas is refused), and the warmup within the steps;
 3. the compute dtype (`precision.compute_dtype`: bf16/fp16 need a GPU, master gradients a half dtype);
 4. the model's fit to the flags and the layout: dropout, fp16 with experts, `validate_layout` (tp,
-   pp x vpp, ep, cp against every layer's attention), each cp part long enough for a recurrent
-   layer's conv window (`check_context_parts`);
+   pp x vpp, ep, cp against every layer's attention), sparse attention's indexer training
+   (`check_indexer_training`), each cp part long enough for a recurrent layer's conv window
+   (`check_context_parts`);
 5. the execution: the attention core (per layer where the run's core cannot compute a layer),
    recompute, kernels, documents, accumulation (`run_execution`);
 6. the pipeline schedule fleet will run for these micro-batches, and what it cannot take of them or
@@ -29,6 +30,7 @@ from dataclasses import dataclass, replace
 
 from modeling.attention_core import CORES, DenseCost, Heads
 from modeling.execution import Execution, choose_execution
+from modeling.indexer_training import IndexerTraining
 from modeling.registry import check_context_parts, core_notes, validate_layout
 from paddle_pp.planning.memory import Workload
 from paddle_pp.planning.schedules import check_schedule_model, resolve_schedule
@@ -43,6 +45,7 @@ from paddle_pp.training.arguments import (
     PretrainArguments,
     parse_args,
 )
+from paddle_pp.training.indexer_metrics import has_indexers
 from paddle_pp.training.model_config import check_dropout
 
 
@@ -134,6 +137,7 @@ def run_execution(args: ModelArguments, layout: Layout, compute_dtype: str | Non
                                         args.recompute_use_reentrant, args.use_fused_rope, args.use_fused_rms_norm,
                                         layout.device, compute_dtype, head_dim, sm,
                                         dense_cost if layout.cp == 1 else None, args.attention_core)
+    execution = replace(execution, indexers=IndexerTraining(coef=args.indexer_loss_coef))
     if by_document is None:
         return execution, notes
     within = not args.use_global_causal_attn
@@ -168,6 +172,28 @@ def dense_cost_of(config, layout: Layout, micro_batch: int, accumulate_steps: in
     return DenseCost(seq_len, per_layer * layers, host_bytes_per_rank(layout.world_size) // DENSE_MEMORY_SHARE)
 
 
+def check_indexer_training(args: ModelArguments, config, layout: Layout) -> None:
+    """Sparse attention's dense warm-up freezes every weight but the indexers for its first steps, which a
+    model without indexers does not have, and which stage2/3's gradient buffers and paddle.DataParallel's
+    reducer (pure data parallelism) cannot follow: both fix the trained parameters when they wrap. (Its
+    indexer loss is injected inside the model as the MoE aux loss is, which fp16 refuses: every
+    sparse-attention family has experts.)"""
+    warmup = args.indexer_dense_warmup_steps
+    if not has_indexers(config):
+        if warmup:
+            raise TrainingConfigError(f"--indexer_dense_warmup_steps {warmup}: {config.model_type} has no sparse "
+                                      "attention indexer to warm up; drop the flag")
+        return
+    if warmup and layout.group_sharded_level is not None:
+        raise TrainingConfigError(f"--indexer_dense_warmup_steps {warmup} with --sharding {layout.sharding_stage}: "
+                                  "its gradient buffers are laid out for the weights trained when it wraps the model, "
+                                  "and the warm-up trains the indexers only; use --sharding stage1")
+    if warmup and layout.dp > 1 and layout.world_size == layout.dp:
+        raise TrainingConfigError(f"--indexer_dense_warmup_steps {warmup} under pure data parallelism: "
+                                  "paddle.DataParallel's reducer fixes the trained weights when it wraps the model; "
+                                  f"use --sharding_parallel_degree {layout.dp} --sharding stage1 instead")
+
+
 def plan_run(args: PretrainArguments, config, end_of_document: int | None, world_size: int | None = None,
              device: str | None = None) -> RunPlan:
     """The run `args` asks for with the model `config` on `world_size` ranks of `device` (None: as
@@ -184,6 +210,7 @@ def plan_run(args: PretrainArguments, config, end_of_document: int | None, world
         raise TrainingConfigError("--fp16 with a mixture-of-experts model: the aux loss's gradient is injected at "
                                   "each layer without the fp16 loss scale (not implemented); train with --bf16")
     validate_layout(config, layout)
+    check_indexer_training(model, config, layout)
     check_context_parts(config, layout, data.max_seq_length)
     dense_cost = dense_cost_of(config, layout, batches.micro_batch, batches.accumulate_steps, data.max_seq_length,
                                model.recompute)

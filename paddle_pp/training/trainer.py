@@ -17,8 +17,10 @@ import paddle
 
 from checkpoint.commit import clear_interrupted_saves, latest_checkpoint, unclaimed_checkpoints
 from checkpoint.load import check_compatible, load_checkpoint
+from checkpoint.optimizer_state import ensure_states
 from checkpoint.save import PendingSave, save_checkpoint
 from checkpoint.single_card_state import init_single_card_weights
+from modeling.blocks.indexer import is_indexer_parameter
 from modeling.context_parallel import split_sequence
 from modeling.registry import build_causal_lm, plan_of
 from paddle_pp.data.sampler import SequentialBatches
@@ -35,6 +37,7 @@ from paddle_pp.training import gradient_path, precision
 from paddle_pp.training.arguments import OptimizerArguments, PretrainArguments
 from paddle_pp.training.expert_balance import update_correction_biases
 from paddle_pp.training.grad_norm import ReportingGlobalNormClip
+from paddle_pp.training.indexer_metrics import indexer_metrics
 from paddle_pp.training.loss_plot import plot_loss
 from paddle_pp.training.model_config import model_config, tokenizer_dir
 from paddle_pp.training.output_lock import acquire, release
@@ -167,6 +170,8 @@ class Pretrainer:
         self.scaler = precision.loss_scaler(self.compute_dtype, self.layout, optim.scale_loss, optim.amp_master_grad)
         self.raw_model = raw
         self.consumed_samples, self.step = 0, 0
+        # the optimizer and its wrappers took every weight; the warm-up freezes before states are loaded
+        self._indexer_stage(resumed["step"] if self.resume_dir is not None else 0)
         if self.resume_dir is not None:
             if not args.checkpoint.ignore_load_lr_and_optim:
                 load_checkpoint(self.resume_dir, raw, self.optimizer, self.topo, self.axes, weights=False)
@@ -254,6 +259,7 @@ class Pretrainer:
         record = {"step": self.step + 1, "skipped": True, "consumed_samples": self.consumed_samples}
         self.schedule.step()
         self.step += 1
+        self._indexer_stage(self.step)
         self.consumed_samples += self.batches.global_batch
         return record
 
@@ -263,10 +269,26 @@ class Pretrainer:
         if needs_replicated_sync(self.topo):
             sync_replicated(self.raw_model, self.optimizer, self.axes, self.topo)
         self.routing = step_routing(self.execution.router_stats, self.config, self.topo)
-        if self.routing is not None:
+        if self.routing is not None and not self.execution.indexers.dense:  # frozen too in the warm-up
             update_correction_biases(self.raw_model, self.routing.loads, self.args.optim.moe_router_bias_update_rate)
         if self.after_update:
             self.after_update(self)
+
+    def _indexer_stage(self, step: int) -> None:
+        """Sparse attention's stage for the steps from `step` on (`--indexer_dense_warmup_steps`): in the
+        dense warm-up every weight but the indexers' is frozen (no gradient, so the optimizer leaves it and
+        its states alone); leaving it, the optimizer's states of the weights it froze are made, as a
+        first update would make them, so a checkpoint of any step holds what the next step needs."""
+        warmup = self.args.model.indexer_dense_warmup_steps
+        dense = step < warmup
+        if not warmup or dense == self.execution.indexers.dense:
+            return
+        self.execution.indexers.dense = dense
+        for name, param in self.raw_model.named_parameters():
+            if not is_indexer_parameter(name):
+                param.stop_gradient = dense
+        if not dense:
+            ensure_states(self.optimizer)
 
     def train_one_step(self) -> dict:
         """One update (and the `after_update` hook right after it, before gradients are cleared)."""
@@ -282,12 +304,14 @@ class Pretrainer:
         if updated:  # as PaddleNLP: an fp16 step skipped for overflow does not advance the schedule
             self.schedule.step()
         self.step += 1
+        self._indexer_stage(self.step)
         self.consumed_samples += self.batches.global_batch
         seconds = time.perf_counter() - started
         record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": self.clip.pop_norm(),
                   "tokens_per_sec": self.batches.global_batch * self.args.data.max_seq_length / seconds,
                   "consumed_samples": consumed, **router_metrics(self.routing, self.config, self.topo, self.raw_model),
-                  **prediction_metrics(self.execution.prediction_losses, self.config, self.topo)}
+                  **prediction_metrics(self.execution.prediction_losses, self.config, self.topo),
+                  **indexer_metrics(self.execution.indexers, self.config, self.topo)}
         return record if updated else {**record, "update_skipped": True}
 
     def evaluate(self) -> float:
@@ -329,8 +353,8 @@ class Pretrainer:
                     board.write(record)
             if bar:
                 if "loss" in record:
-                    mtp = {"mtp_loss": f"{record['mtp_loss']:.4g}"} if "mtp_loss" in record else {}
-                    bar.set_postfix(loss=f"{record['loss']:.4g}", **mtp, lr=f"{record['lr']:.3g}",
+                    extra = {name: f"{record[name]:.4g}" for name in ("mtp_loss", "indexer_loss") if name in record}
+                    bar.set_postfix(loss=f"{record['loss']:.4g}", **extra, lr=f"{record['lr']:.3g}",
                                     tok_s=f"{record['tokens_per_sec']:.0f}", refresh=False)
                 bar.update(1)
             self.finish_pending_save(only_if_written=True)

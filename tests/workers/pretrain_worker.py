@@ -96,6 +96,7 @@ def main(argv: list[str]) -> int:
                       "tokens_per_sec": [r["tokens_per_sec"] for r in trained],
                       "aux_losses": [r.get("aux_loss") for r in trained],
                       "mtp_losses": [r.get("mtp_loss") for r in trained],
+                      "indexer_losses": [r.get("indexer_loss") for r in trained],
                       "router_margins": [r.get("router_margin") for r in trained],
                       "expert_load": trained[-1].get("expert_load") if trained else None,
                       "eval_loss": history[-1].get("eval_loss") if history else None,
