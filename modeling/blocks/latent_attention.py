@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import paddle
+from paddle.autograd import PyLayer
 from paddle.distributed import collective
-from paddle.distributed.fleet.utils import recompute as fleet_recompute
 
 from modeling.attention_core import AttentionCore, Heads
 from modeling.attention_core.sparse import selected_attention, selected_attention_saved_bytes
@@ -261,14 +261,38 @@ class LatentSelfAttention(Block):
         def loss_of(q, keys, weights):
             return indexer_loss(scores_of(q, keys, weights), visible, target)
 
-        # reentrant: Paddle allows one pair of saved-tensor hooks at a time, which a recompute of the whole layer
-        # without reentry (or a measurement of what it keeps) already holds
-        loss = fleet_recompute(loss_of, *index, use_reentrant=True) if learning else loss_of(*index)
+        loss = _RecomputedLoss.apply(loss_of, *index) if learning else loss_of(*index)
         if counting:
             run.indexers.losses.append(loss.detach())
         if learning:  # at coef 0 too: a zero gradient, never a missing one (fused gradient buffers count on it)
             out = inject(out, loss * run.indexers.coef / run.accumulate_steps)
         return out
+
+
+class _RecomputedLoss(PyLayer):
+    """`loss_of(*inputs)`, keeping only its inputs for the backward, which runs it again with autograd
+    (the indexer's loss: its scores' gradient would keep each query's gathered index keys). A PyLayer
+    rather than fleet's recompute: Paddle allows one pair of saved-tensor hooks at a time, which a
+    recompute of the whole layer without reentry (or a measurement of what it keeps) already holds."""
+
+    @staticmethod
+    def forward(ctx, loss_of, *inputs):
+        ctx.loss_of = loss_of
+        ctx.save_for_backward(*inputs)
+        ctx.needed = [not tensor.stop_gradient for tensor in inputs]  # Paddle wants None for the others
+        with paddle.no_grad():
+            return loss_of(*inputs)
+
+    @staticmethod
+    def backward(ctx, d_loss):
+        leaves = [tensor.detach() for tensor in ctx.saved_tensor()]
+        for leaf in leaves:
+            leaf.stop_gradient = False
+        with paddle.enable_grad():
+            loss = ctx.loss_of(*leaves)
+        grads = paddle.grad([loss], leaves, [d_loss], allow_unused=True)
+        return tuple((paddle.zeros_like(leaf) if grad is None else grad) if needed else None
+                     for grad, leaf, needed in zip(grads, leaves, ctx.needed))
 
 
 LatentAttention.layer = LatentSelfAttention
