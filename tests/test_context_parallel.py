@@ -16,8 +16,7 @@ import json
 import numpy as np
 import pytest
 
-from checkpoint.verify import verify_checkpoint
-from modeling.registry import LayoutModelError, plan_of_folder
+from modeling.registry import LayoutModelError
 from paddle_pp.runtime.launch import LaunchError, launch
 from paddle_pp.runtime.layout import LayoutError
 from paddle_pp.training.arguments import parse_args
@@ -31,7 +30,6 @@ from runs import (
     MICRO4,
     MODEL,
     PP2,
-    RESUME_STEP,
     SINGLE,
     SINGLE_GPT,
     TP2,
@@ -39,9 +37,8 @@ from runs import (
     Run,
     assert_continues_single_card,
     assert_trains_like,
+    assert_written_as_planned,
     history,
-    planned_writers,
-    written_by_rank,
 )
 
 PARITY_RTOL = 1e-4  # the issue's bound over 20 steps (measured: 1.3e-7 on losses and grad norms), kept over 10
@@ -128,13 +125,8 @@ def test_context_parallel_layout_trains_like_single_card(pretrain_run, run, refe
 def test_cp_ranks_share_the_save_as_replicas_as_the_planner_predicts(pretrain_run):
     """Under cp2 x tp2 all four ranks write (cp ranks are weight replicas: every tensor once), the
     shares balanced by bytes, each tensor by the rank `tools/reshard.py plan` names."""
-    _, out = pretrain_run(CP2_TP2_SP)
-    folder = out / f"checkpoint-{RESUME_STEP}"
-    written, writer = written_by_rank(folder)
-    assert sorted(written) == [0, 1, 2, 3]
+    written = assert_written_as_planned(pretrain_run, CP2_TP2_SP)
     assert max(written.values()) <= 1.25 * np.mean(list(written.values()))
-    assert verify_checkpoint(folder, plan_of_folder) == []
-    assert writer == planned_writers(folder, CP2_TP2_SP.flags, CP2_TP2_SP.nproc)
 
 
 @pytest.mark.multiproc

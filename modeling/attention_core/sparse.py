@@ -33,18 +33,26 @@ FP32, FP32_BYTES = "float32", 4
 QUERY_BLOCK = 256  # queries per block: their gathered keys are QUERY_BLOCK x k x (kv_lora_rank + rope_dim)
 
 
+def _rows(indices: paddle.Tensor, seq: int) -> paddle.Tensor:
+    """indices [batch, n, k] into a batch's sequences of `seq` as rows of them all flattened, [batch x n x k]."""
+    offsets = (paddle.arange(indices.shape[0], dtype="int64") * seq).reshape([-1, 1, 1])
+    return (indices + offsets).reshape([-1])
+
+
 def gathered(keys: paddle.Tensor, indices: paddle.Tensor) -> paddle.Tensor:
     """keys [batch, seq, dim] at indices [batch, n, k] -> [batch, n, k, dim]."""
     batch, seq, dim = keys.shape
-    offsets = (paddle.arange(batch, dtype="int64") * seq).reshape([batch, 1, 1])
-    return paddle.gather(keys.reshape([batch * seq, dim]), (indices + offsets).reshape([-1])).reshape(
-        indices.shape + [dim])
+    return paddle.gather(keys.reshape([batch * seq, dim]), _rows(indices, seq)).reshape(indices.shape + [dim])
+
+
+def masked(scores: paddle.Tensor, visible: paddle.Tensor) -> paddle.Tensor:
+    """fp32 `scores`, -inf where not `visible` (broadcast)."""
+    return paddle.where(visible, scores, paddle.full([], float("-inf"), FP32))
 
 
 def _scores(q_block, keys, visible, scale):
     """fp32 [batch, n, heads, k]: scale q.k at the selected keys, -inf where not visible."""
-    scores = paddle.matmul(q_block, keys, transpose_y=True).astype(FP32) * scale
-    return paddle.where(visible.unsqueeze(2), scores, paddle.full([], float("-inf"), FP32))
+    return masked(paddle.matmul(q_block, keys, transpose_y=True).astype(FP32) * scale, visible.unsqueeze(2))
 
 
 def _blocks(seq: int, block: int) -> list[tuple[int, int]]:
@@ -79,7 +87,6 @@ class _SelectedAttention(PyLayer):
         value_dim, scale, block = ctx.layout
         batch, seq, dim = keys.shape
         dq, dkeys = [], paddle.zeros([batch * seq, dim], FP32)
-        offsets = (paddle.arange(batch, dtype="int64") * seq).reshape([batch, 1, 1])
         with full_precision():
             for i0, i1 in _blocks(q.shape[1], block):
                 selected = gathered(keys, indices[:, i0:i1])
@@ -92,8 +99,7 @@ class _SelectedAttention(PyLayer):
                 dselected = paddle.matmul(dscores, q_block.astype(FP32), transpose_x=True)  # [b, n, k, dim]
                 dvalues = paddle.matmul(probs, dout_block, transpose_x=True)  # [b, n, k, value_dim]
                 dselected = paddle.concat([dselected[..., :value_dim] + dvalues, dselected[..., value_dim:]], axis=-1)
-                rows = (indices[:, i0:i1] + offsets).reshape([-1])
-                dkeys = paddle.index_add(dkeys, rows, 0, dselected.reshape([-1, dim]))
+                dkeys = paddle.index_add(dkeys, _rows(indices[:, i0:i1], seq), 0, dselected.reshape([-1, dim]))
         return (paddle.concat(dq, axis=1).astype(q.dtype), dkeys.reshape([batch, seq, dim]).astype(keys.dtype),
                 None, None)
 

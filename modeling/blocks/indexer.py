@@ -26,7 +26,7 @@ import paddle
 import paddle.distributed as dist
 import paddle.nn.functional as F
 
-from modeling.attention_core.sparse import gathered
+from modeling.attention_core.sparse import gathered, masked
 from modeling.blocks.parts import Block, Declared, Norm, Part, WholeLinear
 from modeling.blocks.rotary import Rotary
 from modeling.execution import Execution
@@ -114,11 +114,9 @@ def select(q: paddle.Tensor, keys: paddle.Tensor, weights: paddle.Tensor, starts
     batch, seq = keys.shape[:2]
     k = min(topk, seq)
     indices, visible = [], []
-    lowest = paddle.full([], float("-inf"), FP32)
     for i0 in range(0, seq, SELECT_BLOCK):
         i1 = min(i0 + SELECT_BLOCK, seq)
-        seen = _visible(starts, i0, i1, seq)
-        scores = paddle.where(seen, index_scores(q[:, i0:i1], keys.unsqueeze(1), weights[:, i0:i1]), lowest)
+        scores = masked(index_scores(q[:, i0:i1], keys.unsqueeze(1), weights[:, i0:i1]), _visible(starts, i0, i1, seq))
         chosen = paddle.topk(scores, k, axis=-1)[1]
         indices.append(chosen)
         visible.append(_seen_at(chosen, starts, i0, i1))
@@ -129,7 +127,7 @@ def indexer_loss(scores: paddle.Tensor, visible: paddle.Tensor, target: paddle.T
     """The mean over queries of KL(target || softmax of the index `scores`) over the keys each may see
     (`visible`); `target` is the main attention's probabilities there summed over all heads (fp32, no
     gradient), normalised here. Its gradient reaches the indexer through `scores`."""
-    log_index = F.log_softmax(paddle.where(visible, scores, paddle.full([], float("-inf"), FP32)), axis=-1)
+    log_index = F.log_softmax(masked(scores, visible), axis=-1)
     target = target / target.sum(-1, keepdim=True)
     seen = target > 0
     terms = paddle.where(seen, target * (paddle.log(paddle.where(seen, target, paddle.ones_like(target))) -
@@ -164,8 +162,7 @@ def dense_target(q: paddle.Tensor, k: paddle.Tensor, starts: paddle.Tensor, scal
     for i0 in range(0, seq, SELECT_BLOCK):
         i1 = min(i0 + SELECT_BLOCK, seq)
         scores = paddle.matmul(q[:, i0:i1].astype(FP32).transpose([0, 2, 1, 3]), keys, transpose_y=True) * scale
-        seen = _visible(starts, i0, i1, seq).unsqueeze(1)
-        probs = F.softmax(paddle.where(seen, scores, paddle.full([], float("-inf"), FP32)), axis=-1)
+        probs = F.softmax(masked(scores, _visible(starts, i0, i1, seq).unsqueeze(1)), axis=-1)
         sums.append(probs.sum(1))
     return paddle.concat(sums, axis=1)
 

@@ -179,18 +179,8 @@ class LatentSelfAttention(Block):
             return self._sparse(hidden, positions)
         seq_first = run.sequence_first
         lead = hidden.shape[:2]
-        q_latent = self.q_a_layernorm(self.q_a_proj(hidden)) if declared.q_lora_rank else None
-        query = self.q_b_proj(q_latent) if declared.q_lora_rank else self.q_proj(hidden)
-        q_nope, q_rot = paddle.split(query.reshape(lead + [heads, declared.qk_dim]),
-                                     [declared.nope_dim, declared.rope_dim], axis=-1)
-        latent, k_rot = paddle.split(self.kv_a_proj_with_mqa(hidden), [declared.kv_lora_rank, declared.rope_dim],
-                                     axis=-1)
-        k_rot = k_rot.reshape(lead + [1, declared.rope_dim])
-        if self.sums_rotary_key:
-            k_rot = collective._c_identity(k_rot, group=run.tp_group)
-        if declared.rotary is not None:
-            q_rot, k_rot = declared.rotary.rotate(q_rot, k_rot, seq_first, run.kernels.fused_rope, run.cp, positions)
-        keys = self.kv_b_proj(self.kv_a_layernorm(latent)).reshape(lead + [heads, declared.nope_dim + declared.v_dim])
+        q_latent, q_nope, q_rot, latent, k_rot = self._latents(hidden, seq_first, positions)
+        keys = self.kv_b_proj(latent).reshape(lead + [heads, declared.nope_dim + declared.v_dim])
         k_nope, v = paddle.split(keys, [declared.nope_dim, declared.v_dim], axis=-1)
         q = paddle.concat([q_nope, q_rot], axis=-1)
         if declared.temperature is not None:
@@ -211,23 +201,35 @@ class LatentSelfAttention(Block):
         return self._trains_indexer(out, (index_q, index_k, index_w), every_score, visible_keys(starts, seq),
                                     lambda: dense_target(batch_first(q), batch_first(k), starts, scale))
 
+    def _latents(self, hidden, seq_first: bool, positions):
+        """(the query latent, None without `q_lora_rank`; q's nope and rotated rope parts [.., heads, dim];
+        the normed kv latent; the rotated shared key [.., 1, rope_dim]) of `hidden` ([seq, batch, ..] when
+        `seq_first`, else batch first). The shared key's gradient is each tp rank's heads' part without
+        SP: an identity sums it over tp."""
+        declared, run = self.declared, self.run
+        lead = hidden.shape[:2]
+        q_latent = self.q_a_layernorm(self.q_a_proj(hidden)) if declared.q_lora_rank else None
+        query = self.q_b_proj(q_latent) if declared.q_lora_rank else self.q_proj(hidden)
+        q_nope, q_rot = paddle.split(query.reshape(lead + [self.heads.heads, declared.qk_dim]),
+                                     [declared.nope_dim, declared.rope_dim], axis=-1)
+        latent, k_rot = paddle.split(self.kv_a_proj_with_mqa(hidden), [declared.kv_lora_rank, declared.rope_dim],
+                                     axis=-1)
+        k_rot = k_rot.reshape(lead + [1, declared.rope_dim])
+        if self.sums_rotary_key:
+            k_rot = collective._c_identity(k_rot, group=run.tp_group)
+        if declared.rotary is not None:
+            q_rot, k_rot = declared.rotary.rotate(q_rot, k_rot, seq_first, run.kernels.fused_rope, run.cp, positions)
+        return q_latent, q_nope, q_rot, self.kv_a_layernorm(latent), k_rot
+
     def _sparse(self, hidden, positions):
         """Attention over the indexer's selection, absorbed (the module docstring), batch first inside."""
         declared, run, heads = self.declared, self.run, self.heads.heads
         if run.sequence_first:
             hidden = hidden.transpose([1, 0, 2])
         batch, seq = hidden.shape[:2]
-        q_latent = self.q_a_layernorm(self.q_a_proj(hidden))
-        query = self.q_b_proj(q_latent).reshape([batch, seq, heads, declared.qk_dim])
-        q_nope, q_rot = paddle.split(query, [declared.nope_dim, declared.rope_dim], axis=-1)
-        latent, k_rot = paddle.split(self.kv_a_proj_with_mqa(hidden), [declared.kv_lora_rank, declared.rope_dim],
-                                     axis=-1)
-        latent = self.kv_a_layernorm(latent)
-        k_rot = k_rot.reshape([batch, seq, 1, declared.rope_dim])
-        if self.sums_rotary_key:
-            k_rot = collective._c_identity(k_rot, group=run.tp_group)
+        q_latent, q_nope, q_rot, latent, k_rot = self._latents(hidden, False, positions)
+        if self.sums_rotary_key:  # kv_b_proj's rows are used directly: its input identity is this one
             latent = collective._c_identity(latent, group=run.tp_group)
-        q_rot, k_rot = declared.rotary.rotate(q_rot, k_rot, False, run.kernels.fused_rope, run.cp, positions)
         absorbed = self.kv_b_proj.weight.reshape([declared.kv_lora_rank, heads, declared.nope_dim + declared.v_dim])
         into_latent, out_of_latent = paddle.split(absorbed.transpose([1, 0, 2]), [declared.nope_dim, declared.v_dim],
                                                   axis=-1)  # [heads, kv_lora_rank, nope_dim], [.., v_dim]

@@ -15,7 +15,7 @@ from paddle.autograd import PyLayer
 
 from modeling import tp_gradients
 from modeling.autocast import full_precision
-from modeling.blocks.parts import Block, ColumnLinear, Declared, Part, RowLinear
+from modeling.blocks.parts import Block, ColumnLinear, Declared, Leaf, Part, RowLinear
 from modeling.execution import Execution
 from modeling.placement import ALWAYS, REPLICATED, Placement, TensorPlan
 from modeling.sequence_parallel import gather_tokens
@@ -112,6 +112,9 @@ def clamped_swiglu(gate, up, limit: float, alpha: float):
 
 XIELU = "xielu"  # an activation with weights of its own (`LearnedActivation`)
 XIELU_BETA, XIELU_EPS = 0.5, -1e-6  # transformers' XIELUActivation defaults, stored as buffers in every folder
+# its two weights and where transformers starts them: softplus(alpha_p) = 0.8, beta + softplus(alpha_n) = 0.8
+XIELU_WEIGHTS = (("alpha_p", 0.8), ("alpha_n", 0.8 - XIELU_BETA))
+XIELU_BUFFERS = (("beta", XIELU_BETA), ("eps", XIELU_EPS))
 
 
 def _inverse_softplus(value: float) -> float:
@@ -119,7 +122,7 @@ def _inverse_softplus(value: float) -> float:
 
 
 @dataclass(frozen=True)
-class LearnedActivation:
+class LearnedActivation(Leaf):
     """xIELU (Huang et al. 2024; Apertus): x > 0: a_p x^2 + beta x, else (expm1(min(x, eps)) - x) a_n + beta x,
     with a_p = softplus(alpha_p) and a_n = beta + softplus(alpha_n) learned per layer (alpha_p from
     softplus^-1(0.8), alpha_n from softplus^-1(0.3)) and beta, eps persistent buffers (transformers saves
@@ -128,27 +131,21 @@ class LearnedActivation:
 
     def tensors(self) -> dict[str, TensorPlan]:
         learned = {name: TensorPlan((1,), Placement(REPLICATED), init=_inverse_softplus(value), tp_partial_grad=ALWAYS)
-                   for name, value in (("alpha_p", 0.8), ("alpha_n", 0.8 - XIELU_BETA))}
+                   for name, value in XIELU_WEIGHTS}
         return learned | {name: TensorPlan((), Placement(REPLICATED), init=value, buffer=True)
-                          for name, value in (("beta", XIELU_BETA), ("eps", XIELU_EPS))}
+                          for name, value in XIELU_BUFFERS}
 
     def build(self, config, run: Execution) -> nn.Layer:
         return tp_gradients.mark(XIELULayer(), run, always=True)
-
-    def tp_units(self) -> dict[str, int]:
-        return {}
-
-    def tp_shared_units(self) -> dict[str, int]:
-        return {}
 
 
 class XIELULayer(nn.Layer):
     def __init__(self):
         super().__init__()
-        for name, value in (("alpha_p", 0.8), ("alpha_n", 0.8 - XIELU_BETA)):
+        for name, value in XIELU_WEIGHTS:
             self.add_parameter(name, self.create_parameter(
                 [1], default_initializer=nn.initializer.Constant(_inverse_softplus(value))))
-        for name, value in (("beta", XIELU_BETA), ("eps", XIELU_EPS)):
+        for name, value in XIELU_BUFFERS:
             self.register_buffer(name, paddle.to_tensor(value, "float32"))
             # constants, equal on every rank: fleet's coalesced broadcast of parameters and buffers would
             # hand a 0-d one back as [1] (Paddle 3.3.1's sync_params_buffers splits without reshaping)
