@@ -208,15 +208,24 @@ def execution_for(layout: Layout, tp_rank: int, choices: Execution = Execution()
 
 def core_notes(config, run: Execution) -> list[str]:
     """The layers the run's attention core cannot compute (flash: a soft-cap, ALiBi, sinks, v unlike
-    q/k), which take the blockwise core instead, by reason: what the run says at its start."""
+    q/k), which take the blockwise core instead, by reason, and the sparse-attention layers, which take
+    the selected-key core: what the run says at its start."""
     by_reason: dict[str, list[int]] = {}
+    indexed: list[int] = []
     for index in range(config.num_hidden_layers):
         for attention in (mixer for mixer in token_mixers(config.decoder_layer(index)) if not mixer.recurrent):
+            if getattr(attention, "indexer", None) is not None:
+                indexed.append(index)
+                continue
             reason = run.attention.refusal(attention.spec, attention.sinks, attention.local_heads(run))
             if reason:
                 by_reason.setdefault(reason, []).append(index)
-    return [f"attention: decoder layers {', '.join(map(str, layers))} take the blockwise core (the {run.attention.name} "
-            f"core does not compute {reason})" for reason, layers in by_reason.items()]
+    notes = [f"attention: decoder layers {', '.join(map(str, layers))} take the blockwise core (the {run.attention.name} "
+             f"core does not compute {reason})" for reason, layers in by_reason.items()]
+    if indexed:
+        notes.append(f"attention: decoder layers {', '.join(map(str, indexed))} attend to their indexer's keys with the "
+                     f"selected-key core (sparse attention; the {run.attention.name} core only in a dense warm-up)")
+    return notes
 
 
 def build_causal_lm(config, topo: Topology, choices: Execution = Execution()):

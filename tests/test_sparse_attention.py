@@ -207,3 +207,11 @@ def test_the_dense_warm_up_is_refused_where_its_frozen_weights_cannot_be_followe
         plan_for(llama, Layout(world_size=1), "--indexer_dense_warmup_steps", "2")
     assert plan_for(config, Layout(world_size=2, sharding_parallel_degree=2, sharding="stage1"),
                     "--indexer_dense_warmup_steps", "2").execution.indexers.coef == 1.0
+
+
+def test_the_run_says_its_sparse_layers_take_the_selected_key_core():
+    """The run's attention core (here pinned blockwise) serves indexed layers only in a dense warm-up: the
+    plan's notes say so by layer, rather than leaving the flag silently unused there."""
+    notes = plan_for(config_from_dict(dict(SMALL_DSA)), Layout(world_size=1), "--attention_core", "blockwise").notes
+    assert any("decoder layers 0, 1 attend to their indexer's keys with the selected-key core" in note
+               and "the blockwise core only in a dense warm-up" in note for note in notes), notes
