@@ -42,6 +42,9 @@ class Skeleton:
         parts = [(self.tokens, VocabEmbedding(config.vocab_size, config.hidden_size), FIRST_AND_LAST if tied else FIRST)]
         if self.positions:
             parts.append((self.positions, Embedding(config.max_position_embeddings, config.hidden_size), FIRST))
+        per_layer = config.per_layer_embeddings()
+        parts += [(f"{self.base_prefix}.{name}", part, FIRST) for name, part in (per_layer.parts().items()
+                                                                                  if per_layer else ())]
         parts += [(f"{self.layers}.{i}", config.decoder_layer(i), i) for i in range(config.num_hidden_layers)]
         parts.append((self.norm, config.hidden_norm(), LAST))
         parts += [(f"{self.layers}.{index}", layer, LAST) for index, layer in config.prediction_layers()]
@@ -116,8 +119,11 @@ class CausalLM(CausalLMPretrainedModel):
         loss, the next token's logits)."""
         skeleton, config, run = self.family.skeleton, self.config, self.run
         tokens = find(self, skeleton.tokens)
+        per_layer = config.per_layer_embeddings()
+        layer_inputs = {name: find(self, f"{skeleton.base_prefix}.{name}") for name in per_layer.parts()} \
+            if per_layer else None
         layer_state = embed(config, run, tokens, find(self, skeleton.positions) if skeleton.positions else None,
-                            input_ids)
+                            input_ids, layer_inputs)
         layers = find(self, skeleton.layers)
         for index in range(config.num_hidden_layers):
             layer_state = layers[index](layer_state)

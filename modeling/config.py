@@ -85,6 +85,15 @@ class CausalLMConfig(PretrainedConfig):
         """The multi-token prediction layer of depth `depth` (1..mtp_depth)'s declaration."""
         raise NotImplementedError
 
+    def unused_stored(self) -> tuple[str, ...]:
+        """Name prefixes (a text folder's spelling, "model.") of tensors some of the family's folders store
+        for this config that its model does not use: left unread, noted, as transformers leaves them."""
+        return ()
+
+    def per_layer_embeddings(self):
+        """The first stage's per-layer embeddings (`blocks.carried.PerLayerEmbeddings`), or None."""
+        return None
+
     def prediction_layers(self) -> list[tuple[int, Part]]:
         """(layer index, declaration) of each multi-token prediction layer, by depth: numbered after
         the decoder layers, as the released checkpoints name them (DeepSeek-V3's layer 61), and placed

@@ -31,9 +31,15 @@ def fused_expert_stored(stored: Stored, config) -> Stored:
     for per_expert, fused in getattr(config, "fused_layout_renames", {}).items():  # ERNIE's bias moves into the gate
         if name.endswith(per_expert):
             name = name.removesuffix(per_expert) + fused
-    match = _PER_EXPERT.fullmatch(name)
+    return stacked_expert(replace(stored, name=name), config)
+
+
+def stacked_expert(stored: Stored, config) -> Stored:
+    """Where the stacked experts `experts.gate_up_proj` / `experts.down_proj` keep the tensor stored per
+    expert as `stored` (`...experts.{e}.{gate,up,down}.weight`); any other tensor where it is."""
+    match = _PER_EXPERT.fullmatch(stored.name)
     if match is None:
-        return replace(stored, name=name)
+        return stored
     experts, index, projection = match.groups()
     gate, up, down = config.expert_names
     stack = (int(index), config.num_experts)

@@ -72,6 +72,17 @@ class QwenMoEFields(MoEConfig):
         super().__init__(**kwargs)
 
 
+def refuse_softmax_balance(config, name: str) -> None:
+    """A sigmoid-routed family balanced by its correction bias (MiniMax-M2, Hy3): transformers adds a
+    balance loss only under `output_router_logits`, whose statistic ranks the experts by the softmax of
+    the router logits while they are chosen by sigmoid plus the bias: refused by name."""
+    if config.output_router_logits:
+        raise ModelConfigError(f"output_router_logits=true: {name}'s balance loss in transformers ranks experts by "
+                               "the softmax of the router logits while they are chosen by sigmoid plus the correction "
+                               "bias (not modelled); set it false and balance by the correction bias "
+                               "(--moe_router_bias_update_rate)")
+
+
 V3_AUX_ALPHA = 1e-4  # DeepSeek-V3's sequence-wise balance weight; its released configs omit aux_loss_alpha
 
 

@@ -2,7 +2,8 @@
 `qwen3_5`: the text model under `model.language_model.`, the vision tower under `model.visual.`; Gemma 3's
 `gemma3`, whose folders keep the names of its first release, which transformers saves them under still: the
 text model under `language_model.model.`, its head `language_model.lm_head`, the SigLIP tower under
-`vision_tower.` and the projector beside; Kimi K2.5's `kimi_k25`, a DeepSeek-V3 text model under the same
+`vision_tower.` and the projector beside; Gemma 4's `gemma4`, the text model under `model.language_model.`
+beside its vision (and, E2B/E4B, audio) tower and their embedders; Kimi K2.5's `kimi_k25`, a DeepSeek-V3 text model under the same
 names beside the MoonViT tower and its projector; Llama 4's `llama4`, beside its vision model and
 projector; Mistral's `mistral3`, a Mistral (Small 3.x) or Mistral 4 (Small 4) text model beside Pixtral): the
 text config (`text_config`) and weights are what trains; every tensor under a `carried` prefix is
@@ -58,6 +59,8 @@ MULTIMODAL = {kind.model_type: kind for kind in (
     Multimodal("kimi_k25", "Kimi_K25ForConditionalGeneration", "deepseek_v3", text_body="language_model.model.",
                carried=("vision_tower.", "mm_projector.", "model.mm_projector."), text_head="language_model.",
                text_aliases=("kimi_k2",), resaved=("language_model.model.layers.", "language_model.model.blocks.")),
+    Multimodal("gemma4", "Gemma4ForConditionalGeneration", "gemma4_text",
+               carried=("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")),
     Multimodal("llama4", "Llama4ForConditionalGeneration", "llama4_text", text_body="language_model.model.",
                carried=("vision_model.", "multi_modal_projector."), text_head="language_model."),
     Multimodal("mistral3", "Mistral3ForConditionalGeneration", "mistral", text_body="language_model.model.",

@@ -20,6 +20,7 @@ from paddle.distributed import fleet
 from paddle.distributed.fleet.meta_parallel import LayerDesc, PipelineLayer, SharedLayerDesc
 from paddlenlp.transformers.model_utils import PipelinePretrainedModel
 
+from modeling.blocks.carried import CarryingDecoderLayer
 from modeling.blocks.embedding import HeadLayer, TiedHeadLayer, embed
 from modeling.blocks.parts import Leaf
 from modeling.causal_lm import CausalLMPretrainedModel
@@ -101,8 +102,9 @@ class EmbeddingSection(nn.Layer):
 
     def forward(self, input_ids):
         tokens, positions = self.names
+        per_layer = self.config.per_layer_embeddings()
         return embed(self.config, self.run, getattr(self, tokens), getattr(self, positions) if positions else None,
-                     input_ids)
+                     input_ids, {name: getattr(self, name) for name in per_layer.parts()} if per_layer else None)
 
 
 class NormSection(nn.Layer):
@@ -185,3 +187,6 @@ class CausalLMPipe(PipelinePretrainedModel, PipelineLayer):
         )
         self.apply(self._init_weights)
         tie_shared_weights(self)
+        carrying = [layer for layer in self.run_function if isinstance(layer, CarryingDecoderLayer)]
+        if carrying:  # (vpp and DualPipeV are refused for such models: validate_layout)
+            carrying[-1].ends_stage = True

@@ -22,6 +22,7 @@ from modeling.falcon_h1 import FALCON_H1
 from modeling.family import ModelFamily
 from modeling.gemma import GEMMA
 from modeling.gemma2 import GEMMA2, GEMMA3_TEXT
+from modeling.gemma4 import GEMMA4_TEXT
 from modeling.glm4_moe import GLM4_MOE
 from modeling.glm4_moe_lite import GLM4_MOE_LITE
 from modeling.gpt import GPT
@@ -30,6 +31,7 @@ from modeling.granite import GRANITE
 from modeling.granitemoehybrid import GRANITEMOEHYBRID
 from modeling.hunyuan_v1_dense import HUNYUAN_V1_DENSE
 from modeling.hunyuan_v1_moe import HUNYUAN_V1_MOE
+from modeling.hy_v3 import HY_V3
 from modeling.kimi_linear import KIMI_LINEAR
 from modeling.llama import LLAMA
 from modeling.llama4 import LLAMA4_TEXT
@@ -65,7 +67,8 @@ FAMILIES: dict[str, ModelFamily] = {family.model_type: family for family in (
     LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GPT, GEMMA2, GEMMA3_TEXT, PHI3, OLMO2, SMOLLM3, GRANITE, ERNIE4_5, MPT, QWEN2_MOE,
     QWEN3_MOE, MIXTRAL, OLMOE, DEEPSEEK_V3, DEEPSEEK_V2, GLM4_MOE, GPT_OSS, ERNIE4_5_MOE, QWEN3_5_TEXT,
     QWEN3_5_MOE_TEXT, QWEN3_NEXT, OLMO_HYBRID, KIMI_LINEAR, NEMOTRON_H, GRANITEMOEHYBRID, FALCON_H1, OLMO3, SEED_OSS,
-    HUNYUAN_V1_DENSE, GLM4_MOE_LITE, LLAMA4_TEXT, MISTRAL4, HUNYUAN_V1_MOE, DEEPSEEK_V32, GLM_MOE_DSA, APERTUS, MINIMAX_M2)}
+    HUNYUAN_V1_DENSE, GLM4_MOE_LITE, LLAMA4_TEXT, MISTRAL4, HUNYUAN_V1_MOE, DEEPSEEK_V32, GLM_MOE_DSA, APERTUS, MINIMAX_M2,
+    GEMMA4_TEXT, HY_V3)}
 BY_TRANSFORMERS_TYPE = {family.transformers.model_type: family for family in FAMILIES.values() if family.transformers}
 ALIASES = {"kimi_k2": DEEPSEEK_V3}  # Kimi-K2's folders are DeepSeek-V3's (transformers' kimi_k25 rewrites it so)
 
@@ -130,6 +133,8 @@ def validate_layout(config, layout: Layout) -> None:
     family_of(config).check_tensor_parallel(config, layout.tp)
     if layout.pp > 1:
         check_stage_split(config.num_hidden_layers, layout.pp, layout.vpp, layout.dualpipev)
+        if layout.vpp > 1 or layout.dualpipev:
+            _check_carried_between_chunks(config, layout)
     if getattr(config, "num_experts", 0):
         _check_moe_layout(config, layout)
     elif layout.ep > 1:
@@ -145,6 +150,22 @@ def validate_layout(config, layout: Layout) -> None:
                 f"{family_of(config).architecture} has {partial}, whose gradients are summed over tp after "
                 f"backward; with --sharding {layout.sharding_stage} that sum and the sharded gradient reduction "
                 "both hook the backward pass (untested order); use --sharding stage1 with tp, or tp 1")
+
+
+def _check_carried_between_chunks(config, layout: Layout) -> None:
+    """What layers hand to later ones (Gemma 4's per-layer embeddings and shared keys and values, GLM-5.2's
+    shared selections) travels beside the hidden states, a set that changes along the pipeline
+    (`blocks/carried.py`); the interleaved schedules send every chunk's output with the one shape they
+    cache, which 1F1B does not need."""
+    carrying = [index for index in range(config.num_hidden_layers)
+                if getattr(config.decoder_layer(index), "carried_in", ())]
+    if carrying:
+        schedule = "--pipeline_schedule DualPipeV" if layout.dualpipev else f"--virtual_pp_degree {layout.vpp}"
+        raise LayoutModelError(
+            f"{schedule} with {family_of(config).architecture}: what its layers hand to later layers (per-layer "
+            "embeddings, shared keys and values or selections) travels between pipeline stages (into decoder layers "
+            f"{carrying[0]}..{carrying[-1]}), a set that changes from stage to stage, and the interleaved schedules "
+            f"send one shape; use 1F1B (drop {schedule.split()[0]})")
 
 
 def _check_context_parallel(config, layout: Layout) -> None:
@@ -214,7 +235,7 @@ def core_notes(config, run: Execution) -> list[str]:
     indexed: list[int] = []
     for index in range(config.num_hidden_layers):
         for attention in (mixer for mixer in token_mixers(config.decoder_layer(index)) if not mixer.recurrent):
-            if getattr(attention, "indexer", None) is not None:
+            if getattr(attention, "sparse", False):  # its indexer's selection, or an earlier layer's (GLM-5.2)
                 indexed.append(index)
                 continue
             reason = run.attention.refusal(attention.spec, attention.sinks, attention.local_heads(run))
@@ -223,8 +244,9 @@ def core_notes(config, run: Execution) -> list[str]:
     notes = [f"attention: decoder layers {', '.join(map(str, layers))} take the blockwise core (the {run.attention.name} "
              f"core does not compute {reason})" for reason, layers in by_reason.items()]
     if indexed:
-        notes.append(f"attention: decoder layers {', '.join(map(str, indexed))} attend to their indexer's keys with the "
-                     f"selected-key core (sparse attention; the {run.attention.name} core only in a dense warm-up)")
+        notes.append(f"attention: decoder layers {', '.join(map(str, indexed))} attend to the keys their indexer (or "
+                     "an earlier layer's) selects with the selected-key core (sparse attention; the "
+                     f"{run.attention.name} core only in a dense warm-up)")
     return notes
 
 

@@ -190,6 +190,15 @@ HYBRID_MOE_KINDS = {
     # beside the shared MLP
     "granitemoehybrid": ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig", GRANITE_HYBRID),
 }
+# Gemma 4 attends at scale 1 with normalised q and k: at norm weights near one the tiny models' scores reach
+# +-head_dim, attention is near one-hot and 20 steps amplify fp32 summation noise past 1e-4 in any two layouts (one
+# card's micro-batches of 1 and 2 included); a quarter of that is smooth. Its released soft-cap (30) as well: a cap of
+# 3 on logits near 1 amplifies the same noise
+GEMMA4_QK_SCALE = 0.25
+GEMMA4_TEXT = dict(SHAPE, num_key_value_heads=1, head_dim=16, global_head_dim=32, num_global_key_value_heads=2,
+                   attention_k_eq_v=True, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
+                   hidden_size_per_layer_input=8, vocab_size_per_layer_input=4096, num_kv_shared_layers=2,
+                   use_double_wide_mlp=True, final_logit_softcapping=30.0)
 # transformers 5 only, compared on logits in one process (tests/test_model_folders.py): Granite 4.0-H without experts,
 # rotary on its attention layers; Falcon-H1 with each order of its optional gated norm
 VARIANT_KINDS = {"granitemoehybrid_dense": ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig", dict(
@@ -198,7 +207,12 @@ VARIANT_KINDS = {"granitemoehybrid_dense": ("GraniteMoeHybridForCausalLM", "Gran
     "falcon_h1_norm_first": ("FalconH1ForCausalLM", "FalconH1Config", dict(
         FALCON_H1, mamba_rms_norm=True, mamba_norm_before_gate=True)),
     "falcon_h1_gate_first": ("FalconH1ForCausalLM", "FalconH1Config", dict(
-        FALCON_H1, mamba_rms_norm=True, mamba_norm_before_gate=False))}
+        FALCON_H1, mamba_rms_norm=True, mamba_norm_before_gate=False)),
+    # Gemma 4 31B's layers: full layers with their keys as values (one head), no per-layer inputs, no shared keys and
+    # values; a soft-cap of 3 on these logits (near 1) bends them
+    "gemma4_text_31b": ("Gemma4ForCausalLM", "Gemma4TextConfig", dict(
+        GEMMA4_TEXT, num_key_value_heads=2, num_global_key_value_heads=1, hidden_size_per_layer_input=0,
+        num_kv_shared_layers=0, use_double_wide_mlp=False, final_logit_softcapping=3.0))}
 # dense families of 2025-26 only transformers 5 has, declared on what exists: OLMo 3's windows on three layers of four
 # with a rotary per layer type (YaRN-like scaling on full layers only), Seed-OSS's q/k/v biases without an o bias
 DECLARED_KINDS = {
@@ -213,6 +227,10 @@ DECLARED_KINDS = {
                                                                     "rope_theta": 10000.0})),
     # Apertus: per-head q/k norms, an ungated MLP with its learned xIELU, llama3-scaled rotary
     "apertus": ("ApertusForCausalLM", "ApertusConfig", dict(SHAPE, num_key_value_heads=2, rope_parameters=LLAMA3_ROPE)),
+    # Gemma 4 E2B's shape: per-layer embeddings, the last two layers reusing the keys and values of the first two
+    # (one of each type, so under pp2 they cross the stage) with MLPs twice as wide, one key/value head on
+    # sliding layers, full layers twice as wide with their keys as values (two heads)
+    "gemma4_text": ("Gemma4ForCausalLM", "Gemma4TextConfig", GEMMA4_TEXT),
 }
 LLAMA4_TEXT = dict(SHAPE, num_key_value_heads=2, head_dim=16, intermediate_size=32, intermediate_size_mlp=128,
                    num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layer_interval=2, attention_chunk_size=8,
@@ -244,6 +262,18 @@ MULTIMODAL_KINDS = {"qwen3_5_multimodal": ("Qwen3_5ForConditionalGeneration", "Q
         vision_config=dict(
             hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=16,
             patch_size=4, head_dim=16))),
+    # Mistral Small 3.x's folders: a Mistral text model (windows of 8) beside the same Pixtral tower
+    "mistral3_small_multimodal": ("Mistral3ForConditionalGeneration", "Mistral3Config", dict(
+        text_config=dict(KINDS["mistral"][2], model_type="mistral"), tie_word_embeddings=False, spatial_merge_size=1,
+        vision_config=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=16,
+            patch_size=4, head_dim=16))),
+    # Gemma 4 E2B/E4B's folders: the text model under model.language_model, a vision and an audio tower beside
+    "gemma4_multimodal": ("Gemma4ForConditionalGeneration", "Gemma4Config", dict(
+        text_config=GEMMA4_TEXT, vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                    num_attention_heads=2, patch_size=4),
+        audio_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, subsampling_conv_channels=[8, 4],
+                          output_proj_dims=32))),
     # Gemma 3 4B-27B's folders: a SigLIP tower of 16 patches pooled to 4 image tokens
     "gemma3_multimodal": ("Gemma3ForConditionalGeneration", "Gemma3Config", dict(
         text_config=KINDS["gemma3_text"][2], mm_tokens_per_image=4, vision_config=dict(
@@ -268,10 +298,19 @@ DECLARED_MOE_KINDS = {"glm4_moe_lite": ("Glm4MoeLiteForCausalLM", "Glm4MoeLiteCo
     "hunyuan_v1_moe": ("HunYuanMoEV1ForCausalLM", "HunYuanMoEV1Config", dict(
         SHAPE, num_key_value_heads=2, head_dim=16, intermediate_size=32, num_experts=4, moe_topk=2,
         rope_parameters={"rope_type": "dynamic", "alpha": 50.0, "factor": 1.0, "rope_theta": 10000.0})),
-    # DeepSeek-V3.2 and GLM-5: DeepSeek-V3's layers with sparse attention, each query's 8 best keys of the 24
+    # DeepSeek-V3.2 and GLM-5: DeepSeek-V3's layers with sparse attention, each query's 8 best keys of the 24; GLM-5.2's
+    # layers 1 and 2 reusing layer 0's selection (across the stage boundary under pp2)
     "deepseek_v32": ("DeepseekV32ForCausalLM", "DeepseekV32Config", dict(SPARSE_ATTENTION, first_k_dense_replace=1)),
     "glm_moe_dsa": ("GlmMoeDsaForCausalLM", "GlmMoeDsaConfig", dict(SPARSE_ATTENTION, mlp_layer_types=[
-        "dense", "sparse", "dense", "sparse"])),
+        "dense", "sparse", "dense", "sparse"], indexer_types=["full", "shared", "shared", "full"])),
+    # Gemma 4 26B-A4B: top-2 of 4 experts beside every layer's dense MLP (its scaled router, per-expert scales), on
+    # E2B's layers (per-layer inputs, shared keys and values)
+    "gemma4_text_moe": ("Gemma4ForCausalLM", "Gemma4TextConfig", dict(
+        GEMMA4_TEXT, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)),
+    # Hy3: per-head q/k norms, a dense first layer, sigmoid routing with a correction bias times a scale, a shared MLP
+    "hy_v3": ("HYV3ForCausalLM", "HYV3Config", dict(
+        SHAPE, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        initializer_range=0.02)),  # its default (0.006) leaves the logits near zero
     # MiniMax-M2: q/k norms over the whole projections, the rotary on half of each head, sigmoid routing with a bias
     "minimax_m2": ("MiniMaxM2ForCausalLM", "MiniMaxM2Config", dict(
         SHAPE, num_key_value_heads=2, head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
@@ -279,9 +318,10 @@ DECLARED_MOE_KINDS = {"glm4_moe_lite": ("Glm4MoeLiteForCausalLM", "Glm4MoeLiteCo
 ROUTED_KINDS = {**MOE_KINDS, **HYBRID_MOE_KINDS, **DECLARED_MOE_KINDS}  # their router weights spread (ROUTER_SCALE)
 STACKED_ON_DISK = ("gpt_oss",)  # kinds whose experts both versions store stacked (no per-expert layout)
 FUSED = "_fused"  # suffix of a kind's folder re-saved by transformers 5 in its in-memory layout (fused experts)
+RESAVED_FUSED = ("hy_v3",)  # kinds beside MOE_KINDS re-saved so (Hy3's in-memory names differ from its folders')
 ROUTER_SCALE = 30.0  # router weights times this: scores spread, so test tokens sit far from top-k ties
 SIGMOID_ROUTER_SCALE = 10.0  # sigmoid routers' (30 would saturate their scores at 0 and 1: ties again)
-SIGMOID_ROUTED = ("deepseek_v3", "glm4_moe", "kimi_linear", "nemotron_h_moe", "glm4_moe_lite")
+SIGMOID_ROUTED = ("deepseek_v3", "glm4_moe", "kimi_linear", "nemotron_h_moe", "glm4_moe_lite", "hy_v3")
 BIAS_SCALE = 0.05  # correction biases drawn from U(0, this): they change which experts are chosen, and none is
 # negative, where transformers 4.55 (groups left out filled with 0.0) and 5 (-inf) would route differently
 SEEDS = {"qwen2_moe": 1, "deepseek_v3": 5, "gpt_oss": 6}  # kinds whose seed-0 weights route some token of the layout runs within 1e-4 of a tie
@@ -345,7 +385,10 @@ def make(kind: str, folder: Path, seed: int = 0) -> Path:
         for name, param in model.named_parameters():
             if param.dim() == 1:
                 param.add_(0.1 * torch.randn_like(param))
-            elif name.endswith(("gate.weight", "router.weight")) and kind in ROUTED_KINDS:
+                if kind.startswith("gemma4") and name.endswith(("q_norm.weight", "k_norm.weight")):
+                    param.mul_(GEMMA4_QK_SCALE)
+            elif name.endswith(("gate.weight", "router.weight", "router.proj.weight")) and kind in ROUTED_KINDS \
+                    and not name.endswith("per_layer_input_gate.weight"):  # Gemma 4's per-layer inputs' gate: no router
                 param.mul_(SIGMOID_ROUTER_SCALE if kind in SIGMOID_ROUTED else ROUTER_SCALE)
             elif name.endswith("e_score_correction_bias"):  # ERNIE 4.5's: a parameter [1, E] (moe_statics)
                 param.copy_(BIAS_SCALE * torch.rand_like(param))
@@ -354,6 +397,8 @@ def make(kind: str, folder: Path, seed: int = 0) -> Path:
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(BIAS_SCALE * torch.rand_like(buffer))
+            elif name.endswith("layer_scalar"):  # Gemma 4's, stored: off one, so a layer without it shows
+                buffer.copy_(0.5 + torch.rand_like(buffer))
     model.save_pretrained(folder, safe_serialization=True)
     return Path(folder)
 
@@ -402,7 +447,7 @@ def make_with_answers(root: Path, rows: np.ndarray, ids: np.ndarray, kinds: list
     answers = {}
     for kind in kinds:
         folder = make(kind, root / kind, SEEDS.get(kind, 0))
-        if kind in MOE_KINDS and int(transformers.__version__.split(".")[0]) >= 5:  # experts stacked, gate+up fused
+        if kind in (*MOE_KINDS, *RESAVED_FUSED) and int(transformers.__version__.split(".")[0]) >= 5:  # experts stacked
             transformers.AutoModelForCausalLM.from_pretrained(str(folder)).save_pretrained(
                 root / f"{kind}{FUSED}", save_original_format=False)
         answers[kind] = {"loss": loss(folder, rows), "version": transformers.__version__}

@@ -169,11 +169,11 @@ def assert_continues_single_card(pretrain_run, resumed: Run, rtol: float) -> Non
     np.testing.assert_allclose(history(pretrain_run, resumed)["losses"], continued(reference["losses"]), rtol=rtol)
 
 
-def assert_written_as_planned(pretrain_run, run: Run) -> dict[int, int]:
-    """`run`'s step-10 checkpoint: every rank writes a share, each tensor by the rank the planner
+def assert_written_as_planned(pretrain_run, run: Run, step: int = RESUME_STEP) -> dict[int, int]:
+    """`run`'s checkpoint of `step`: every rank writes a share, each tensor by the rank the planner
     predicts, and it verifies; returns the bytes each rank wrote."""
     _, out = pretrain_run(run)
-    folder = out / f"checkpoint-{RESUME_STEP}"
+    folder = out / f"checkpoint-{step}"
     written, writer = written_by_rank(folder)
     assert sorted(written) == list(range(run.nproc))
     assert writer == planned_writers(folder, run.flags, run.nproc)

@@ -70,9 +70,45 @@ FAMILIES = {  # model_type -> our config fields (layer 0 sliding where the famil
     "deepseek_v32": dict(BASE, num_key_value_heads=6, q_lora_rank=24, kv_lora_rank=20, qk_nope_head_dim=16,
                          qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=2, num_experts=4, n_group=1,
                          topk_group=1, num_experts_per_tok=2, index_topk=16, index_head_dim=16, index_n_heads=3),
+    # GLM-5.2's: layer 0 runs its indexer (16 of 64 keys) and hands its selection on, layer 1 attends to it
+    "glm_moe_dsa": dict(BASE, num_key_value_heads=6, q_lora_rank=24, kv_lora_rank=20, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16, mlp_layer_types=["dense", "dense"], num_experts=4, n_group=1,
+                        topk_group=1, num_experts_per_tok=2, index_topk=16, index_head_dim=16, index_n_heads=3,
+                        indexer_types=["full", "shared"]),
     # the learned xIELU activation of an ungated MLP
     "apertus": dict(BASE),
+    # Gemma 4: per-layer inputs; layer 0 (full: 32-wide heads, one key/value head, the proportional rotary) stores
+    # its keys and values, layer 1 (full too: the last layer is) reuses them with an MLP twice as wide
+    "gemma4_text": dict(BASE, head_dim=16, num_key_value_heads=1, global_head_dim=32, sliding_window=8,
+                        layer_types=["full_attention", "full_attention"], hidden_size_per_layer_input=8,
+                        vocab_size_per_layer_input=512, num_kv_shared_layers=1, use_double_wide_mlp=True),
+    # Gemma 4 31B's full layers: keys as values (two heads of 32), the proportional rotary; no per-layer inputs
+    "gemma4_text_31b": dict(BASE, model_type="gemma4_text", head_dim=16, global_head_dim=32,
+                            num_global_key_value_heads=2, attention_k_eq_v=True, sliding_window=8,
+                            layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=0),
 }
+
+
+def _carried(layer, config) -> tuple[paddle.Tensor, ...]:
+    """What travels into a Gemma 4 layer (`blocks/carried.py`): its per-layer inputs, the keys and values it
+    reuses (in the sharing layer type's geometry), each requiring its gradient; into a GLM-5.2 shared layer
+    the selection it reuses (each query's nearest earlier keys, as `handed_on` spells them)."""
+    shapes = []
+    for name in getattr(layer.declared, "carried_in", ()):
+        if name == "selection":
+            positions = np.arange(SEQ)[:, None] - np.arange(config.index_topk)[None, :]
+            return (paddle.to_tensor(np.broadcast_to(np.where(positions >= 0, positions, -1), (BATCH,) + positions.shape)
+                                     .astype(np.float32)),)
+        if name.startswith("per_layer_input"):
+            shapes.append([BATCH, SEQ, config.hidden_size_per_layer_input])
+        else:
+            full = name.startswith("full")
+            heads = config.num_global_key_value_heads if full and config.attention_k_eq_v else config.num_key_value_heads
+            shapes.append([BATCH, SEQ, heads, config.global_head_dim if full else config.head_dim])
+    carried = tuple(paddle.randn(shape) for shape in shapes)
+    for tensor in carried:
+        tensor.stop_gradient = False
+    return carried
 
 
 def _layers(model):
@@ -85,7 +121,8 @@ def _layers(model):
 def test_each_layers_saved_bytes_equal_its_declarations_model(model_type, core, documents):
     """Per document too: each layer's rotary rows gathered by document position, the dense core's
     mask per batch row."""
-    config = config_from_dict(dict(model_type=model_type, **FAMILIES[model_type]))
+    config = config_from_dict({"model_type": model_type, **FAMILIES[model_type]})
+    model_type = config.model_type
     run = Execution(attention=CORES[core], documents=(0,) if documents else None)
     layers = _layers(family(model_type).causal_lm(config, run))
     layers.train()
@@ -94,7 +131,9 @@ def test_each_layers_saved_bytes_equal_its_declarations_model(model_type, core, 
     for index, layer in enumerate(layers):
         hidden = paddle.randn([BATCH, SEQ, config.hidden_size])
         hidden.stop_gradient = False
-        measured = saved_activation_bytes(layer, lambda: layer(state(hidden, positions)), rotary_constants(layer, SEQ))
+        carried = _carried(layer, config)
+        measured = saved_activation_bytes(layer, lambda: layer(state(hidden, positions, carried)),
+                                          rotary_constants(layer, SEQ))
         assert measured == family(model_type).layer_saved_bytes(config, run, BATCH, SEQ, index=index), index
     workload = plan_for(config, Layout(world_size=1), "--per_device_train_batch_size", str(BATCH), "--max_seq_length",
                         str(SEQ), "--attention_core", core, f"--use_global_causal_attn={not documents}").workload()

@@ -1,6 +1,6 @@
 """Users' base models trained as they come: folders saved by transformers 4.x and 5 start the
 trainer (real processes) at transformers' loss, the families whose attention differs per layer
-start under tp2 x pp2 + SP, Gemma 3 trains like single card under tp2 x pp2 and resumes
+start under tp2 x pp2 + SP, Gemma 4 trains like single card under tp2 x pp2 and resumes
 under another layout, and exports load back into transformers (and our checkpoints into PaddleNLP's
 models) with the same logits.
 
@@ -9,11 +9,12 @@ and Qwen2), each from its transformers 5 folder in one tp2 x pp2 + SP launch and
 card, with windows shorter than the batch (`workers/folders_worker.py`: the blockwise core with blocks
 of 8, so windows cut across blocks), start: the loss on the batch is transformers' (1e-5), two steps train, and
 each checkpoint, saved in transformers' layout (`--save_to_hf`), loads as it is in the transformers
-that saved its folder with our logits (1e-4). Gemma 3 (tied, sandwich norms, q/k norms, windows, a
-rotary per layer type) trains 20 steps on one card and under tp2 x pp2, and resumes the latter's
-step-10 checkpoint, saved in transformers' layout, under cp2 x tp2 + SP; so do Qwen3.5 and Nemotron-H,
-their tp2 x pp2 runs with SP and full recompute (Gemma 3 with one key/value head: each tp rank holds its
-projections whole). LLaMA
+that saved its folder with our logits (1e-4). Gemma 4 (tied, sandwich norms, q/k/v norms, windows,
+a rotary and a geometry per layer type, per-layer embeddings, the last two layers reusing the first
+two's keys and values across the stage boundary) trains 20 steps on one card and under tp2 x pp2, and
+resumes the latter's step-10 checkpoint, saved in transformers' layout, under cp2 x tp2 + SP; so do
+Qwen3.5 and Nemotron-H, their tp2 x pp2 runs with SP and full recompute (Gemma 4's sliding layers with
+one key/value head: each tp rank holds their projections whole). LLaMA
 (tied, Llama 3.1 rope; their own tokenizers) and GPT-2 (its fused c_attn cut into q, k, v on load; over
 tp in the per-layer launch) train 3 steps on one card through the trainer's flags; the transformers 5 folders whose
 fields differ in their own way start in the per-layer launch.
@@ -49,18 +50,21 @@ PARITY_RTOL = 1e-4  # over 20 steps (the issue's bound)
 RESUME_RTOL = 1e-5
 EXPORT_TOL = 1e-4
 SP = ("--sequence_parallel",)
-# the families trained 20 steps under tp2 x pp2, whose step-10 checkpoint resumes under cp2 x tp2 + SP: Gemma 3's
-# windows and Qwen3.5's and Nemotron-H's recurrent layers (their state and conv windows carried between the
-# parts). (Phi-3's were retired: its fused projections and longrope over tp are the per-layer launch's, stage3
-# beside tp a LLaMA resume's in tests/test_sharding_stages.py.)
-TWENTY_STEPS = ["gemma3_text", "qwen3_5_text", "nemotron_h"]
+# the families trained 20 steps under tp2 x pp2, whose step-10 checkpoint resumes under cp2 x tp2 + SP: Gemma 4's
+# windows, per-layer inputs and shared keys and values, and Qwen3.5's and Nemotron-H's recurrent layers (their state
+# and conv windows carried between the parts). (Phi-3's were retired: its fused projections and longrope over tp are
+# the per-layer launch's, stage3 beside tp a LLaMA resume's in tests/test_sharding_stages.py; Gemma 3's for Gemma 4's,
+# whose layers have all of its but the 1 + weight norms, which Gemma 3's and Gemma's starts train.)
+TWENTY_STEPS = ["gemma4_text", "qwen3_5_text", "nemotron_h"]
 RESUMED_UNDER = ("--context_parallel_degree", "2") + TP2 + SP
 # what a family's tp2 x pp2 run adds: the hybrids' recurrent layers (their span recompute inside) and gated attention
 # under full recompute and SP
 SPLIT_WITH = {"qwen3_5_text": SP + ("--recompute",), "nemotron_h": SP + ("--recompute",)}
 # folders whose shape is not the runs' MODEL flags' (4 layers, 2 key/value heads): Nemotron-H's M * - on each of two
-# stages; Gemma 3's one key/value head (Gemma 3 270M's and 1B's), which tp2 gives each rank whole
-FOLDER_SHAPE = {"nemotron_h": ("--num_hidden_layers", "6"), "gemma3_text": ("--num_key_value_heads", "1")}
+# stages; Gemma 3's one key/value head (Gemma 3 270M's and 1B's) and Gemma 4's on sliding layers, which tp2 gives
+# each rank whole
+FOLDER_SHAPE = {"nemotron_h": ("--num_hidden_layers", "6"), "gemma3_text": ("--num_key_value_heads", "1"),
+                "gemma4_text": ("--num_key_value_heads", "1")}
 # the run whose last checkpoint a PaddleNLP family exports and PaddleNLP loads (their transformers 5 starts)
 EXPORTED = {"qwen2": "qwen2:transformers5", "gemma": "gemma:transformers5"}
 # the kinds whose attention differs per layer, started from both versions' folders in one launch
@@ -185,22 +189,23 @@ def test_a_family_whose_attention_differs_per_layer_saves_a_checkpoint_the_trans
 
 def _root(kind: str, transformers4_folders, transformers5_folders):
     """The folders a kind's runs start from: transformers 4.x's, or 5's for the kinds only it has."""
-    return transformers5_folders if kind in hf_models.HYBRID_KINDS else transformers4_folders
+    return transformers5_folders if kind in (*hf_models.HYBRID_KINDS, *hf_models.DECLARED_KINDS) \
+        else transformers4_folders
 
 
 def _transformers_loss(folder, data_cache, steps: int, eval_steps: int) -> float:
     """The loss of the transformers that saved `folder` (4.x, or 5 for the kinds only it has) on step
     1's batch of a `steps`-step run."""
     rows = first_batch(data_cache, folder, steps, eval_steps)
-    return hf_models.loss(folder, rows) if folder.name not in (*hf_models.HYBRID_KINDS, *hf_models.MULTIMODAL_KINDS) \
-        else hf_models.transformers5_loss(folder, rows)
+    five_only = (*hf_models.HYBRID_KINDS, *hf_models.DECLARED_KINDS, *hf_models.MULTIMODAL_KINDS)
+    return hf_models.loss(folder, rows) if folder.name not in five_only else hf_models.transformers5_loss(folder, rows)
 
 
 @pytest.mark.parametrize("kind", TWENTY_STEPS)
 def test_a_new_family_starts_at_transformers_loss_and_trains_like_single_card_under_tp2_pp2(
         kind, runs, transformers4_folders, transformers5_folders, data_cache):
-    """Gemma 3 under tp2 x pp2, Qwen3.5 (a Gated DeltaNet and a gated attention layer per
-    stage) and Nemotron-H (a Mamba-2, an attention and an MLP layer per stage) under tp2 x pp2 + SP
+    """Gemma 4 under tp2 x pp2 (its per-layer inputs and shared keys and values crossing the stage),
+    Qwen3.5 (a Gated DeltaNet and a gated attention layer per stage) and Nemotron-H (a Mamba-2, an attention and an MLP layer per stage) under tp2 x pp2 + SP
     recomputing whole layers: step 1's loss is that of the transformers that saved the folder (1e-5),
     and 20 steps' losses, gradient norms and evaluations are one card's (1e-4)."""
     single, _ = runs(f"{kind}:single")
@@ -215,8 +220,8 @@ def test_a_new_family_starts_at_transformers_loss_and_trains_like_single_card_un
 
 @pytest.mark.parametrize("kind", TWENTY_STEPS)
 def test_a_new_familys_checkpoint_resumes_under_another_layout_on_the_single_card_curve(kind, runs):
-    """Gemma 3 (q/k norms, tied; windows of 8 keys, which under cp2 reach from each rank's 8-token part
-    into the one before), Qwen3.5 (fused q/k/v projection and conv on disk) and Nemotron-H (fused
+    """Gemma 4 (q/k/v norms, tied; windows of 8 keys, which under cp2 reach from each rank's 8-token part
+    into the one before; its shared keys and values around the ring, its per-layer inputs under SP), Qwen3.5 (fused q/k/v projection and conv on disk) and Nemotron-H (fused
     in_proj and conv1d) under cp2 x tp2 + SP, from the tp2 x pp2 run's checkpoint in transformers' layout: every weight and
     Adam state read back exact, and steps 11-14 continue the single-card run (the hybrids' under context
     parallelism: their recurrent layers run each rank's parts from the states and conv windows the parts

@@ -17,11 +17,24 @@ import pytest
 from conftest import IDS
 
 from checkpoint.format import CheckpointError
+from modeling.attention_core import CORES
+from modeling.config import ModelConfigError
 from modeling.deepseek import DeepseekV3Config
-from modeling.registry import FAMILIES, config_from_dict, family_of, plan_of
+from modeling.execution import Execution
+from modeling.registry import (
+    FAMILIES,
+    LayoutModelError,
+    config_from_dict,
+    core_notes,
+    family_of,
+    load_config,
+    plan_of,
+    validate_layout,
+)
 from paddle_pp.data.preprocess import preprocess
 from paddle_pp.data.tokenizer import load_text_tokenizer
-from paddle_pp.interop.pretrained import PADDLENLP, TRANSFORMERS, load_pretrained, open_pretrained
+from paddle_pp.interop.pretrained import PADDLENLP, TRANSFORMERS, load_pretrained, open_pretrained, our_config_of
+from paddle_pp.runtime.layout import Layout
 from paddle_pp.training.arguments import parse_args
 from paddle_pp.training.decoding import carries_state
 from paddle_pp.training.generation import load_generator
@@ -47,10 +60,11 @@ def test_a_folder_saved_by_transformers_4_or_5_gives_transformers_logits(kind, t
 
 
 @pytest.mark.parametrize("kind", list(hf_models.VARIANT_KINDS))
-def test_a_variant_of_a_hybrid_family_gives_transformers_5_logits(kind, transformers5_folders):
+def test_a_variant_of_a_family_gives_transformers_5_logits(kind, transformers5_folders):
     """Granite 4.0-H without experts (its shared MLP the whole feed-forward part) and with rotary
-    attention, Falcon-H1 with Mamba-2's gated norm before and after the gate: our model gives the
-    logits of transformers 5, which saved it."""
+    attention, Falcon-H1 with Mamba-2's gated norm before and after the gate, Gemma 4 31B's layers (keys
+    as values on full layers, without per-layer inputs or shared keys, a soft-cap that bends the
+    logits): our model gives the logits of transformers 5, which saved it."""
     np.testing.assert_allclose(our_logits(transformers5_folders / kind, IDS), np.load(transformers5_folders / f"{kind}.npy"),
                                atol=LOGITS_TOL, rtol=LOGITS_TOL)
 
@@ -126,6 +140,79 @@ def test_a_config_field_that_changes_the_model_and_is_not_modelled_is_refused_by
     kind, fields, message = REFUSED[case]
     with pytest.raises(CheckpointError, match=message):
         open_pretrained(_edited(transformers4_folders / kind, tmp_path / case, **fields))
+
+
+GEMMA4_REFUSED = {  # config.json fields of a Gemma 4 folder, what the refusal names
+    "experts_unsized": ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 8, "moe_intermediate_size": 16},
+                        r"enable_moe_block needs .* top_k_experts between 1 and num_experts \(given 4, 16, 8\)"),
+    "encoder": ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention='all'"),
+    "sliding_override": ({"per_layer_config": {"0": {"head_dim": 32}, "1": {"head_dim": 32}, "3": {"head_dim": 32}}},
+                         "per_layer_config=.*only the same head_dim and num_key_value_heads on every full_attention"),
+    "full_rotary": ({"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+                    "rope_type 'linear': Gemma 4's full layers are modelled with its 'proportional' rotary"),
+    "orphan_sharing": ({"num_kv_shared_layers": 3}, "no layer before the shared ones is of type full_attention"),
+}
+
+
+@pytest.mark.parametrize("case", list(GEMMA4_REFUSED))
+def test_a_gemma4_folder_asking_for_what_is_not_modelled_is_refused_by_name(case, transformers5_folders, tmp_path):
+    """26B-A4B's experts asked to choose more experts than there are, an encoder's bidirectional
+    attention, per-layer overrides other than the full layers' geometry, another rotary on the full layers, shared layers of a type no earlier
+    layer computes: each named before a model is built."""
+    fields, message = GEMMA4_REFUSED[case]
+    folder = _edited(transformers5_folders / "gemma4_text", tmp_path / case, **fields)
+    with pytest.raises((CheckpointError, ModelConfigError), match=message):
+        args = parse_args(["--model_name_or_path", str(folder), "--max_seq_length", "32"])
+        model_config(args.model, 32, 4096, open_pretrained(folder), args.given).validate()
+
+
+def test_a_gemma4_folder_keeping_projections_its_shared_layers_do_not_use_reads_as_transformers_does(
+        transformers5_folders, tmp_path):
+    """Some folders keep k_proj / k_norm for the layers that reuse earlier keys and values (transformers'
+    ignore list): they are left unread with a note, and the logits are transformers' without them."""
+    from safetensors.numpy import load_file, save_file
+
+    folder = _edited(transformers5_folders / "gemma4_text", tmp_path / "gemma4_extra")
+    weights = load_file(str(folder / "model.safetensors"))
+    weights |= {"model.layers.2.self_attn.k_proj.weight": np.ones((16, 64), np.float32),
+                "model.layers.3.self_attn.k_norm.weight": np.ones((32,), np.float32)}
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (note,) = open_pretrained(folder).notes
+    assert "2 tensors under model.layers.2.self_attn.k_proj., model.layers.3.self_attn.k_norm. left unread" in note
+    np.testing.assert_allclose(our_logits(folder, IDS), np.load(transformers5_folders / "gemma4_text.npy"),
+                               atol=LOGITS_TOL, rtol=LOGITS_TOL)
+
+
+def test_a_gemma4_model_is_refused_under_the_interleaved_schedules_before_any_process_group(transformers5_folders):
+    """What travels beside its hidden states changes from stage to stage, which 1F1B sends and vpp and
+    DualPipeV (one cached shape) do not: refused by name, 1F1B accepted."""
+    config = load_config(transformers5_folders / "gemma4_text")
+    for schedule in ({"virtual_pp_degree": 2}, {"pipeline_schedule": "DualPipeV"}):
+        with pytest.raises(LayoutModelError, match="what its layers hand to later layers .* travels between"):
+            validate_layout(config, Layout(world_size=2, pipeline_parallel_degree=2, **schedule))
+    validate_layout(config, Layout(world_size=2, pipeline_parallel_degree=2))
+
+
+@pytest.mark.parametrize("model_type, name", [("minimax_m2", "MiniMax-M2"), ("hy_v3", "Hy3")])
+def test_a_sigmoid_routed_model_asking_for_transformers_softmax_balance_loss_is_refused_by_name(model_type, name):
+    """MiniMax-M2 and Hy3 choose experts by sigmoid plus a correction bias, which balances them; the loss
+    transformers adds under `output_router_logits` ranks them by a softmax they are not chosen by."""
+    with pytest.raises(ModelConfigError, match=f"output_router_logits=true: {name}'s balance loss .* by sigmoid"):
+        config_from_dict({"model_type": model_type, "output_router_logits": True}).validate()
+    config_from_dict({"model_type": model_type}).validate()
+
+
+def test_gemma4_31bs_full_layers_take_the_blockwise_core_where_flash_cannot_compute_them():
+    """FlashAttention-2 computes head sizes up to 256: under the flash core (a GPU run's) Gemma 4 31B's
+    full layers (512 wide) take the blockwise core, and the run's start says which."""
+    released = Path(__file__).resolve().parents[1] / "bench" / "configs" / "gemma4_31b.json"  # as the planner reads it
+    config = config_from_dict(our_config_of(json.loads(released.read_text()), released))
+    assert (config.global_head_dim, config.num_global_key_value_heads, config.attention_k_eq_v) == (512, 4, True)
+    full = [str(index) for index in range(config.num_hidden_layers) if config.layer_types[index] == "full_attention"]
+    assert core_notes(config, Execution(attention=CORES["flash"])) == [
+        f"attention: decoder layers {', '.join(full)} take the blockwise core (the flash core does not compute a "
+        "head size of 512 (FlashAttention-2 computes at most 256))"]
 
 
 @pytest.mark.parametrize("kind, fields, windows", [

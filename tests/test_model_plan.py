@@ -61,9 +61,17 @@ CONFIGS = {  # each family with what sets it apart: GQA, tied embeddings, biases
                          index_n_heads=2),
     "glm_moe_dsa": dict(SHAPE, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
                         qk_rope_head_dim=4, v_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                        mlp_layer_types=["dense", "sparse"] * 2, index_topk=4, index_head_dim=8, index_n_heads=2),
+                        mlp_layer_types=["dense", "sparse"] * 2, index_topk=4, index_head_dim=8, index_n_heads=2,
+                        index_topk_pattern="FSSF"),  # GLM-5.2's: layers 1 and 2 without an indexer
     "minimax_m2": dict(SHAPE, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, rotary_dim=4),
     "apertus": dict(SHAPE, num_key_value_heads=2),
+    "hy_v3": dict(SHAPE, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+    # Gemma 4: per-layer embeddings, full layers 16 wide with keys as values (one head), the last two layers reusing
+    # the first two's keys and values, a buffer per layer, experts beside each dense MLP
+    "gemma4_text": dict(SHAPE, num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
+                        attention_k_eq_v=True, layer_types=["sliding_attention", "full_attention"] * 2,
+                        hidden_size_per_layer_input=4, vocab_size_per_layer_input=64, num_kv_shared_layers=2,
+                        enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16),
     "glm4_moe": dict(SHAPE, num_key_value_heads=2, head_dim=8, num_experts=4, n_group=1, topk_group=1,
                      num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1, use_qk_norm=True,
                      attention_bias=True),
@@ -139,7 +147,8 @@ def test_linears_split_by_column_or_row_and_every_layer_sits_on_one_stage(built)
     family, config, _ = built
     plan = family.tensor_plan(config)
     routers = {name for name in plan
-               if name.endswith((".gate.weight", ".shared_expert_gate.weight", ".router.weight", ".router.bias"))}
+               if name.endswith((".gate.weight", ".shared_expert_gate.weight", ".router.weight", ".router.bias",
+                                   ".router.proj.weight"))}
     assert all(plan[name].placement.tp is None for name in routers), "every tp rank routes the same tokens"
     latents = {name for name in plan if name.endswith(("q_a_proj.weight", "kv_a_proj_with_mqa.weight",
                                                        "f_a_proj.weight", "g_a_proj.weight",  # Kimi Delta's low ranks
@@ -147,8 +156,11 @@ def test_linears_split_by_column_or_row_and_every_layer_sits_on_one_stage(built)
     assert all(plan[name].placement.tp is None for name in latents), "every head reads the whole latent"
     indexers = {name for name in plan if ".indexer." in name}  # sparse attention's: every rank selects the same keys
     assert all(plan[name].placement.tp is None and plan[name].tp_partial_grad is None for name in indexers)
+    per_layer = {name for name in plan if name.endswith(("per_layer_input_gate.weight", "per_layer_projection.weight",
+                                                         "per_layer_model_projection.weight"))}
+    assert all(plan[name].placement.tp is None for name in per_layer), "Gemma 4's per-layer inputs: whole, token-local"
     assert all(row.placement.tp in (COLUMN, ROW) for name, row in plan.items()
-               if row.linear and len(row.shape) == 2 and name not in routers | latents | indexers)
+               if row.linear and len(row.shape) == 2 and name not in routers | latents | indexers | per_layer)
     for pp, vpp in ((2, 1), (2, 2), (4, 1)):
         stages = {name: plan.stages(name, pp, vpp) for name in plan}
         assert all(len(held) == 1 for name, held in stages.items() if isinstance(plan[name].placement.stage, int))

@@ -62,10 +62,12 @@ def test_an_moe_folder_of_transformers_4_or_5_gives_their_logits(kind, moe_folde
     assert "num_local_experts" in written5 and "num_experts" not in written5, "5.23 writes qwen3_moe the new way"
 
 
-@pytest.mark.parametrize("kind", [kind for kind in KINDS if kind not in hf_models.STACKED_ON_DISK])
+@pytest.mark.parametrize("kind", [kind for kind in KINDS if kind not in hf_models.STACKED_ON_DISK]
+                         + list(hf_models.RESAVED_FUSED))
 def test_a_transformers_5_folder_with_fused_experts_reads_as_its_per_expert_folder(kind, moe_folders):
     """transformers 5.23 re-saving a folder in its in-memory layout (`save_original_format=False`:
-    each layer's experts stacked, gate and up fused [E, 2I, H]; Mixtral's block named mlp) gives
+    each layer's experts stacked, gate and up fused [E, 2I, H]; Mixtral's block named mlp; Hy3's
+    router, correction bias and shared experts under their in-memory names) gives
     every tensor, and each tp2 rank's piece of it, bit for bit as the per-expert folder does, so
     transformers' logits."""
     from safetensors import safe_open

@@ -1,7 +1,7 @@
 """Mixture-of-experts training across layouts (real processes, fp32): a DeepSeek-V3-shaped model
-trains like single card under dp2 x sharding2 stage1 with ep4 (experts across the sharding ranks),
-cp2 x sharding2 stage1 x ep2, and sharding2 stage2 without ep; its cp2 x ep2
-checkpoint resumes under ep4 across the sharding ranks and on one card, and after a kill mid-save on
+trains like single card under cp2 x sharding2 stage1 x ep2 and sharding2 stage2 without ep; its cp2 x
+ep2 checkpoint resumes on that curve under dp2 x sharding2 stage1 with ep4 (experts across the sharding
+ranks) and on one card, and after a kill mid-save on
 one card; a Switch-routed Qwen2-MoE trains like single card with its sequences cut over cp.
 """
 
@@ -28,8 +28,8 @@ from moe_cases import (
 from paddle_pp.runtime.launch import LaunchError, launch
 
 from runs import (
+    CONTINUED,
     HALF,
-    MICRO1,
     MICRO4,
     MODEL,
     RESUME_STEP,
@@ -41,18 +41,21 @@ from runs import (
     history,
 )
 
+RESUMED_SAVE = RESUME_STEP + CONTINUED  # the resumed ep4 run's last step, saved
+
 
 @pytest.fixture(scope="module")
 def moe_runs(moe_folders):
     """A DeepSeek-V3-shaped model (latent attention with yarn, a dense first layer, then 8 experts in 2
     groups with sigmoid routing, correction biases and a shared expert; a multi-token prediction
     layer) from its transformers 5 folder: 20 steps on one card, and the first 10 of them (saving at
-    step 10) under each of these layouts: under dp2 x sharding2 stage1 over ep4 (the expert group
-    across the sharding ranks, each rank updating its own experts outside stage1's partition); under
-    cp2 x sharding2 stage1 over ep2 with full recompute, a micro-batch of 4 a step (each expert's
-    states on one of its two replicas, the cp peers); under sharding2 stage2 without ep (2 ranks, each
-    accumulating two micro-batches of 2 a step); and the cp2 x ep2 step-10 checkpoint resumed under
-    ep4 across the sharding ranks (two experts per rank) and on one card. (Its layers under pp with
+    step 10) under each of these layouts: under cp2 x sharding2 stage1 over ep2 with full recompute, a
+    micro-batch of 4 a step (each expert's states on one of its two replicas, the cp peers); under
+    sharding2 stage2 without ep (2 ranks, each accumulating two micro-batches of 2 a step); and the cp2 x
+    ep2 step-10 checkpoint resumed under dp2 x sharding2 stage1 over ep4 (the expert group across the
+    sharding ranks, two experts per rank, each rank updating its own experts outside stage1's
+    partition; saving at step 14) and on one card. (dp2 x sharding2 stage1 over ep4 trained 10 steps of
+    its own too, retired: its resume trains that layout on the curve and its save is checked. Its layers under pp with
     tp, SP and ep beside them: the MoE starts' split layout, this folder on 8 ranks,
     tests/test_moe_starts.py; with recompute there too: DeepSeek-V3.2's 10 steps,
     tests/test_sparse_training.py, which retired this suite's dp2 x pp2 x ep2 run. ep2 over the data
@@ -63,17 +66,16 @@ def moe_runs(moe_folders):
     saved = Run("deepseek_ep2_cp2_stage1_recompute", 4, start + EP2 + MICRO4 + HALF + (
         "--context_parallel_degree", "2", "--sharding_parallel_degree", "2", "--sharding", "stage1", "--recompute"))
     return {"single": single, "ep2_cp2_stage1": saved,
-            "ep4_stage1": Run("deepseek_ep4_stage1", 4, start + EP4 + MICRO1 + HALF + (
-                "--sharding_parallel_degree", "2", "--sharding", "stage1")),
             "stage2": Run("deepseek_sharding2_stage2", 2, start + HALF + (
                 "--sharding_parallel_degree", "2", "--sharding", "stage2", "--recompute")),
             "resumed_ep4": Run("deepseek_resumed_ep4_stage1", 4, start + EP4 + (
-                "--sharding_parallel_degree", "2", "--sharding", "stage1"), resume_from=saved),
+                "--sharding_parallel_degree", "2", "--sharding", "stage1", "--save_steps", str(RESUMED_SAVE)),
+                resume_from=saved),
             "resumed_single": Run("deepseek_resumed_single", 1, start, resume_from=saved)}
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", ["ep4_stage1", "ep2_cp2_stage1", "stage2"])
+@pytest.mark.parametrize("layout", ["ep2_cp2_stage1", "stage2"])
 def test_a_deepseek_v3_shaped_model_trains_like_single_card(layout, moe_runs, pretrain_run, moe_folders):
     """Losses, evaluation, grad norms, aux losses, multi-token prediction losses and step-10 weights (the
     correction biases, moved every step by the balancing rule, and the prediction layer on the last
@@ -110,13 +112,13 @@ def test_a_deepseek_checkpoint_resumes_across_expert_parallel_sizes_on_the_singl
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", ["ep4_stage1", "ep2_cp2_stage1"])
-def test_an_expert_parallel_save_is_written_by_every_rank_as_the_planner_predicts(layout, moe_runs, pretrain_run):
+@pytest.mark.parametrize("layout, step", [("resumed_ep4", RESUMED_SAVE), ("ep2_cp2_stage1", RESUME_STEP)])
+def test_an_expert_parallel_save_is_written_by_every_rank_as_the_planner_predicts(layout, step, moe_runs, pretrain_run):
     """Each expert's tensors come from one of the ranks holding it (the planner's writer for each;
     with experts across sharding ranks, its AdamW states from the replica updating it, outside
     stage1's partition, the cp peers among the replicas), every rank writes a share, and the
     checkpoint verifies."""
-    assert_written_as_planned(pretrain_run, moe_runs[layout])
+    assert_written_as_planned(pretrain_run, moe_runs[layout], step)
 
 
 @pytest.mark.multiproc

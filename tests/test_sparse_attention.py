@@ -172,15 +172,22 @@ def test_the_language_model_loss_never_reaches_the_indexer_and_the_indexer_loss_
             np.testing.assert_array_equal(lm_only[name], both[name], err_msg=name)
 
 
-def test_sparse_attention_is_refused_by_name_under_context_parallelism_and_shared_selections_are_refused():
-    """cp needs the index keys other ranks hold; GLM-5.2's layers reusing another layer's selection would
-    carry it between pipeline stages: both named before any process group."""
+def test_sparse_attention_is_refused_by_name_under_context_parallelism_and_where_a_selection_cannot_travel():
+    """cp needs the index keys other ranks hold; GLM-5.2's shared layers (`indexer_types` as transformers
+    derives it from `index_topk_freq`) take their selection from the layer before them that selects: a
+    first layer with none to take, and the interleaved schedules (one cached shape for what travels
+    between stages), are named before any process group; 1F1B plans."""
     config = config_from_dict(dict(SMALL_DSA))
     with pytest.raises(LayoutModelError, match="decoder layer 0's sparse attention selects .* cp other ranks hold"):
         validate_layout(config, Layout(world_size=2, context_parallel_degree=2))
-    glm = config_from_dict({"model_type": "glm_moe_dsa", "num_hidden_layers": 4, "index_topk_freq": 2})
-    with pytest.raises(ModelConfigError, match="indexer_types .*shared not modelled"):
-        glm.validate()
+    glm = dict(SMALL_DSA, model_type="glm_moe_dsa", num_hidden_layers=4, index_topk_freq=2)
+    assert config_from_dict(dict(glm)).indexer_types == ["full", "full", "shared", "full"]
+    with pytest.raises(ModelConfigError, match="indexer_types starts with 'shared'"):
+        config_from_dict(dict(glm, indexer_types=["shared", "full", "full", "full"])).validate()
+    with pytest.raises(LayoutModelError, match="--virtual_pp_degree 2 with GlmMoeDsaForCausalLM: what its layers hand"):
+        validate_layout(config_from_dict(dict(glm)), Layout(world_size=2, pipeline_parallel_degree=2,
+                                                            virtual_pp_degree=2))
+    validate_layout(config_from_dict(dict(glm)), Layout(world_size=2, pipeline_parallel_degree=2))
 
 
 SMALL_DSA = {"model_type": "deepseek_v32", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
@@ -213,5 +220,5 @@ def test_the_run_says_its_sparse_layers_take_the_selected_key_core():
     """The run's attention core (here pinned blockwise) serves indexed layers only in a dense warm-up: the
     plan's notes say so by layer, rather than leaving the flag silently unused there."""
     notes = plan_for(config_from_dict(dict(SMALL_DSA)), Layout(world_size=1), "--attention_core", "blockwise").notes
-    assert any("decoder layers 0, 1 attend to their indexer's keys with the selected-key core" in note
+    assert any("decoder layers 0, 1 attend to the keys their indexer (or an earlier layer's) selects with the selected-key core" in note
                and "the blockwise core only in a dense warm-up" in note for note in notes), notes

@@ -47,6 +47,9 @@ def flash_refusal(device: str, dtype: str | None, head_dim: int, sm: tuple[int, 
     return None
 
 
+FLASH_HEAD_DIM = 256  # FlashAttention-2's largest head size (Gemma 4's full layers have 512)
+
+
 def spec_refusal(spec: CoreSpec, sinks: bool, qk_dim: int, v_dim: int) -> str | None:
     """What of a layer's attention Paddle 3.3.1's FlashAttention-2 does not compute, or None."""
     if spec.softcap is not None:
@@ -57,6 +60,8 @@ def spec_refusal(spec: CoreSpec, sinks: bool, qk_dim: int, v_dim: int) -> str | 
         return "attention sinks (not wired to Paddle's kernel here)"
     if v_dim != qk_dim:
         return f"v head size {v_dim} unlike q/k's {qk_dim} (the kernel needs equal ones)"
+    if qk_dim > FLASH_HEAD_DIM:
+        return f"a head size of {qk_dim} (FlashAttention-2 computes at most {FLASH_HEAD_DIM})"
     return None
 
 

@@ -3,7 +3,11 @@ grouped-query heads with their own head size (v's may differ from q's and k's), 
 per head (Qwen3, Gemma 3) or over the whole projection (OLMoE, OLMo-2), q/k/v clipping (MPT's
 `clip_qkv`), the layer's rotary (or none), its `CoreSpec` (window, scale, soft-cap, ALiBi) and
 per-head sinks; computed by the run's attention core on this tp rank's heads (or by the blockwise
-core where the run's cannot compute the layer: `AttentionCore.serving`)."""
+core where the run's cannot compute the layer: `AttentionCore.serving`). Gemma 4's layers take their
+values from the key projection (`values_from_keys`), normalise each value head without a weight
+(`value_norm`), and share keys and values between layers (`kv_sharing`): a storing layer hands its
+normalised, rotated keys and its values on, a reusing one has no projections for them and attends with
+those (`blocks/carried.py` carries them between layers and pipeline stages)."""
 
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from modeling.sequence_parallel import gather_tokens
 
 HEAD_NORM, PROJECTION_NORM = "head", "projection"  # q/k norms over each head, or over the whole projection
 L2_NORM = "l2"  # each rotated q and k head over its root mean square, no weight (Llama 4's rotary layers)
+STORE_KV, REUSE_KV = "store", "reuse"  # transformers' kv_sharing_modes: hands its keys and values on, attends with another's
 
 
 def l2_norm(x: paddle.Tensor, eps: float) -> paddle.Tensor:
@@ -116,24 +121,33 @@ class Attention(Declared):
     qk_norm_names: tuple[str, str] = ("q_norm", "k_norm")
     qk_norm_after_rotary: bool = False
     temperature: QueryTemperature | None = None  # Llama 4's query scales by position
+    values_from_keys: bool = False  # Gemma 4's attention_k_eq_v: no v_proj, values are k_proj's output
+    value_norm: bool = False  # each value head over its root mean square, no weight (Gemma 4's v_norm)
+    kv_sharing: str | None = None  # STORE_KV, REUSE_KV or None
+    kv_unit: str = "num_key_value_heads"  # the config field its key/value heads are (Gemma 4's full layers: another)
     recurrent: ClassVar[bool] = False  # a token mixer with an attention core (a recurrent one: blocks/gated_delta.py)
 
     @property
     def v_dim(self) -> int:
         return self.v_head_dim or self.head_dim
 
+    @property
+    def reuses_kv(self) -> bool:
+        return self.kv_sharing == REUSE_KV
+
     def parts(self) -> dict[str, Part]:
         q_width, k_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
         parts: dict[str, Part] = {
-            "q_proj": ColumnLinear(self.hidden, q_width * (2 if self.output_gate else 1), self.qkv_bias),
-            "k_proj": ColumnLinear(self.hidden, k_width, self.qkv_bias, self.kv_heads),
-            "v_proj": ColumnLinear(self.hidden, self.kv_heads * self.v_dim, self.qkv_bias, self.kv_heads),
-            self.output: RowLinear(self.heads * self.v_dim, self.hidden, self.o_bias),
-        }
+            "q_proj": ColumnLinear(self.hidden, q_width * (2 if self.output_gate else 1), self.qkv_bias)}
+        if not self.reuses_kv:
+            parts["k_proj"] = ColumnLinear(self.hidden, k_width, self.qkv_bias, self.kv_heads)
+            if not self.values_from_keys:
+                parts["v_proj"] = ColumnLinear(self.hidden, self.kv_heads * self.v_dim, self.qkv_bias, self.kv_heads)
+        parts[self.output] = RowLinear(self.heads * self.v_dim, self.hidden, self.o_bias)
         q_norm, k_norm = self.qk_norm_names
         if self.qk_norm == HEAD_NORM:
             head = Norm(self.head_dim, self.norm.eps, self.norm.offset, per_head=True)
-            parts |= {q_norm: head, k_norm: head}
+            parts |= {q_norm: head} | ({} if self.reuses_kv else {k_norm: head})
         elif self.qk_norm == PROJECTION_NORM:
             parts |= {q_norm: Norm(q_width, self.norm.eps, split=True), k_norm: Norm(k_width, self.norm.eps, split=True)}
         if self.sinks:
@@ -150,7 +164,7 @@ class Attention(Declared):
     def own_tp_shared_units(self) -> dict[str, int]:
         """Key/value heads: split over tp, or with fewer heads than tp ranks each rank holds the projections
         whole and attends with its queries' head (`kv_slot`)."""
-        return {} if self.qk_norm == PROJECTION_NORM else {"num_key_value_heads": self.kv_heads}
+        return {} if self.qk_norm == PROJECTION_NORM else {self.kv_unit: self.kv_heads}
 
     def local_heads(self, run: Execution) -> Heads:
         return Heads(self.heads // run.tp, max(self.kv_heads // run.tp, 1), self.head_dim, self.v_dim)
@@ -191,12 +205,17 @@ class Attention(Declared):
         if self.qk_norm == L2_NORM:  # each keeps its fp32 input and 1/rms per vector
             vectors = tokens * (heads.heads + heads.kv_heads)
             saved[""] += vectors * self.head_dim * max(dtype_bytes, 4) + vectors * 4
+        if self.value_norm and not self.reuses_kv:  # the same for each value head; in fp32 its input is the
+            # k norm's when values are the key projection's output (one tensor)
+            shares_input = self.values_from_keys and self.qk_norm == HEAD_NORM and dtype_bytes >= 4
+            saved[""] += tokens * heads.kv_heads * ((0 if shares_input else self.v_dim * max(dtype_bytes, 4)) + 4)
         if self.temperature is not None:  # the product keeps the rotated queries
             saved[""] += tokens * heads.heads * self.head_dim * dtype_bytes
         if self.qk_norm == HEAD_NORM:
-            saved |= {q_norm: rms_norm_saved_bytes(tokens, self.head_dim, dtype_bytes, self.norm.offset, heads.heads),
-                      k_norm: rms_norm_saved_bytes(tokens, self.head_dim, dtype_bytes, self.norm.offset,
-                                                   heads.kv_heads)}
+            saved[q_norm] = rms_norm_saved_bytes(tokens, self.head_dim, dtype_bytes, self.norm.offset, heads.heads)
+            if not self.reuses_kv:
+                saved[k_norm] = rms_norm_saved_bytes(tokens, self.head_dim, dtype_bytes, self.norm.offset,
+                                                     heads.kv_heads)
         elif self.qk_norm == PROJECTION_NORM:
             saved |= {q_norm: rms_norm_saved_bytes(tokens, heads.heads * self.head_dim, dtype_bytes, False),
                       k_norm: rms_norm_saved_bytes(tokens, heads.kv_heads * self.head_dim, dtype_bytes, False)}
@@ -210,36 +229,39 @@ class SelfAttention(Block):
         self.spec = run.spec_for(declared.spec.local(declared.heads, run.tp, run.tp_rank))
         self.attend = declared.core(run)
 
-    def forward(self, hidden, positions=None):
-        """`positions`: each token's position in its document under per-document attention, else None."""
+    def forward(self, hidden, positions=None, shared=None):
+        """`positions`: each token's position in its document under per-document attention, else None.
+        `shared`: the (keys, values) a layer reusing another's attends with. A storing layer returns
+        (output, keys, values), the others the output."""
         declared, run, heads = self.declared, self.run, self.heads
         hidden = gather_tokens(hidden, run)
         seq_first = run.sequence_first
         lead = hidden.shape[:2]  # [batch, seq], or [seq, batch] under sequence parallelism
-        q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        q = self.q_proj(hidden)
+        if shared is None:
+            k = self.k_proj(hidden)
+            v = k if declared.values_from_keys else self.v_proj(hidden)
         if declared.clip_qkv is not None:
             q, k, v = (paddle.clip(t, -declared.clip_qkv, declared.clip_qkv) for t in (q, k, v))
-        q_norm, k_norm = (getattr(self, name) for name in declared.qk_norm_names) \
+        q_norm, k_norm = (getattr(self, name, None) for name in declared.qk_norm_names) \
             if declared.qk_norm in (HEAD_NORM, PROJECTION_NORM) else (None, None)
         if declared.qk_norm == PROJECTION_NORM:
             q, k = q_norm(q), k_norm(k)
         if declared.output_gate:  # per head: its q, then its gate (Qwen3.5's and Qwen3-Next's full layers)
             q, gate = paddle.split(q.reshape(lead + [heads.heads, 2 * heads.qk_dim]), 2, axis=-1)
         q = q.reshape(lead + [heads.heads, heads.qk_dim])
-        slot = declared.kv_slot(run)
-        if slot is not None:  # the projections are whole: this rank's queries use one of their heads
-            k = k.reshape(lead + [declared.kv_heads, heads.qk_dim])[..., slot:slot + 1, :]
-            v = v.reshape(lead + [declared.kv_heads, heads.v_dim])[..., slot:slot + 1, :]
-        k = k.reshape(lead + [heads.kv_heads, heads.qk_dim])
-        v = v.reshape(lead + [heads.kv_heads, heads.v_dim])
+        if shared is None:
+            k, v = self._keys_values(k, v, lead, k_norm)
         if declared.qk_norm == HEAD_NORM and not declared.qk_norm_after_rotary:
-            q, k = q_norm(q), k_norm(k)
+            q = q_norm(q)
         if declared.rotary is not None:
-            q, k = declared.rotary.rotate(q, k, seq_first, run.kernels.fused_rope, run.cp, positions)
+            q, k = declared.rotary.rotate(q, None if shared else k, seq_first, run.kernels.fused_rope, run.cp,
+                                          positions)
         if declared.qk_norm == HEAD_NORM and declared.qk_norm_after_rotary:
             q, k = q_norm(q), k_norm(k)
         elif declared.qk_norm == L2_NORM:
             q, k = l2_norm(q, declared.norm.eps), l2_norm(k, declared.norm.eps)
+        k, v = shared if shared else (k, v)
         batch_local = (lead[1], lead[0]) if seq_first else (lead[0], lead[1])
         if declared.temperature is not None:
             q = declared.temperature.apply(q, run, positions)
@@ -249,7 +271,25 @@ class SelfAttention(Block):
                             q, k, v, training=self.training)
         if declared.output_gate:
             out = out * F.sigmoid(gate.reshape(out.shape))
-        return getattr(self, declared.output)(out)
+        out = getattr(self, declared.output)(out)
+        return (out, k, v) if declared.kv_sharing == STORE_KV else out
+
+    def _keys_values(self, k, v, lead: list[int], k_norm):
+        """This rank's key and value heads from their projections' outputs: its queries' head when the
+        projections are whole (more tp ranks than heads), the keys normalised per head before the
+        rotary where the family does, the values per head where it does (Gemma 4's v_norm)."""
+        declared, heads = self.declared, self.heads
+        slot = declared.kv_slot(self.run)
+        if slot is not None:  # the projections are whole: this rank's queries use one of their heads
+            k = k.reshape(lead + [declared.kv_heads, heads.qk_dim])[..., slot:slot + 1, :]
+            v = v.reshape(lead + [declared.kv_heads, heads.v_dim])[..., slot:slot + 1, :]
+        k = k.reshape(lead + [heads.kv_heads, heads.qk_dim])
+        v = v.reshape(lead + [heads.kv_heads, heads.v_dim])
+        if declared.qk_norm == HEAD_NORM and not declared.qk_norm_after_rotary:
+            k = k_norm(k)
+        if declared.value_norm:
+            v = l2_norm(v, declared.norm.eps)
+        return k, v
 
 
 Attention.layer = SelfAttention

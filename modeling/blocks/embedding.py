@@ -21,28 +21,35 @@ from modeling.tp_layers import vocab_logits
 _NUMPY_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
 
 
-def embed(config, run: Execution, tokens: nn.Layer, positions: nn.Layer | None, input_ids):
+def embed(config, run: Execution, tokens: nn.Layer, positions: nn.Layer | None, input_ids,
+          layer_inputs: dict[str, nn.Layer] | None = None):
     """The first decoder layer's input (`modeling.documents.state`): token embeddings, times
     `config.embedding_scale` (Gemma's sqrt(hidden), Granite's multiplier; rounded to the compute
     dtype as transformers does) and plus learned positions when the model has them (of this rank's
     tokens under context parallelism; restarting per document under per-document attention);
     scattered along the sequence under sequence parallelism. Under per-document attention the
     document positions go beside the hidden states; with multi-token prediction, in training, the
-    embeddings of the tokens 1..D further (`blocks/prediction.py`) are carried beside them."""
-    hidden = _scaled(config, tokens(input_ids))
+    embeddings of the tokens 1..D further (`blocks/prediction.py`) are carried beside them; with
+    per-layer embeddings (`config.per_layer_embeddings`, built as `layer_inputs`) each layer's input
+    (`blocks/carried.py`)."""
+    hidden = scaled(tokens(input_ids), config.embedding_scale)
     # sent between pipeline stages as they are (the scatter gives a view), where p2p takes contiguous tensors
-    ahead = tuple(scatter_sequence(_scaled(config, tokens(ahead_in_sequence(input_ids, depth, 0, run.ring))), run)
+    ahead = tuple(scatter_sequence(scaled(tokens(ahead_in_sequence(input_ids, depth, 0, run.ring)),
+                                          config.embedding_scale), run)
                   .contiguous() for depth in range(1, config.mtp_depth + 1)) if tokens.training else ()
     in_documents = document_positions(input_ids, run.documents, run.ring) if run.documents is not None else None
     if positions is not None:
         held = run.positions(input_ids.shape[-1])  # the positions of this rank's tokens under context parallelism
         ids = paddle.arange(input_ids.shape[-1], dtype="int64") if held is None else paddle.to_tensor(held)
         hidden = hidden + positions(ids.unsqueeze(0) if in_documents is None else in_documents)
-    return state(scatter_sequence(hidden, run), in_documents, ahead)
+    hidden = scatter_sequence(hidden, run)
+    per_layer = config.per_layer_embeddings()
+    inputs = per_layer.inputs(run, layer_inputs, input_ids, hidden) if per_layer else ()
+    return state(hidden, in_documents, ahead + inputs)
 
 
-def _scaled(config, embeddings: paddle.Tensor) -> paddle.Tensor:
-    multiplier = config.embedding_scale
+def scaled(embeddings: paddle.Tensor, multiplier: float | None) -> paddle.Tensor:
+    """Embeddings times `multiplier` rounded to their dtype, as transformers' scaled embeddings do."""
     if not multiplier:
         return embeddings
     # a scale op keeps nothing for backward; a product with a tensor would keep the embeddings

@@ -50,6 +50,7 @@ from modeling.attention_core.spec import PLAIN, CoreSpec
 from modeling.blocks.attention import QueryTemperature
 from modeling.blocks.indexer import (
     Indexer,
+    Selection,
     dense_target,
     every_score,
     indexer_loss,
@@ -83,12 +84,19 @@ class LatentAttention(Declared):
     rotary: Rotary | None = None
     temperature: QueryTemperature | None = None  # Mistral 4's query scales by position (llama_4_scaling_beta)
     indexer: Indexer | None = None  # DeepSeek Sparse Attention's: each query sees its selected keys only
+    hands_on_selection: bool = False  # GLM-5.2: its selection is the next layers' (returned beside the output)
+    reused_topk: int | None = None  # GLM-5.2's shared layers: no indexer, an earlier layer's selection of this many
     output = "o_proj"
     sinks = False
 
     @property
     def qk_dim(self) -> int:
         return self.nope_dim + self.rope_dim
+
+    @property
+    def sparse(self) -> bool:
+        """Whether each query attends to selected keys (its own indexer's or an earlier layer's)."""
+        return self.indexer is not None or self.reused_topk is not None
 
     def parts(self) -> dict[str, Part]:
         if self.q_lora_rank:
@@ -137,7 +145,7 @@ class LatentAttention(Declared):
         if self.q_lora_rank:
             saved |= {"q_a_layernorm": rms_norm_saved_bytes(tokens, self.q_lora_rank, dtype_bytes, False),
                       "q_b_proj": tokens * self.q_lora_rank * dtype_bytes}
-        if self.indexer is not None:
+        if self.sparse:
             saved |= self._sparse_saved_bytes(run, batch, seq_len, dtype_bytes)
         return saved
 
@@ -150,17 +158,20 @@ class LatentAttention(Declared):
         itself is not called); the indexer's LayerNorm (its input, fp32 mean and variance), rotary
         tables, and the inputs its loss is recomputed from (index queries, keys, fp32 head weights)."""
         tokens, heads, indexer = batch * seq_len, self.local_heads(run).heads, self.indexer
-        latent_dim, k = self.kv_lora_rank + self.rope_dim, min(indexer.topk, seq_len)
+        latent_dim = self.kv_lora_rank + self.rope_dim
+        k = min(indexer.topk if indexer is not None else self.reused_topk, seq_len)
         core = selected_attention_saved_bytes(batch, seq_len, heads, latent_dim, self.kv_lora_rank, k, dtype_bytes)
         absorbed = tokens * heads * self.nope_dim * dtype_bytes + heads * self.kv_lora_rank * (
             self.nope_dim + self.v_dim) * dtype_bytes
-        loss_inputs = tokens * (indexer.heads * indexer.head_dim + indexer.head_dim) * dtype_bytes + \
-            tokens * indexer.heads * FP32_BYTES
         documents = run.documents is not None
         rotary = self.rotary.kept_bytes(batch, seq_len, dtype_bytes, documents) if self.rotary else 0
-        return {"": absorbed + core + loss_inputs + rotary, "kv_b_proj": 0, self.output: tokens * heads * self.v_dim * dtype_bytes,
-                "indexer": indexer.rotary.kept_bytes(batch, seq_len, dtype_bytes, documents),
-                "indexer.k_norm": tokens * indexer.head_dim * dtype_bytes + 2 * tokens * FP32_BYTES}
+        saved = {"": absorbed + core + rotary, "kv_b_proj": 0, self.output: tokens * heads * self.v_dim * dtype_bytes}
+        if indexer is None:  # a layer reusing an earlier layer's selection
+            return saved
+        saved[""] += tokens * (indexer.heads * indexer.head_dim + indexer.head_dim) * dtype_bytes + \
+            tokens * indexer.heads * FP32_BYTES  # the loss's inputs
+        return saved | {"indexer": indexer.rotary.kept_bytes(batch, seq_len, dtype_bytes, documents),
+                        "indexer.k_norm": tokens * indexer.head_dim * dtype_bytes + 2 * tokens * FP32_BYTES}
 
 
 class LatentSelfAttention(Block):
@@ -171,12 +182,14 @@ class LatentSelfAttention(Block):
         # the shared rotary key's gradient, each tp rank's own heads' part, summed over tp (without SP)
         self.sums_rotary_key = run.tp > 1 and not run.sequence_first
 
-    def forward(self, hidden, positions=None):
-        """`positions`: each token's position in its document under per-document attention, else None."""
+    def forward(self, hidden, positions=None, shared=None):
+        """`positions`: each token's position in its document under per-document attention, else None.
+        `shared`: (the selection an earlier layer handed on,) for a layer reusing one. A layer handing
+        its selection on returns (output, selection) (in the dense warm-up an empty one: `handed_on`)."""
         declared, run, heads = self.declared, self.run, self.heads.heads
         hidden = gather_tokens(hidden, run)
-        if declared.indexer is not None and not run.indexers.dense:
-            return self._sparse(hidden, positions)
+        if declared.sparse and not run.indexers.dense:
+            return self._sparse(hidden, positions, shared)
         seq_first = run.sequence_first
         lead = hidden.shape[:2]
         q_latent, q_nope, q_rot, latent, k_rot = self._latents(hidden, seq_first, positions)
@@ -198,8 +211,9 @@ class LatentSelfAttention(Block):
         batch, seq = index_k.shape[:2]
         starts = key_starts(positions if run.within_documents else None, batch, seq)
         scale = declared.spec.softmax_scale(declared.qk_dim)
-        return self._trains_indexer(out, (index_q, index_k, index_w), every_score, visible_keys(starts, seq),
-                                    lambda: dense_target(batch_first(q), batch_first(k), starts, scale))
+        out = self._trains_indexer(out, (index_q, index_k, index_w), every_score, visible_keys(starts, seq),
+                                   lambda: dense_target(batch_first(q), batch_first(k), starts, scale))
+        return (out, handed_on(None, batch, seq, declared.indexer.topk)) if declared.hands_on_selection else out
 
     def _latents(self, hidden, seq_first: bool, positions):
         """(the query latent, None without `q_lora_rank`; q's nope and rotated rope parts [.., heads, dim];
@@ -221,8 +235,9 @@ class LatentSelfAttention(Block):
             q_rot, k_rot = declared.rotary.rotate(q_rot, k_rot, seq_first, run.kernels.fused_rope, run.cp, positions)
         return q_latent, q_nope, q_rot, self.kv_a_layernorm(latent), k_rot
 
-    def _sparse(self, hidden, positions):
-        """Attention over the indexer's selection, absorbed (the module docstring), batch first inside."""
+    def _sparse(self, hidden, positions, shared=None):
+        """Attention over the indexer's selection (or the one an earlier layer `shared`), absorbed (the
+        module docstring), batch first inside."""
         declared, run, heads = self.declared, self.run, self.heads.heads
         if run.sequence_first:
             hidden = hidden.transpose([1, 0, 2])
@@ -237,17 +252,24 @@ class LatentSelfAttention(Block):
                                        into_latent, transpose_y=True)
         q = paddle.concat([q_latent_heads.reshape([heads, batch, seq, -1]).transpose([1, 2, 0, 3]), q_rot], axis=-1)
         keys = paddle.concat([latent, k_rot.squeeze(2)], axis=-1)
-        index_q, index_k, index_w = self.indexer(hidden.detach(), q_latent.detach(), positions)
-        starts = key_starts(positions if run.within_documents else None, batch, seq)
-        selection = select(index_q, index_k, index_w, starts, declared.indexer.topk)
+        if declared.indexer is not None:
+            index_q, index_k, index_w = self.indexer(hidden.detach(), q_latent.detach(), positions)
+            starts = key_starts(positions if run.within_documents else None, batch, seq)
+            selection = select(index_q, index_k, index_w, starts, declared.indexer.topk)
+        else:
+            selection = taken_over(shared[0])
         out, target = selected_attention(q, keys, selection.indices, selection.visible, declared.kv_lora_rank,
                                          declared.spec.softmax_scale(declared.qk_dim))
         out = paddle.matmul(out.transpose([2, 0, 1, 3]).reshape([heads, batch * seq, -1]), out_of_latent)
         out = out.reshape([heads, batch, seq, declared.v_dim]).transpose([1, 2, 0, 3]).reshape([batch, seq, -1])
         if run.sequence_first:
             out = out.transpose([1, 0, 2])
-        return self._trains_indexer(self.o_proj(out), (index_q, index_k, index_w),
-                                    lambda *index: selected_scores(*index, selection), selection.visible, lambda: target)
+        out = self.o_proj(out)
+        if declared.indexer is None:
+            return out
+        out = self._trains_indexer(out, (index_q, index_k, index_w), lambda *index: selected_scores(*index, selection),
+                                   selection.visible, lambda: target)
+        return (out, handed_on(selection, batch, seq, declared.indexer.topk)) if declared.hands_on_selection else out
 
     def _trains_indexer(self, out, index, scores_of, visible, target):
         """`out`, with the indexer's loss injected while training: KL(the heads' attention summed over tp,
@@ -269,6 +291,23 @@ class LatentSelfAttention(Block):
         if learning:  # at coef 0 too: a zero gradient, never a missing one (fused gradient buffers count on it)
             out = inject(out, loss * run.indexers.coef / run.accumulate_steps)
         return out
+
+
+def handed_on(selection: Selection | None, batch: int, seq: int, topk: int) -> paddle.Tensor:
+    """A selection as it travels to the layers reusing it (GLM-5.2's shared layers, `blocks/carried.py`):
+    fp32 [batch, seq, k], each selected key's index, -1 where the query may not see it (exact: positions
+    below 2^24); in the dense warm-up (None) all -1, which those layers, attending densely, do not read."""
+    if selection is None:
+        return paddle.full([batch, seq, min(topk, seq)], -1.0, "float32")
+    handed = paddle.where(selection.visible, selection.indices.astype("float32"),
+                          paddle.full(selection.indices.shape, -1.0, "float32"))
+    handed.stop_gradient = True
+    return handed
+
+
+def taken_over(handed: paddle.Tensor) -> Selection:
+    """The selection `handed_on` made."""
+    return Selection(paddle.clip(handed, min=0).astype("int64"), handed >= 0)
 
 
 class _RecomputedLoss(PyLayer):

@@ -31,7 +31,8 @@ from paddle.distributed.fleet.utils import sequence_parallel_utils as sp_utils
 from modeling import tp_gradients
 from modeling.autocast import full_precision
 from modeling.blocks.mlp import GatedMLP, PlainMLP
-from modeling.blocks.parts import Block, Declared, Part, WholeLinear
+from modeling.blocks.norms import rms_norm_saved_bytes
+from modeling.blocks.parts import Block, Declared, Norm, Part, WholeLinear
 from modeling.blocks.router import Router, Routing
 from modeling.execution import Execution, recomputing
 from modeling.expert_parallel import run_dispatched, run_experts, run_experts_over_tp
@@ -72,6 +73,9 @@ class ExpertsLayer(Block):
 Experts.layer = ExpertsLayer
 
 
+EXPERT_NORMS = ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_2")  # the experts' input's, their sum's
+
+
 @dataclass(frozen=True)
 class MoE(Declared):
     """Decoder layer `index`'s mixture of experts: a router over `experts` routing as the family's
@@ -80,7 +84,9 @@ class MoE(Declared):
     shared expert's (transformers' names of the family). With `latent` (Nemotron-H's latent MoE) the
     routed tokens go down to that width before the experts (`fc1_latent_proj`, whole on every tp rank)
     and their weighted sum back up after (`fc2_latent_proj`); the router and the shared expert read
-    the hidden states."""
+    the hidden states. With `norms` (Gemma 4's) the experts' input and their weighted sum are each
+    normalised (`EXPERT_NORMS`), the router reading the hidden states as they come; `router` replaces
+    the linear router (Gemma 4's `ScaledRouter`)."""
 
     index: int
     hidden: int
@@ -90,6 +96,9 @@ class MoE(Declared):
     shared_gate: bool = True
     names: tuple[str, str] = ("gate", "shared_expert")
     latent: int | None = None
+    norms: Norm | None = None
+    router: Part | None = None
+    fp32_combine: bool = False  # the shared expert's output added in fp32 (Hy3's enable_moe_fp32_combine)
 
     @property
     def top_k(self) -> int:
@@ -97,7 +106,10 @@ class MoE(Declared):
 
     def parts(self) -> dict[str, Part]:
         router, shared = self.names
-        parts: dict[str, Part] = {router: Router(self.hidden, self.experts.count, self.routing), "experts": self.experts}
+        parts: dict[str, Part] = {router: self.router or Router(self.hidden, self.experts.count, self.routing),
+                                  "experts": self.experts}
+        if self.norms is not None:
+            parts |= dict.fromkeys(EXPERT_NORMS, self.norms)
         if self.shared is not None:
             parts[shared] = self.shared
             if self.shared_gate:
@@ -136,6 +148,8 @@ class SparseMoE(Block):
             if declared.latent is not None:  # on this rank's positions, as the router
                 tp_gradients.mark(self.fc1_latent_proj, run)
                 tp_gradients.mark(self.fc2_latent_proj, run)
+            for name in EXPERT_NORMS if declared.norms is not None else ():  # the same
+                tp_gradients.mark(getattr(self, name), run)
             shared = [getattr(self, declared.names[1])] if declared.shared is not None else []
             for expert in [*self.experts.children(), *shared]:  # a bias after the sum: added to this rank's rows
                 down = getattr(expert, expert.declared.names[-1])
@@ -153,6 +167,8 @@ class SparseMoE(Block):
         logits = self.router_layer.logits(flat, routing.fp32)
         with full_precision():
             scores, chosen, weights = routing.route(logits, self.router_layer.correction)
+            if hasattr(self.router_layer, "expert_weights"):
+                weights = self.router_layer.expert_weights(weights, chosen)
         return scores, chosen, weights.astype(flat.dtype)
 
     def forward(self, hidden):
@@ -174,17 +190,22 @@ class SparseMoE(Block):
             return outputs, idle
 
         rows = flat if declared.latent is None else self.fc1_latent_proj(flat)
+        if declared.norms is not None:
+            rows = getattr(self, EXPERT_NORMS[0])(rows)
         on_input = declared.routing.on_input
         out, counts = (self._local(rows, chosen, weights, compute, on_input) if self.run.experts is None
                        else run_dispatched(rows, chosen, weights, compute, self.run.experts, declared.experts.count,
                                            on_input))
         if declared.latent is not None:
             out = self.fc2_latent_proj(out)
+        if declared.norms is not None:
+            out = getattr(self, EXPERT_NORMS[1])(out)
         if shared_layer is not None:
             shared = shared_out if self.sequence_first else shared_layer(flat)
             if declared.shared_gate:
                 shared = F.sigmoid(getattr(self, f"{declared.names[1]}_gate")(flat)) * shared
-            out = out + shared
+            out = (out.astype("float32") + shared.astype("float32")).astype(out.dtype) if declared.fp32_combine \
+                else out + shared
         out = out.reshape(hidden.shape)
         learning = self.training and paddle.is_grad_enabled()
         counting = self.training and not recomputing()  # a recomputed forward routed the same tokens already
@@ -232,6 +253,14 @@ class SparseMoE(Block):
 MoE.layer = SparseMoE
 
 
+def layer_moe(layer) -> MoE | None:
+    """A decoder layer declaration's mixture of experts: its feed-forward part, or the one beside its
+    dense MLP (Gemma 4's `moe`); None in a dense layer."""
+    if isinstance(layer.feed_forward, MoE):
+        return layer.feed_forward
+    return getattr(layer, "moe", None)
+
+
 def is_sparse(c, index: int) -> bool:
     """transformers' rule: layer `index` is MoE unless listed in `mlp_only_layers`, every
     `decoder_sparse_step`-th layer (Mixtral and OLMoE: every layer)."""
@@ -251,6 +280,8 @@ def moe_saved_bytes(moe: MoE, run: Execution, tokens: int, dtype_bytes: int) -> 
              "experts": sum(expert.values()) + 2 * routed * width * dtype_bytes}
     if moe.latent is not None:
         saved |= {"fc1_latent_proj": local * moe.hidden * dtype_bytes, "fc2_latent_proj": local * width * dtype_bytes}
+    if moe.norms is not None:
+        saved |= dict.fromkeys(EXPERT_NORMS, rms_norm_saved_bytes(local, moe.hidden, dtype_bytes, moe.norms.offset))
     if moe.shared is not None:
         shared = moe.shared.saved_bytes(run, tokens, dtype_bytes)
         saved["shared_expert"] = sum(shared.values()) + 2 * tokens * moe.hidden * dtype_bytes

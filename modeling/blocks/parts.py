@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
+import paddle
 from paddle import nn
 
 from modeling import tp_gradients, tp_layers
@@ -113,6 +114,8 @@ class Block(nn.Layer):
             built = part.build(config, run)
             if isinstance(built, nn.Layer):
                 self.add_sublayer(name, built)
+            elif isinstance(part, Buffer):  # one persistent buffer of its block (Gemma 4's layer_scalar)
+                self.register_buffer(name, built)
             else:  # a part that is one parameter of its block (per-head sinks)
                 self.add_parameter(name, built)
 
@@ -160,11 +163,28 @@ class RowLinear(Leaf):
 
 
 @dataclass(frozen=True)
+class Buffer(Leaf):
+    """A persistent buffer of its block under the part's own name (saved and loaded, never trained),
+    `shape` filled with `value`, equal on every rank (Gemma 4's per-layer `layer_scalar`)."""
+
+    shape: tuple[int, ...]
+    value: float
+
+    def tensors(self) -> dict[str, TensorPlan]:
+        return {"": TensorPlan(self.shape, Placement(REPLICATED), init=self.value, buffer=True)}
+
+    def build(self, config, run: Execution):
+        return paddle.full(list(self.shape), self.value, "float32")
+
+
+@dataclass(frozen=True)
 class VocabEmbedding(Leaf):
-    """Token embedding [vocab, hidden], vocabulary rows split over tp."""
+    """Token embedding [vocab, dim], vocabulary rows split over tp; `unit` the config field its
+    vocabulary is (named when tp does not divide it)."""
 
     num_embeddings: int
     dim: int
+    unit: str = "vocab_size"
 
     def tensors(self) -> dict[str, TensorPlan]:
         return {"weight": TensorPlan((self.num_embeddings, self.dim), Placement(VOCAB_ROWS))}
@@ -173,7 +193,7 @@ class VocabEmbedding(Leaf):
         return tp_layers.vocab_embedding(run, self.num_embeddings, self.dim)
 
     def tp_units(self) -> dict[str, int]:
-        return {"vocab_size": self.num_embeddings}
+        return {self.unit: self.num_embeddings}
 
 
 @dataclass(frozen=True)

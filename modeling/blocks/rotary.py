@@ -6,7 +6,9 @@ Scalings are transformers' `rope_type`s: "default", "linear" (positions divided 
 "llama3" (Llama 3.1+: long wavelengths divided by `factor`, short ones kept, a smooth blend between),
 "yarn" (NTK-by-parts interpolation between `beta_fast` and `beta_slow` rotations, with an attention
 factor on cos and sin from `mscale`/`mscale_all_dim`), "longrope" (Phi-3/4: per-frequency `long_factor`
-past `original_max_position_embeddings` tokens, `short_factor` within, and its attention factor);
+past `original_max_position_embeddings` tokens, `short_factor` within, and its attention factor),
+"proportional" (Gemma 4's full layers: the first `partial_rotary_factor` of the pairs turn at the frequencies
+of the whole head's dimension, the others not at all, over the whole head; positions divided by `factor`);
 transformers' `_compute_*_parameters` are the reference (tests compare tables). Any other type is
 refused by name before a model is built (`rope_scaling_error`), since silently ignoring it trains
 another model. Interleaved pairs are rotated as halves after a fixed channel permutation (evens, then
@@ -29,13 +31,14 @@ from modeling.autocast import full_precision
 from modeling.context_parallel import local_positions
 from modeling.saved_tensors import kept
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 NEEDED = {"linear": ("factor",),
           "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
           "yarn": ("factor",), "longrope": ("long_factor", "short_factor")}
 OPTIONAL = {"yarn": ("original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
                      "attention_factor", "truncate"),
-            "longrope": ("factor", "attention_factor", "original_max_position_embeddings")}
+            "longrope": ("factor", "attention_factor", "original_max_position_embeddings"),
+            "proportional": ("factor", "partial_rotary_factor")}
 
 
 def rope_type(scaling: dict | None) -> str:
@@ -99,6 +102,10 @@ class Rotary:
             return _yarn(inv_freq, exponents, self.theta, dim, scaling, self.max_positions)
         if kind == "longrope":
             return _longrope(exponents, self.theta, scaling, self.max_positions, seq_len)
+        if kind == "proportional":
+            turning = int(scaling.get("partial_rotary_factor", 1.0) * dim // 2)
+            inv_freq = np.concatenate([inv_freq[:turning], np.zeros(dim // 2 - turning, np.float32)])
+            return (inv_freq / scaling.get("factor", 1.0)).astype(np.float32), 1.0
         return inv_freq, 1.0
 
     def tables(self, seq_len: int, seq_first: bool, cp: tuple[int, int]) -> tuple[paddle.Tensor, paddle.Tensor]:
@@ -115,7 +122,7 @@ class Rotary:
         tables; None rotates token i by position i. `fused` (a GPU run's --use_fused_rope) calls
         Paddle's `fused_rotary_position_embedding` as PaddleNLP's LLaMA does (use_neox_rotary_style=
         False, its `position_ids`) where the rotary is the plain whole-head one; it has no CPU kernel
-        (untested here)."""
+        (untested here). `k` None (a layer reusing another's keys): the queries alone, and None."""
         seq_len = q.shape[0 if seq_first else 1]
         if positions is None:
             tables = self.tables(seq_len, seq_first, cp)
@@ -132,7 +139,7 @@ class Rotary:
         if positions is not None:
             tables = (_by_position(table, positions, seq_first) for table in tables)
         cos, sin = (table.astype(q.dtype) for table in tables)
-        return self._rotated(q, cos, sin, head_dim), self._rotated(k, cos, sin, head_dim)
+        return self._rotated(q, cos, sin, head_dim), None if k is None else self._rotated(k, cos, sin, head_dim)
 
     def kept_bytes(self, batch: int, seq_len: int, dtype_bytes: int, documents: bool) -> int:
         """The tables one layer keeps for backward: none in fp32 (every layer shares the constant

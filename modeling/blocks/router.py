@@ -36,9 +36,10 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from modeling.autocast import full_precision
+from modeling.blocks.attention import l2_norm
 from modeling.blocks.parts import Leaf
 from modeling.execution import Execution
-from modeling.placement import REPLICATED, ZEROS, Placement, TensorPlan
+from modeling.placement import ONES, REPLICATED, ZEROS, Placement, TensorPlan
 
 SOFTMAX, SIGMOID, SOFTMAX_OF_TOP_K, SIGMOID_OF_TOP_K = "softmax", "sigmoid", "softmax_of_top_k", "sigmoid_of_top_k"
 SWITCH, SEQUENCE = "switch", "sequence"
@@ -188,3 +189,47 @@ class RouterLayer(nn.Linear):
         with full_precision():
             logits = paddle.matmul(flat.astype("float32"), self.weight.astype("float32"))
             return logits + self.bias.astype("float32") if self.bias is not None else logits
+
+
+@dataclass(frozen=True)
+class ScaledRouter(Leaf):
+    """Gemma 4's router: the tokens over their root mean square (no weight), times a learned `scale`
+    per channel and hidden^-1/2, through `proj` (in the activations' dtype, the softmax in fp32, as
+    transformers computes it); the chosen experts' weights, after the family's renormalisation, times
+    their learned `per_expert_scale`. Whole on every tp rank, as `Router`."""
+
+    hidden: int
+    outputs: int
+    eps: float
+
+    def tensors(self) -> dict[str, TensorPlan]:
+        return {"proj.weight": TensorPlan((self.hidden, self.outputs), Placement(REPLICATED), linear=True),
+                "scale": TensorPlan((self.hidden,), Placement(REPLICATED), init=ONES),
+                "per_expert_scale": TensorPlan((self.outputs,), Placement(REPLICATED), init=ONES)}
+
+    def build(self, config, run: Execution) -> nn.Layer:
+        return ScaledRouterLayer(self.hidden, self.outputs, self.eps)
+
+
+class ScaledRouterLayer(nn.Layer):
+    correction = None  # no correction bias
+
+    def __init__(self, hidden: int, outputs: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.proj = nn.Linear(hidden, outputs, bias_attr=False)
+        self.scale = self.create_parameter([hidden], default_initializer=nn.initializer.Constant(1.0))
+        self.per_expert_scale = self.create_parameter([outputs], default_initializer=nn.initializer.Constant(1.0))
+
+    def logits(self, flat: paddle.Tensor, fp32: bool) -> paddle.Tensor:
+        """fp32 logits of `flat` [tokens, hidden] (`fp32`: the projection too, else in flat's dtype)."""
+        scaled = l2_norm(flat, self.eps) * self.scale.astype(flat.dtype) * flat.shape[-1] ** -0.5
+        if fp32:
+            with full_precision():
+                return paddle.matmul(scaled.astype("float32"), self.proj.weight.astype("float32"))
+        return self.proj(scaled).astype("float32")
+
+    def expert_weights(self, weights: paddle.Tensor, chosen: paddle.Tensor) -> paddle.Tensor:
+        """The chosen experts' weights [tokens, k] times their `per_expert_scale`."""
+        return weights * paddle.gather(self.per_expert_scale, chosen.reshape([-1])).reshape(chosen.shape).astype(
+            weights.dtype)

@@ -4,14 +4,17 @@ says, `first_k_dense_replace` dense first by default) with DeepSeek Sparse Atten
 lightning indexer of `index_n_heads` heads of `index_head_dim` picks each query's `index_topk` keys
 (`blocks/indexer.py`), which its latent attention alone attends to (`blocks/latent_attention.py`).
 DeepSeek-V3.2's indexer rotates by halves, GLM-5's by interleaved pairs (transformers' and the
-released code's). GLM-5.2's layers that reuse the previous layer's selection (`indexer_types`
-"shared") are refused by name: the selection would have to travel between pipeline stages.
+released code's). GLM-5.2's layers that reuse the selection of the last layer before them that runs
+its indexer (`indexer_types` "shared") have no indexer: the selection travels to them beside the hidden
+states, across pipeline stages too (`blocks/carried.py`).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from modeling.blocks.carried import CarryingDecoder
+from modeling.blocks.decoder import Decoder
 from modeling.blocks.indexer import Indexer
 from modeling.blocks.latent_attention import LatentAttention
 from modeling.config import ModelConfigError, check_layer_kinds
@@ -19,6 +22,7 @@ from modeling.decoder_family import decoder_family
 from modeling.deepseek import DENSE, SPARSE, V3_FOLDERS, DeepseekV3Config, MlpLayerTypes
 
 INDEXED, FULL, SHARED = "indexed_attention", "full", "shared"  # layer_types, indexer_types
+SELECTION = "selection"  # what travels to the shared layers (`latent_attention.handed_on`)
 
 
 class DeepseekV32Config(MlpLayerTypes, DeepseekV3Config):
@@ -39,16 +43,38 @@ class DeepseekV32Config(MlpLayerTypes, DeepseekV3Config):
         values.pop("rope_interleave", None)  # transformers has none for these: the latent rotary is interleaved
         super().__init__(first_k_dense_replace=0, rope_interleave=True, **values)
 
+    def shares(self, index: int) -> bool:
+        """Whether layer `index` reuses an earlier layer's selection (prediction layers, past the last: no)."""
+        return index < self.num_hidden_layers and self.indexer_types[index] == SHARED
+
     def attention(self, index: int) -> LatentAttention:
         latent = super().attention(index)
+        if self.shares(index):
+            return replace(latent, reused_topk=self.index_topk)
         rotary = replace(latent.rotary, interleaved=self.indexer_interleaved)
         return replace(latent, indexer=Indexer(self.hidden_size, self.q_lora_rank, self.index_n_heads,
-                                               self.index_head_dim, self.index_topk, rotary))
+                                               self.index_head_dim, self.index_topk, rotary),
+                       hands_on_selection=self.shares(index + 1))
+
+    def decoder_layer(self, index: int) -> Decoder:
+        """Where layers share selections, each carries them (`CarryingDecoder`) from the layer that
+        selects to the last shared layer after it."""
+        layer = super().decoder_layer(index)
+        if SHARED not in self.indexer_types or index >= self.num_hidden_layers:
+            return layer
+        carried = tuple((SELECTION,) if self.shares(at) else () for at in (index, index + 1))
+        return CarryingDecoder(layer.index, layer.attention, layer.feed_forward, layer.norm,
+                               feed_forward_name=layer.feed_forward_name, norms=layer.norms, carried_in=carried[0],
+                               carried_out=carried[1], mixer_takes=carried[0],
+                               mixer_gives=carried[1] if not self.shares(index) else ())
 
     def validate(self) -> None:
         self.check_mlp_layer_types()
         check_layer_kinds("layer_types", self.layer_types, (INDEXED,), self.num_hidden_layers)
-        check_layer_kinds("indexer_types", self.indexer_types, (FULL,), self.num_hidden_layers)
+        check_layer_kinds("indexer_types", self.indexer_types, (FULL, SHARED), self.num_hidden_layers)
+        if self.indexer_types and self.indexer_types[0] == SHARED:
+            raise ModelConfigError("indexer_types starts with 'shared': a shared layer reuses the selection of a layer "
+                                   "before it that runs its indexer ('full'), and the first has none")
         super().validate()
         if not self.q_lora_rank:
             raise ModelConfigError("q_lora_rank is null: the sparse-attention indexer reads the query latent, which "

@@ -15,7 +15,7 @@ from modeling.blocks.router import SIGMOID, Routing
 from modeling.config import DecoderConfig, ModelConfigError
 from modeling.config_fields import MOE_ACCEPTED, zero
 from modeling.decoder_family import decoder_family
-from modeling.moe_config import MoEConfig
+from modeling.moe_config import MoEConfig, refuse_softmax_balance
 from modeling.transformers_adapter import Stored
 
 BIAS = "e_score_correction_bias"
@@ -57,11 +57,7 @@ class MiniMaxM2Config(MoEConfig, DecoderConfig):
 
     def validate(self) -> None:
         super().validate()
-        if self.output_router_logits:
-            raise ModelConfigError("output_router_logits=true: MiniMax-M2's balance loss in transformers ranks experts "
-                                   "by the softmax of the router logits while they are chosen by sigmoid plus the "
-                                   "correction bias (not modelled); set it false and balance by the correction bias "
-                                   "(--moe_router_bias_update_rate)")
+        refuse_softmax_balance(self, "MiniMax-M2")
 
 
 def correction_bias(stored: Stored, config: MiniMaxM2Config) -> Stored:

@@ -172,9 +172,17 @@ def _transformers_folder(folder: Path, model_family: ModelFamily, config: dict, 
         expected = {locate(name).name: stored_shape(plan[name].shape, locate(name)) for name in plan}
         shapes, read = recut(shapes, read, adapter.recut, expected)
     opened = _checked(folder, TRANSFORMERS, config, shapes, read, locate, adapter.buffers, adapter.layers_past_last,
-                      adapter.stored_copies(ours), adapter.unread, () if kind is None else kind.carried,
+                      adapter.stored_copies(ours), adapter.unread + _unused(ours, kind), () if kind is None else kind.carried,
                       absent.fresh if absent else ())
     return replace(opened, notes=(absent.note, *opened.notes)) if absent else opened
+
+
+def _unused(ours, kind: Multimodal | None) -> tuple[str, ...]:
+    """The name prefixes of what some folders of `ours` store that its model does not use (Gemma 4's
+    released folders keep projections for the layers that reuse earlier keys and values), where the
+    folder kind keeps them."""
+    names = ours.unused_stored()
+    return names if kind is None else tuple(kind.stored(Stored(name)).name for name in names)
 
 
 def _multimodal(folder: Path, raw: dict, kind: Multimodal, weights: bool, fresh_prediction_layers: bool) -> PretrainedFolder:

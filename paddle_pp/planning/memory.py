@@ -143,15 +143,15 @@ def dispatch_bytes_per_step(config, layout: Layout, workload: Workload, compute_
     Under sequence parallelism each tp rank exchanges its own positions' rows (`SparseMoE`), under cp
     each cp rank its own part of the sequences. Which
     layers are MoE is each layer's declaration (DeepSeek's and GLM's dense first layers, ERNIE's range)."""
-    from modeling.blocks.moe import MoE
+    from modeling.blocks.moe import layer_moe
 
     if layout.ep == 1:
         return 0, 0
     per_stage = [0] * layout.pp
     for index in range(config.num_hidden_layers):
-        if isinstance(config.decoder_layer(index).feed_forward, MoE):
+        if layer_moe(config.decoder_layer(index)) is not None:
             per_stage[layer_stage(index, config.num_hidden_layers, layout.pp, layout.vpp, layout.dualpipev)] += 1
-    per_stage[-1] += sum(isinstance(layer.feed_forward, MoE) for _, layer in config.prediction_layers())
+    per_stage[-1] += sum(layer_moe(layer) is not None for _, layer in config.prediction_layers())
     exchanges = 4 + (2 if workload.recompute else 0)
     rows = (workload.micro_batch * workload.seq_len * config.num_experts_per_tok
             // (layout.cp * sequence_shards(layout.tp, layout.sequence_parallel)))

@@ -25,8 +25,9 @@ def saved_activation_bytes(model: nn.Layer, run: Callable[[], object], constants
                            ) -> dict[str, int]:
     """Bytes saved for backward while `run()` does a forward through `model`, by the name of the
     innermost sublayer of `model` that saved them ("" for the model itself); tensors whose storage
-    is a parameter's (or a view into one) or in `constants` (data pointers) are not activations."""
-    parameters = sorted((p.data_ptr(), p.data_ptr() + int(p.numel()) * p.element_size()) for p in model.parameters())
+    is a parameter's or a buffer's (or a view into one) or in `constants` (data pointers) are not activations."""
+    parameters = sorted((p.data_ptr(), p.data_ptr() + int(p.numel()) * p.element_size())
+                        for p in [*model.parameters(), *model.buffers()])
     starts = [start for start, _ in parameters]
     running: list[str] = []
     seen: set[int] = set()
