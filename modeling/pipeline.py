@@ -187,6 +187,7 @@ class CausalLMPipe(PipelinePretrainedModel, PipelineLayer):
         )
         self.apply(self._init_weights)
         tie_shared_weights(self)
-        carrying = [layer for layer in self.run_function if isinstance(layer, CarryingDecoderLayer)]
-        if carrying:  # (vpp and DualPipeV are refused for such models: validate_layout)
+        # the interleaved schedules build chunks instead (and are refused for carrying models: validate_layout)
+        carrying = [layer for layer in getattr(self, "run_function", ()) if isinstance(layer, CarryingDecoderLayer)]
+        if carrying:
             carrying[-1].ends_stage = True

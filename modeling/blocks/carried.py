@@ -1,5 +1,5 @@
-"""Decoder layers that hand tensors to later layers beside the hidden states (Gemma 4): per-layer
-embeddings, and keys and values shared between layers.
+"""Decoder layers that hand tensors to later layers beside the hidden states: Gemma 4's per-layer
+embeddings and keys and values shared between layers, GLM-5.2's shared sparse-attention selections.
 
 - **Per-layer embeddings** (Gemma 4 E2B/E4B, `hidden_size_per_layer_input` d > 0; `PerLayerEmbeddings`):
   the first stage looks every token up in a second embedding [vocab, layers x d] (times sqrt(d)),
@@ -16,6 +16,9 @@ embeddings, and keys and values shared between layers.
   the last layer that reads them (across pipeline stages too: fleet's p2p sends every tensor of the
   tuple and returns each one's gradient), and every reader's gradient flows back into the storing
   layer's projections.
+- **Shared selections** (GLM-5.2's `indexer_types` "shared"): a layer without an indexer attends to
+  the keys the last layer before it with one selected (`latent_attention.handed_on`: fp32 indices,
+  -1 where unseen; no gradient).
 - **`layer_scalar`**: a stored constant the layer's output is multiplied by.
 - **Experts beside the MLP** (26B-A4B, `moe`): the hidden states as they come are routed to experts
   whose sum is normalised and added to the normalised dense MLP's output, before the layer's
@@ -170,8 +173,8 @@ class CarryingDecoderLayer(DecoderLayer):
     ends_stage = False
 
     def forward(self, layer_state):
-        """Takes its own per-layer input and the shared keys and values it reuses off what travels,
-        puts the keys and values it stores on, and hands on what layers after it read."""
+        """Takes its own per-layer input and what its token mixer reuses (keys and values, a selection)
+        off what travels, puts what its mixer hands on on, and hands on what layers after it read."""
         declared = self.declared
         hidden, positions, carried = unpack(layer_state)
         named = dict(zip(declared.carried_in, carried))

@@ -125,7 +125,7 @@ class Gemma4TextConfig(DecoderConfig):
         plain one over the whole head, `default`, which leaves `partial_rotary_factor` unused)."""
         if not self.full(index):
             return self.rope_local_base_freq, None
-        scaling = dict(self.rope_scaling)
+        scaling = dict(self.rope_scaling or {})
         if rope_type(scaling) == PROPORTIONAL:
             scaling["partial_rotary_factor"] = self.partial_rotary_factor
         return self.rope_theta, scaling
