@@ -140,17 +140,18 @@ def history(pretrain_run, run: Run) -> dict:
     return results[0]
 
 
-def assert_trains_like(pretrain_run, run: Run, reference: Run, rtol: float, skip: str = "\0") -> None:
+def assert_trains_like(pretrain_run, run: Run, reference: Run, rtol: float, skip: str = "\0",
+                       weights_at: int | None = None) -> None:
     """`run`'s steps on `reference`'s: losses, evaluation, grad norms (with clipping active, so a
-    norm summed over the wrong ranks changes the updates) and the weights of its last save within
-    `rtol`. A run stopped early (`HALF`) is compared over the steps it trained."""
+    norm summed over the wrong ranks changes the updates) and the weights of its last save (or of step
+    `weights_at`) within `rtol`. A run stopped early (`HALF`) is compared over the steps it trained."""
     expected, result = history(pretrain_run, reference), history(pretrain_run, run)
     steps = len(result["losses"])
     np.testing.assert_allclose(result["losses"], expected["losses"][:steps], rtol=rtol)
     assert_same_evaluations(result, expected, rtol)
     assert max(expected["grad_norms"][:steps]) > 1.0
     np.testing.assert_allclose(result["grad_norms"], expected["grad_norms"][:steps], rtol=rtol)
-    drifts = final_weight_drifts(pretrain_run, run, reference, skip, step=steps // RESUME_STEP * RESUME_STEP)
+    drifts = final_weight_drifts(pretrain_run, run, reference, skip, step=weights_at or steps // RESUME_STEP * RESUME_STEP)
     assert max(drifts.values()) < rtol, max(drifts.items(), key=lambda item: item[1])
 
 
