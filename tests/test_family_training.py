@@ -87,7 +87,8 @@ DECLARED = list(hf_models.DECLARED_KINDS)
 # their text model's shape needs). Gemma 3's and Kimi K2.5's folders keep their first release's names
 # (`language_model.model.*`, `vision_tower.*`; transformers 5.23 saves Kimi's text layers as `blocks`, read as well).
 MULTIMODAL = {"qwen3_5_multimodal": (TP2, ()), "gemma3_multimodal": (TP2 + PP2, FOLDER_SHAPE["gemma3_text"]),
-              "kimi_k25_multimodal": (TP2 + PP2, ("--num_key_value_heads", "4"))}
+              "kimi_k25_multimodal": (TP2 + PP2, ("--num_key_value_heads", "4")),
+              "gemma4_multimodal": (TP2 + PP2, FOLDER_SHAPE["gemma4_text"])}
 # the kind whose checkpoint also resumes on one card and exports (what carries the parts is the same for every kind)
 EXPORTED_MULTIMODAL = "qwen3_5_multimodal"
 
@@ -341,8 +342,9 @@ def test_a_multimodal_folder_trains_its_language_model_and_carries_its_vision_to
         pretrain_run, transformers5_folders, data_cache, tmp_path, kind):
     """Qwen3.5's multimodal folder (its language model under `model.language_model`, a vision tower
     beside) under tp2, Gemma 3's (`language_model.model`, a SigLIP tower and its projector) and Kimi
-    K2.5's (a DeepSeek-V3 text model, transformers 5's `blocks` spelling, MoonViT beside) under tp2 x
-    pp2: step 1 is the loss transformers 5's multimodal class computes on the batch (1e-5); the
+    K2.5's (a DeepSeek-V3 text model, transformers 5's `blocks` spelling, MoonViT beside) and Gemma 4's
+    (per-layer inputs and shared keys and values crossing the stage; a vision and an audio tower) under
+    tp2 x pp2: step 1 is the loss transformers 5's multimodal class computes on the batch (1e-5); the
     run's checkpoint, saved in transformers' layout, and (Qwen3.5's) the export of the next step's
     checkpoint (resumed from it on one card, in our layout) each hold every vision tensor as the folder
     stored it, byte for byte, keep the folder's multimodal config (Qwen3.5's rotary sections), and load
