@@ -94,6 +94,15 @@ def unpack(value) -> tuple[paddle.Tensor, paddle.Tensor | None, tuple[paddle.Ten
     return (hidden, *positions_among(rest))
 
 
+def handed_across(value):
+    """The `state` `value` as a pipeline stage's last layer hands it on: every tensor beside the hidden
+    states a copy. Fleet frees a stage's outputs once it has sent them (their memory is the next
+    stage's), and the stage's backward may still read them: the document positions a recomputed layer
+    reruns with, keys a later layer of the stage reused."""
+    hidden, positions, carried = unpack(value)
+    return state(hidden, None if positions is None else positions.clone(), tuple(each.clone() for each in carried))
+
+
 def with_hidden(value, hidden: paddle.Tensor):
     """The `state` `value` with other hidden states (what a decoder layer gives back)."""
     _, positions, carried = unpack(value)

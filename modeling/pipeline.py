@@ -20,7 +20,6 @@ from paddle.distributed import fleet
 from paddle.distributed.fleet.meta_parallel import LayerDesc, PipelineLayer, SharedLayerDesc
 from paddlenlp.transformers.model_utils import PipelinePretrainedModel
 
-from modeling.blocks.carried import CarryingDecoderLayer
 from modeling.blocks.embedding import HeadLayer, TiedHeadLayer, embed
 from modeling.blocks.parts import Leaf
 from modeling.causal_lm import CausalLMPretrainedModel
@@ -187,7 +186,8 @@ class CausalLMPipe(PipelinePretrainedModel, PipelineLayer):
         )
         self.apply(self._init_weights)
         tie_shared_weights(self)
-        # the interleaved schedules build chunks instead (and are refused for carrying models: validate_layout)
-        carrying = [layer for layer in getattr(self, "run_function", ()) if isinstance(layer, CarryingDecoderLayer)]
-        if carrying:
-            carrying[-1].ends_stage = True
+        # the chunks of vpp and DualPipeV (fleet's get_model_chunks() leaves DualPipeV's out), or the one stage
+        for chunk in getattr(self, "_model_chunks", None) or [self]:
+            decoders = [layer for layer in chunk.run_function if hasattr(layer, "ends_stage")]
+            if decoders:
+                decoders[-1].ends_stage = True

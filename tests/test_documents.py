@@ -189,8 +189,10 @@ LAYOUTS = {"cp4": (4, CP4 + BLOCKWISE)}
 
 ACROSS = ("--across_documents",)
 # Restarted positions need the ring and the pipeline's p2p, not tp (sequence parallelism gathers whole
-# sequences before attention): cp2 x pp2 on 4 ranks rather than the 8 of the per-document run.
-ACROSS_LAYOUTS = {"cp2_pp2": (4, CP2 + PP2 + BLOCKWISE + ACROSS)}
+# sequences before attention): cp2 x pp2 on 4 ranks rather than the 8 of the per-document run. Its layers
+# recompute whole in backward, reading the positions again after the stage sent them (which fleet then
+# frees: the stage hands on a copy, `documents.handed_across`).
+ACROSS_LAYOUTS = {"cp2_pp2": (4, CP2 + PP2 + BLOCKWISE + ACROSS + ("--recompute", "full"))}
 
 
 @pytest.fixture(scope="module")
@@ -231,9 +233,10 @@ def test_per_document_training_under_cp4_matches_the_single_card(documents_runs)
 
 @pytest.mark.multiproc
 def test_restarted_positions_under_cp_and_pp_match_the_single_card(across_runs, documents_runs):
-    """`--reset_position_ids`: the same checks with attention across documents under cp2 x pp2
-    (positions found over the ring and carried through the pipeline, the ring's plain causal
-    attention); and the run is not the per-document one (its losses differ)."""
+    """`--reset_position_ids`: the same checks with attention across documents under cp2 x pp2 with
+    full recompute (positions found over the ring, carried through the pipeline and read again by the
+    recomputation, the ring's plain causal attention); and the run is not the per-document one (its
+    losses differ)."""
     assert_matches("cp2_pp2", across_runs("cp2_pp2"), across_runs("single"))
     (across,), _ = across_runs("single")
     (within,), _ = documents_runs("single")

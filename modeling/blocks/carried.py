@@ -28,7 +28,9 @@ What travels is named per layer (`CarryingDecoder.carried_in` / `carried_out`, f
 `carried(index)`); a tensor leaves the tuple after its last reader, so the final norm and the head
 see the hidden states alone. The set changes along the pipeline, which 1F1B's p2p allows (each
 stage boundary has its shapes) and the interleaved schedules' single cached shape does not: the run
-plan refuses vpp and DualPipeV for such a model.
+plan refuses vpp and DualPipeV for such a model. A stage's last layer hands on copies
+(`documents.handed_across`): fleet frees what a stage sent, and its backward may still read a key it
+reused or a per-layer input it passed on.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from modeling.blocks.mlp import ACTIVATIONS
 from modeling.blocks.moe import MoE
 from modeling.blocks.norms import rms_norm_saved_bytes
 from modeling.blocks.parts import Buffer, Norm, Part, VocabEmbedding, WholeLinear
-from modeling.documents import state, unpack
+from modeling.documents import handed_across, state, unpack
 from modeling.execution import Execution
 from modeling.sequence_parallel import scatter_sequence, sequence_shards
 
@@ -165,13 +167,6 @@ class CarryingDecoder(Decoder):
 
 
 class CarryingDecoderLayer(DecoderLayer):
-    """`ends_stage`: the last decoder layer of its pipeline stage (`pipeline.CausalLMPipe` sets it), which
-    hands on copies of what travels: fleet frees a stage's outputs once it has sent them (their memory
-    is the next stage's), and a key or a per-layer input this stage also saved for its backward (or
-    took as it was received and passed on) would be freed under it."""
-
-    ends_stage = False
-
     def forward(self, layer_state):
         """Takes its own per-layer input and what its token mixer reuses (keys and values, a selection)
         off what travels, puts what its mixer hands on on, and hands on what layers after it read."""
@@ -185,8 +180,8 @@ class CarryingDecoderLayer(DecoderLayer):
         if declared.mixer_gives:
             out, *given = out
             named |= dict(zip(declared.mixer_gives, given))
-        carried = tuple(named[name] for name in declared.carried_out)
-        return state(out, positions, tuple(each.clone() for each in carried) if self.ends_stage else carried)
+        out = state(out, positions, tuple(named[name] for name in declared.carried_out))
+        return handed_across(out) if self.ends_stage else out
 
     def _carrying_block(self, positions, hidden, *rest):
         declared, norms = self.declared, self.declared.norms

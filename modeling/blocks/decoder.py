@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from modeling.blocks.norms import layer_norm_saved_bytes, rms_norm_saved_bytes
 from modeling.blocks.parts import Block, Declared, Norm, Part
-from modeling.documents import unpack, with_hidden
+from modeling.documents import handed_across, unpack, with_hidden
 from modeling.execution import Execution
 from modeling.sequence_parallel import sequence_shards
 
@@ -132,7 +132,11 @@ def layer_activations(layer, run: Execution, batch: int, seq_len: int, dtype_byt
 
 class DecoderLayer(Block):
     """Built from a `Decoder` declaration (its class name keeps "DecoderLayer": fleet's pipeline
-    segment pattern finds decoder layers by it)."""
+    segment pattern finds decoder layers by it). `ends_stage`: the last decoder layer of its pipeline
+    stage or chunk (`pipeline.CausalLMPipe` sets it), which hands on copies of what travels beside the
+    hidden states (`documents.handed_across`)."""
+
+    ends_stage = False
 
     def __init__(self, config, run: Execution, declared: Decoder):
         super().__init__(config, run, declared)
@@ -162,7 +166,8 @@ class DecoderLayer(Block):
         form with new hidden states."""
         hidden, positions, _ = unpack(layer_state)
         hidden = self.run.recompute("full", lambda x: self._block(x, positions), hidden, training=self.training)
-        return with_hidden(layer_state, hidden)
+        out = with_hidden(layer_state, hidden)
+        return handed_across(out) if self.ends_stage else out
 
 
 Decoder.layer = DecoderLayer

@@ -15,7 +15,7 @@ from modeling.blocks.parts import Block, ColumnLinear, Declared, Norm, Part, Row
 from modeling.causal_lm import Skeleton
 from modeling.config import CausalLMConfig, ModelConfigError
 from modeling.config_fields import any_value, zero
-from modeling.documents import unpack, with_hidden
+from modeling.documents import handed_across, unpack, with_hidden
 from modeling.execution import Execution
 from modeling.family import ModelFamily
 from modeling.paddlenlp_fused import QKV
@@ -102,6 +102,8 @@ class GPTDecoder(Declared):
 
 
 class GPTDecoderLayer(Block):
+    ends_stage = False  # as `DecoderLayer.ends_stage`
+
     def _block(self, hidden, positions=None):
         attended = self.run.recompute("full_attn", lambda normed: self.self_attn(normed, positions), self.norm1(hidden),
                                       training=self.training)
@@ -113,7 +115,8 @@ class GPTDecoderLayer(Block):
         """As `DecoderLayer.forward`: the hidden states, with the document positions when per document."""
         hidden, positions, _ = unpack(layer_state)
         hidden = self.run.recompute("full", lambda x: self._block(x, positions), hidden, training=self.training)
-        return with_hidden(layer_state, hidden)
+        out = with_hidden(layer_state, hidden)
+        return handed_across(out) if self.ends_stage else out
 
 
 GPTDecoder.layer = GPTDecoderLayer

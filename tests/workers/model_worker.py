@@ -23,7 +23,7 @@ import paddle
 from checkpoint.single_card_state import gather_single_card_state, load_single_card_state
 from modeling.attention_core import CORES, BlockwiseCore
 from modeling.context_parallel import split_sequence
-from modeling.execution import Execution
+from modeling.execution import GRANULARITIES, Execution, Recompute
 from modeling.registry import build_causal_lm, config_from_dict, plan_of
 from paddle_pp.runtime.fleet_wrappers import wrap_model, wrap_optimizer
 from paddle_pp.runtime.launch import write_result
@@ -61,6 +61,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--block", type=int, default=512)
     parser.add_argument("--documents", type=int, default=None)
     parser.add_argument("--across_documents", action="store_true")
+    parser.add_argument("--recompute", choices=GRANULARITIES, default=None)
     args = parser.parse_args(argv)
 
     layout = Layout.from_args(args)
@@ -70,7 +71,8 @@ def main(argv: list[str]) -> None:
     core = BlockwiseCore(args.block) if args.attention == "blockwise" else CORES[args.attention]
     documents = None if args.documents is None else (args.documents,)
     raw = build_causal_lm(config, topo, Execution(attention=core, documents=documents,
-                                                  within_documents=not args.across_documents))
+                                                  within_documents=not args.across_documents,
+                                                  recompute=Recompute(args.recompute)))
     axes = plan_of(config).tp_axes(layout.tp)
     load_single_card_state(raw, dict(np.load(args.init)), axes, topo)
     criterion = getattr(raw, "criterion", None)
