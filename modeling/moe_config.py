@@ -72,6 +72,19 @@ class QwenMoEFields(MoEConfig):
         super().__init__(**kwargs)
 
 
+def with_shared_experts(config, index: int, shared_count: int, bias: bool = False,
+                        shared_name: str = "shared_experts", **fields) -> MoE:
+    """Layer `index`'s `config.num_experts` experts `moe_intermediate_size` wide, routed as `config.routing()`
+    says, beside `shared_count` ungated shared experts run as one MLP that many times as wide (DeepSeek-V3,
+    ERNIE 4.5, Hy3; `fields`: the MoE's others)."""
+    expert = GatedMLP(config.hidden_size, config.moe_intermediate_size, config.hidden_act, bias, config.expert_names,
+                      unit="moe_intermediate_size")
+    shared = GatedMLP(config.hidden_size, config.moe_intermediate_size * shared_count, config.hidden_act, bias,
+                      unit="moe_intermediate_size") if shared_count else None
+    return MoE(index, config.hidden_size, Experts(config.num_experts, expert), config.routing(), shared,
+               shared_gate=False, names=("gate", shared_name), **fields)
+
+
 def refuse_softmax_balance(config, name: str) -> None:
     """A sigmoid-routed family balanced by its correction bias (MiniMax-M2, Hy3): transformers adds a
     balance loss only under `output_router_logits`, whose statistic ranks the experts by the softmax of
@@ -160,12 +173,7 @@ class DeepSeekMoEFields(MoEConfig):
     def feed_forward(self, index: int) -> tuple[str, Part]:
         if self.is_dense(index):
             return self.moe_block, GatedMLP(self.hidden_size, self.intermediate_size, self.hidden_act)
-        expert = GatedMLP(self.hidden_size, self.moe_intermediate_size, self.hidden_act, names=self.expert_names,
-                          unit="moe_intermediate_size")
-        shared = GatedMLP(self.hidden_size, self.moe_intermediate_size * self.n_shared_experts, self.hidden_act,
-                          unit="moe_intermediate_size") if self.n_shared_experts else None
-        return self.moe_block, MoE(index, self.hidden_size, Experts(self.num_experts, expert), self.routing(), shared,
-                                   shared_gate=False, names=("gate", "shared_experts"))
+        return self.moe_block, with_shared_experts(self, index, self.n_shared_experts)
 
     def validate(self) -> None:
         super().validate()

@@ -167,8 +167,7 @@ class SparseMoE(Block):
         logits = self.router_layer.logits(flat, routing.fp32)
         with full_precision():
             scores, chosen, weights = routing.route(logits, self.router_layer.correction)
-            if hasattr(self.router_layer, "expert_weights"):
-                weights = self.router_layer.expert_weights(weights, chosen)
+            weights = self.router_layer.expert_weights(weights, chosen)
         return scores, chosen, weights.astype(flat.dtype)
 
     def forward(self, hidden):

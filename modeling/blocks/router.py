@@ -183,6 +183,10 @@ class RouterLayer(nn.Linear):
     def correction(self) -> paddle.Tensor | None:
         return getattr(self, CORRECTION_BIAS, None)
 
+    def expert_weights(self, weights: paddle.Tensor, chosen: paddle.Tensor) -> paddle.Tensor:
+        """The chosen experts' weights as the routing gives them (`ScaledRouterLayer` scales them)."""
+        return weights
+
     def logits(self, flat: paddle.Tensor, fp32: bool) -> paddle.Tensor:
         if not fp32:
             return self(flat)

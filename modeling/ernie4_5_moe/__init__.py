@@ -12,14 +12,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 from modeling.blocks.mlp import GatedMLP
-from modeling.blocks.moe import Experts, MoE
 from modeling.blocks.parts import Part
 from modeling.blocks.router import CORRECTION_BIAS, SOFTMAX, Routing
 from modeling.config import ModelConfigError
 from modeling.config_fields import MOE_ACCEPTED
 from modeling.decoder_family import decoder_family
 from modeling.ernie4_5 import Ernie4_5Config
-from modeling.moe_config import MoEConfig
+from modeling.moe_config import MoEConfig, with_shared_experts
 from modeling.transformers_adapter import Stored
 
 
@@ -57,12 +56,7 @@ class Ernie4_5MoeConfig(MoEConfig, Ernie4_5Config):
     def feed_forward(self, index: int) -> tuple[str, Part]:
         if not self.sparse(index):
             return "mlp", GatedMLP(self.hidden_size, self.intermediate_size, self.hidden_act, self.mlp_bias)
-        expert = GatedMLP(self.hidden_size, self.moe_intermediate_size, self.hidden_act, self.mlp_bias,
-                          unit="moe_intermediate_size")
-        shared = GatedMLP(self.hidden_size, self.moe_intermediate_size * self.moe_num_shared_experts, self.hidden_act,
-                          self.mlp_bias, unit="moe_intermediate_size") if self.moe_num_shared_experts else None
-        return "mlp", MoE(index, self.hidden_size, Experts(self.num_experts, expert), self.routing(), shared,
-                          shared_gate=False, names=("gate", "shared_experts"))
+        return "mlp", with_shared_experts(self, index, self.moe_num_shared_experts, self.mlp_bias)
 
     def validate(self) -> None:
         super().validate()

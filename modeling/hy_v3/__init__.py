@@ -18,13 +18,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 from modeling.blocks.mlp import GatedMLP
-from modeling.blocks.moe import Experts, MoE
 from modeling.blocks.parts import Part
 from modeling.blocks.router import CORRECTION_BIAS, SIGMOID, Routing
 from modeling.config import check_layer_kinds
 from modeling.config_fields import MOE_ACCEPTED
 from modeling.decoder_family import decoder_family
-from modeling.moe_config import MoEConfig, refuse_softmax_balance
+from modeling.moe_config import MoEConfig, refuse_softmax_balance, with_shared_experts
 from modeling.transformers_adapter import Stored
 
 DENSE, SPARSE = "dense", "sparse"
@@ -72,12 +71,8 @@ class HYV3Config(MoEConfig):
     def feed_forward(self, index: int) -> tuple[str, Part]:
         if self.mlp_layer_types[index] == DENSE:
             return "mlp", GatedMLP(self.hidden_size, self.intermediate_size, self.hidden_act, self.mlp_bias)
-        expert = GatedMLP(self.hidden_size, self.moe_intermediate_size, self.hidden_act, self.mlp_bias,
-                          unit="moe_intermediate_size")
-        shared = GatedMLP(self.hidden_size, self.moe_intermediate_size * self.num_shared_experts, self.hidden_act,
-                          self.mlp_bias, unit="moe_intermediate_size") if self.num_shared_experts else None
-        return "mlp", MoE(index, self.hidden_size, Experts(self.num_experts, expert), self.routing(), shared,
-                          shared_gate=False, names=("gate", SHARED), fp32_combine=self.enable_moe_fp32_combine)
+        return "mlp", with_shared_experts(self, index, self.num_shared_experts, self.mlp_bias, SHARED,
+                                          fp32_combine=self.enable_moe_fp32_combine)
 
     def validate(self) -> None:
         super().validate()
