@@ -167,6 +167,24 @@ def test_a_gemma4_folder_asking_for_what_is_not_modelled_is_refused_by_name(case
         model_config(args.model, 32, 4096, open_pretrained(folder), args.given).validate()
 
 
+def test_a_gemma4_folder_whose_full_layer_rotary_omits_its_factor_turns_every_pair_as_transformers_does(
+        transformers5_folders, tmp_path):
+    """transformers reads `partial_rotary_factor` as 1 when a folder's full-layer rotary leaves it out (a
+    quarter only when the folder gives no rotary at all): our logits are transformers 5's on that folder."""
+    config = json.loads((transformers5_folders / "gemma4_text" / "config.json").read_text())
+    full = {key: value for key, value in config["rope_parameters"]["full_attention"].items()
+            if key != "partial_rotary_factor"}
+    folder = _edited(transformers5_folders / "gemma4_text", tmp_path / "gemma4_whole_rotary",
+                     rope_parameters={**config["rope_parameters"], "full_attention": full})
+    assert config_from_dict(open_pretrained(folder).config).partial_rotary_factor == 1.0
+    ids = tmp_path / "ids.npy"
+    np.save(ids, IDS)
+    hf_models.transformers5("logits", ids, folder)
+    theirs = np.load(f"{folder}.npy")
+    np.testing.assert_allclose(our_logits(folder, IDS), theirs, atol=LOGITS_TOL, rtol=LOGITS_TOL)
+    assert np.abs(theirs - np.load(transformers5_folders / "gemma4_text.npy")).max() > 100 * LOGITS_TOL
+
+
 def test_a_gemma4_folder_keeping_projections_its_shared_layers_do_not_use_reads_as_transformers_does(
         transformers5_folders, tmp_path):
     """Some folders keep k_proj / k_norm for the layers that reuse earlier keys and values (transformers'

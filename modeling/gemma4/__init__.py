@@ -59,7 +59,7 @@ class Gemma4TextConfig(DecoderConfig):
                  num_hidden_layers: int = 30, num_attention_heads: int = 8, num_key_value_heads: int | None = 4,
                  head_dim: int | None = 256, hidden_act: str = "gelu_pytorch_tanh",
                  max_position_embeddings: int = 131072, rope_theta: float = 1e6, rope_local_base_freq: float = 1e4,
-                 rope_scaling: dict | None = FULL_ROTARY, partial_rotary_factor: float = 0.25,
+                 rope_scaling: dict | None = FULL_ROTARY, partial_rotary_factor: float | None = None,
                  sliding_window: int | None = 512, layer_types: list[str] | None = None,
                  final_logit_softcapping: float | None = None, attention_bias: bool = False,
                  global_head_dim: int = 512, num_global_key_value_heads: int | None = None,
@@ -69,7 +69,11 @@ class Gemma4TextConfig(DecoderConfig):
                  num_experts: int | None = None, top_k_experts: int | None = None,
                  moe_intermediate_size: int | None = None, tie_word_embeddings: bool = True,
                  pad_token_id: int | None = 0, bos_token_id: int | None = 2, eos_token_id: int | None = 1, **kwargs):
-        self.rope_local_base_freq, self.partial_rotary_factor = rope_local_base_freq, partial_rotary_factor
+        self.rope_local_base_freq = rope_local_base_freq
+        # transformers' default full-layer rotary turns a quarter of the pairs; a full-layer rotary given without
+        # the factor turns them all (its `partial_rotary_factor` defaults to 1 there)
+        self.partial_rotary_factor = partial_rotary_factor if partial_rotary_factor is not None else \
+            0.25 if rope_scaling is FULL_ROTARY else 1.0
         self.sliding_window, self.final_logit_softcapping = sliding_window, final_logit_softcapping
         self.attention_bias, self.attention_k_eq_v = attention_bias, attention_k_eq_v
         types = list(layer_types or [SLIDING if (i + 1) % self.pattern else FULL for i in range(num_hidden_layers)])
