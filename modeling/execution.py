@@ -26,6 +26,7 @@ from modeling.indexer_training import IndexerTraining
 from modeling.recurrent_core import RecurrentCore
 from modeling.router_stats import RouterStats
 from modeling.saved_tensors import recomputed_region
+from modeling.step_loss import StepLoss
 from paddle_pp.runtime.experts import ExpertGroup
 
 GRANULARITIES = ("full", "full_attn", "core_attn")  # PaddleNLP's recompute_granularity values
@@ -109,6 +110,7 @@ class Execution:
     # each training micro-batch's loss of each multi-token prediction depth (the criterion's), for metrics
     prediction_losses: list = field(default_factory=list, compare=False)
     indexers: IndexerTraining = field(default_factory=IndexerTraining, compare=False)  # sparse attention's
+    step_loss: StepLoss = field(default_factory=StepLoss, compare=False)  # the loss per optimizer step's weight
 
     def positions(self, local_len: int) -> np.ndarray | None:
         """The sequence positions of this rank's `local_len` tokens under context parallelism (None

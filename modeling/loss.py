@@ -26,13 +26,17 @@ class CausalLMCriterion(nn.Layer):
     so the full logits are never gathered. Under context parallelism each rank holds part of every
     sequence: its loss is its summed token losses over the count of the whole sequences' counted
     labels, so the cp ranks' losses (and, summed over cp by the gradient reduction, their
-    gradients) add up to the single-card mean, whatever each part holds."""
+    gradients) add up to the single-card mean, whatever each part holds.
+
+    Under the loss per optimizer step (`modeling.step_loss`) the mean is replaced by the summed token
+    losses times the step's weight per token, set by the trainer before the step."""
 
     def __init__(self, run: Execution, mtp_weight: float = 0.0):
         super().__init__()
         self.parallel = mp_layers.ParallelCrossEntropy(ignore_index=IGNORE_INDEX) if run.tp > 1 else None
         self.ring, self.mtp_weight = run.ring, mtp_weight
         self.prediction_losses = run.prediction_losses  # where each depth's loss goes for the metrics
+        self.step_loss = run.step_loss  # set per optimizer step under the loss per step (`step_loss.py`)
 
     def forward(self, logits, labels):
         logits = as_state(logits)
@@ -61,5 +65,7 @@ class CausalLMCriterion(nn.Layer):
                 token_loss = F.cross_entropy(logits, labels.unsqueeze(-1), reduction="none",
                                              ignore_index=IGNORE_INDEX)
             counted = (labels != IGNORE_INDEX).astype("float32").unsqueeze(-1)
+            if self.step_loss.per_token is not None:  # every supervised token of the step weighs the same
+                return (token_loss * counted).sum() * self.step_loss.per_token
             count = counted.sum() if self.ring is None else self.ring.all_reduce(counted.sum())
             return (token_loss * counted).sum() / count.clip(min=1.0)

@@ -31,13 +31,16 @@ def embed(config, run: Execution, tokens: nn.Layer, positions: nn.Layer | None, 
     document positions go beside the hidden states; with multi-token prediction, in training, the
     embeddings of the tokens 1..D further (`blocks/prediction.py`) are carried beside them; with
     per-layer embeddings (`config.per_layer_embeddings`, built as `layer_inputs`) each layer's input
-    (`blocks/carried.py`)."""
+    (`blocks/carried.py`). `input_ids` may come with the positions inside their samples, (ids,
+    positions): packed fine-tuning rows, whose samples the data knows (`paddle_pp.data.sft`)."""
+    input_ids, given = input_ids if isinstance(input_ids, (tuple, list)) else (input_ids, None)
     hidden = scaled(tokens(input_ids), config.embedding_scale)
     # sent between pipeline stages as they are (the scatter gives a view), where p2p takes contiguous tensors
     ahead = tuple(scatter_sequence(scaled(tokens(ahead_in_sequence(input_ids, depth, 0, run.ring)),
                                           config.embedding_scale), run)
                   .contiguous() for depth in range(1, config.mtp_depth + 1)) if tokens.training else ()
-    in_documents = document_positions(input_ids, run.documents, run.ring) if run.documents is not None else None
+    in_documents = given if given is not None else \
+        document_positions(input_ids, run.documents, run.ring) if run.documents is not None else None
     if positions is not None:
         held = run.positions(input_ids.shape[-1])  # the positions of this rank's tokens under context parallelism
         ids = paddle.arange(input_ids.shape[-1], dtype="int64") if held is None else paddle.to_tensor(held)

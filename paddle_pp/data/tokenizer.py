@@ -82,6 +82,8 @@ class TextTokenizer:
     vocab_size: int
     prefix: tuple[int, ...] = ()
     suffix: tuple[int, ...] = ()
+    # (ids, each id's character span) of a text, special tokens written in it read as such (tokenizer.json only)
+    encode_with_offsets: Callable[[str], tuple[list[int], list[tuple[int, int]]]] | None = None
 
     def encode_declared(self, text: str) -> list[int]:
         """`text`'s ids as transformers' `tokenizer(text)` gives them: with the folder's special tokens."""
@@ -160,10 +162,15 @@ def _hub_tokenizer(folder: Path, settings: dict) -> TextTokenizer:
         raise TokenizerError(f"the tokenizer in {folder} cannot be loaded ({type(err).__name__}: {err}); check its "
                              f"{FAST_TOKENIZER} (or vocab.json and merges.txt)") from err
     eos = _special_token(folder, settings, "eos_token")
+
+    def with_offsets(text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        encoding = tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
     return TextTokenizer(folder, lambda text: tokenizer.encode(text, add_special_tokens=False).ids,
                          lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                          tokenizer.token_to_id(eos) if eos else None, tokenizer.get_vocab_size(with_added_tokens=True),
-                         *_declared_around(tokenizer, folder, settings))
+                         *_declared_around(tokenizer, folder, settings), encode_with_offsets=with_offsets)
 
 
 SENTINEL = "a"  # a text whose ids show where a template puts its special tokens

@@ -100,6 +100,18 @@ class DataArguments:
     add_bos_token: bool = flag(True, "begin each --corpus document as the tokenizer begins a text (tokenizer_config."
                                      "json's add_bos_token, tokenizer.json's template: Gemma's <bos>, Llama 3's "
                                      "<|begin_of_text|>); false: documents as PaddleNLP's preprocessing makes them")
+    train_dataset_path: str = flag("", "fine-tune on chat data: JSON-lines files (comma-separated sources) of OpenAI "
+                                       "'messages' (+ 'tools') or ERNIEKit 'src'/'tgt' (+ 'system', 'label') samples, "
+                                       "rendered by the model folder's chat template; only assistant turns train")
+    train_dataset_prob: str = flag("", "with several --train_dataset_path sources: each one's probability "
+                                       "(comma-separated; default: equal)")
+    eval_dataset_path: str = flag("", "chat data evaluated every --eval_steps (default: none, and no evaluation)")
+    chat_template: str = flag("", "a .jinja chat template in place of the model folder's")
+    packing: bool = flag(False, "bin-pack fine-tuning samples into rows of --max_seq_length, attention and positions "
+                                "restarting at each sample (default: one sample per row, padded)")
+    truncation_strategy: str = flag("delete", "a fine-tuning sample longer than --max_seq_length: dropped, or its "
+                                              "first (right) or last (left) tokens kept",
+                                    choices=["delete", "right", "left"])
     max_seq_length: int = flag(128, "tokens per training sample")
     per_device_train_batch_size: int = flag(4, "micro-batch size per data replica")
     gradient_accumulation_steps: int = flag(2, "micro-batches per step (the pipeline's accumulate steps)")
@@ -123,6 +135,10 @@ class OptimizerArguments:
     adam_beta2: float = flag(0.95, "AdamW beta2")
     adam_epsilon: float = flag(1e-8, "AdamW epsilon")
     max_grad_norm: float = flag(1.0, "global-norm clip across all hybrid groups")
+    calculate_per_token_loss: bool = flag(False, "the loss per optimizer step: summed token losses over the step's "
+                                                 "supervised tokens across micro-batches and data ranks (Megatron's "
+                                                 "name; run_finetune.py's default), instead of a mean per micro-batch "
+                                                 "(the same when every token counts, as in pretraining)")
     bf16: bool = flag(False, "bfloat16 compute with fp32 master weights (GPU only)")
     fp16: bool = flag(False, "float16 compute with loss scaling and fp32 master weights (GPU only)")
     amp_master_grad: bool = flag(False, "keep fp32 gradients under --bf16/--fp16")
@@ -205,12 +221,16 @@ def build_parser() -> argparse.ArgumentParser:
     return add_trainer_flags(parser)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> PretrainArguments:
+FINETUNE_DEFAULTS = {"calculate_per_token_loss": True}  # run_finetune.py's, under the same flags
+
+
+def parse_args(argv: Sequence[str] | None = None, defaults: dict[str, Any] | None = None) -> PretrainArguments:
     """Command line over config files over built-in defaults: a YAML file of our flags (--config; an
     unknown key is an error), or a recipe (the first argument, or --config): PaddleNLP's JSON or
     PaddleFormers' YAML (it names a `stage`), its fields translated, named as changing nothing, or
     refused."""
     parser = build_parser()
+    parser.set_defaults(**(defaults or {}))
     first, _ = parser.parse_known_args(argv)
     known = {action.dest for action in parser._actions}
     from_file: dict[str, Any] = {}

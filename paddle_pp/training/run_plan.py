@@ -108,14 +108,19 @@ def warmup_steps(args: OptimizerArguments, given: frozenset[str]) -> int:
     return steps
 
 
+def documents_flag(args: ModelArguments) -> str | None:
+    """The flag that asks for documents ended by the end-of-sequence token (None: neither)."""
+    return ("--no-use_global_causal_attn" if not args.use_global_causal_attn
+            else "--reset_position_ids" if args.reset_position_ids else None)
+
+
 def run_execution(args: ModelArguments, layout: Layout, compute_dtype: str | None, head_dim: int,
                   end_of_document: int | None, dense_cost: DenseCost | None = None) -> tuple[Execution, list[str]]:
     """The run's attention core, recompute, fused kernels and document boundaries (the data's
     `end_of_document` token under --no-use_global_causal_attn) from the model flags
     (`choose_execution`; `dense_cost`: what the dense core would keep, for the CPU's choice), and
     notes on what was asked for and not taken on this device."""
-    by_document = ("--no-use_global_causal_attn" if not args.use_global_causal_attn
-                   else "--reset_position_ids" if args.reset_position_ids else None)
+    by_document = documents_flag(args)
     if by_document is not None and end_of_document is None:
         raise TrainingConfigError(
             f"{by_document}: the tokenizer has no end-of-sequence token to find where documents end; "
@@ -194,6 +199,36 @@ def check_indexer_training(args: ModelArguments, config, layout: Layout) -> None
                                   f"use --sharding_parallel_degree {layout.dp} --sharding stage1 instead")
 
 
+def fine_tuning(args: PretrainArguments, config, execution: Execution) -> tuple[Execution, list[str]]:
+    """Chat fine-tuning's data against the flags: packed rows keep their samples apart by the positions the
+    data gives (not by end-of-sequence tokens, which a chat sample holds at every turn's end), and the
+    loss per optimizer step weighs the next token's losses only."""
+    data, optim, output = args.data, args.optim, args.output
+    if optim.calculate_per_token_loss and config.mtp_depth:
+        raise TrainingConfigError(f"--calculate_per_token_loss with {config.model_type}'s {config.mtp_depth} "
+                                  "multi-token prediction layer(s): their losses are each depth's mean (not modelled "
+                                  "per step); drop the flag or train without the prediction layers")
+    if not data.train_dataset_path:
+        if data.packing:
+            raise TrainingConfigError("--packing packs fine-tuning samples (--train_dataset_path); pretraining data "
+                                      "are packed rows already")
+        return execution, []
+    by_document = documents_flag(args.model)
+    if by_document:
+        raise TrainingConfigError(f"{by_document} with --train_dataset_path: a chat sample ends a turn with the "
+                                  "end-of-sequence token many times; use --packing, which keeps each sample to itself")
+    if output.do_eval and "do_eval" in args.given and not data.eval_dataset_path:
+        raise TrainingConfigError("--do_eval with --train_dataset_path needs --eval_dataset_path (chat data to "
+                                  "evaluate on)")
+    notes = [] if optim.calculate_per_token_loss else [
+        "the loss is a mean per micro-batch (--no-calculate_per_token_loss): with prompts masked, tokens of short "
+        "answers weigh more, and accumulation and the data degree change the gradients"]
+    if not data.packing:
+        return execution, notes
+    notes.append("packed fine-tuning rows: attention and positions restart at each sample")
+    return replace(execution, documents=(), within_documents=True), notes
+
+
 def plan_run(args: PretrainArguments, config, end_of_document: int | None, world_size: int | None = None,
              device: str | None = None) -> RunPlan:
     """The run `args` asks for with the model `config` on `world_size` ranks of `device` (None: as
@@ -215,7 +250,8 @@ def plan_run(args: PretrainArguments, config, end_of_document: int | None, world
     dense_cost = dense_cost_of(config, layout, batches.micro_batch, batches.accumulate_steps, data.max_seq_length,
                                model.recompute)
     execution, notes = run_execution(model, layout, compute_dtype, config.head_dim, end_of_document, dense_cost)
-    notes += core_notes(config, execution)
+    execution, tuning_notes = fine_tuning(args, config, execution)
+    notes += tuning_notes + core_notes(config, execution)
     schedule = resolve_schedule(layout, batches.accumulate_steps)
     check_schedule_model(schedule, config)
     if schedule:

@@ -39,6 +39,20 @@ def mean_over_replicas(value: paddle.Tensor, topo: Topology) -> float:
     return float(value)
 
 
+def replicas_sum(count: int, topo: Topology) -> int:
+    """A replica-local count summed over the dp and sharding ranks (one all-reduce per group)."""
+    total = paddle.to_tensor([count], dtype="int64")
+    for group, size in (("dp_group", topo.layout.dp), ("sharding_group", topo.layout.sharding_degree)):
+        if size > 1:
+            dist.all_reduce(total, group=getattr(topo, group))
+    return int(total.item())
+
+
+def micro_batch(inputs, part: slice):
+    """Rows `part` of the inputs: the ids, or (ids, positions inside each sample) of packed rows."""
+    return tuple(x[part] for x in inputs) if isinstance(inputs, tuple) else inputs[part]
+
+
 def train_step(model, optimizer, criterion, inputs, labels, topo: Topology, accumulate_steps: int,
                compute_dtype: str | None = None, scaler=None, after_update: Callable[[], None] | None = None) -> float:
     """Forward, backward and update on this replica's slice; returns the global mean loss.
@@ -52,12 +66,12 @@ def train_step(model, optimizer, criterion, inputs, labels, topo: Topology, accu
         if after_update:
             after_update()
         return mean_over_replicas(loss, topo)
-    micro = inputs.shape[0] // accumulate_steps
+    micro = (inputs[0] if isinstance(inputs, tuple) else inputs).shape[0] // accumulate_steps
     total = paddle.zeros([])
     for m in range(accumulate_steps):
         part = slice(m * micro, (m + 1) * micro)
         with autocast(compute_dtype):
-            loss = criterion(model(inputs[part]), labels[part]) / accumulate_steps
+            loss = criterion(model(micro_batch(inputs, part)), labels[part]) / accumulate_steps
         (scaler.scale(loss) if scaler else loss).backward()
         total += loss.detach().astype("float32")
     if scaler:

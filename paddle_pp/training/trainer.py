@@ -22,8 +22,10 @@ from checkpoint.save import PendingSave, save_checkpoint
 from checkpoint.single_card_state import init_single_card_weights
 from modeling.blocks.indexer import is_indexer_parameter
 from modeling.context_parallel import split_sequence
+from modeling.loss import IGNORE_INDEX
 from modeling.registry import build_causal_lm, plan_of
 from paddle_pp.data.sampler import SequentialBatches
+from paddle_pp.data.sft import SFTRows, build_sft, plan_sft
 from paddle_pp.data.source import build_data, dataset_sizes, plan_data
 from paddle_pp.data.tokenizer import load_text_tokenizer
 from paddle_pp.interop.carried import CARRIED_DIR, carried_in
@@ -48,7 +50,7 @@ from paddle_pp.training.router_metrics import router_metrics, step_routing
 from paddle_pp.training.run_plan import TrainingConfigError, plan_run
 from paddle_pp.training.schedule import WarmupCosine
 from paddle_pp.training.skips import merge, parse_intervals, skipped
-from paddle_pp.training.step import eval_loss, train_step
+from paddle_pp.training.step import eval_loss, replicas_sum, train_step
 
 
 def _build_optimizer(model, args: OptimizerArguments, schedule: WarmupCosine, clip: ReportingGlobalNormClip):
@@ -118,11 +120,15 @@ class Pretrainer:
             self.pretrained.carried if self.pretrained is not None else None
         self.carried_files: tuple[Path, ...] = ()
         self.weights_rewrite = TransformersWeights(self.config, self.carried) if args.checkpoint.save_to_hf else None
-        self.data_plan = plan_data(
+        sizes = dataset_sizes(self.batches.global_batch, args.optim.max_steps, args.output.eval_steps,
+                              args.output.eval_iters)
+        self.sft_plan = plan_sft(data.train_dataset_path, data.train_dataset_prob, data.eval_dataset_path,
+                                 data.chat_template, data.max_seq_length, data.packing, data.truncation_strategy,
+                                 data.seed, sizes[:2]) if data.train_dataset_path else None
+        self.data_plan = None if self.sft_plan else plan_data(
             data.input_dir, data.corpus, self.tokenizer.folder, data.data_cache, data.split, data.data_impl,
-            data.max_seq_length, data.seed, dataset_sizes(self.batches.global_batch, args.optim.max_steps,
-                                                          args.output.eval_steps, args.output.eval_iters),
-            self.config.vocab_size, data.add_bos_token)
+            data.max_seq_length, data.seed, sizes, self.config.vocab_size, data.add_bos_token)
+        self.train_samples, self.valid_samples = sizes[:2]
         optim = args.optim
         self.schedule = WarmupCosine(optim.learning_rate, self.run_plan.warmup_steps, optim.max_steps,
                                      optim.min_learning_rate, optim.lr_scheduler_type, optim.warmup_from_zero)
@@ -180,10 +186,16 @@ class Pretrainer:
 
     def _load_data(self) -> None:
         """The stages that read data build it (rank 0 first: it writes the index files); all align."""
-        self.train_data, self.valid_data = (
-            rank0_first(self.topo, "data", lambda: build_data(self.data_plan)) if self.needs_data else (None, None))
+        if self.sft_plan is not None:  # no files written: each reading rank renders the same rows
+            self.train_data, self.valid_data = build_sft(self.sft_plan, self.tokenizer) if self.needs_data else (None, None)
+            if self.train_data is not None and self.topo.global_rank == 0:
+                for note in (*self.train_data.notes, *(self.valid_data.notes if self.valid_data else ())):
+                    print(f"note: {note}", file=sys.stderr)
+        else:
+            self.train_data, self.valid_data = (
+                rank0_first(self.topo, "data", lambda: build_data(self.data_plan)) if self.needs_data else (None, None))
         align_ranks(self.topo)  # only the stages reading data built it; the others wait in p2p
-        self.sampler = SequentialBatches(self.data_plan.num_samples[0], self.batches.global_batch)
+        self.sampler = SequentialBatches(self.train_samples, self.batches.global_batch)
 
     def _resume_folder(self) -> Path | None:
         """The checkpoint to resume from (checked against the model once its config is known, still
@@ -203,9 +215,9 @@ class Pretrainer:
             self.schedule.set_state_dict(state["lr_scheduler"])
             precision.restore_scaler(self.scaler, state.get("loss_scaler", {}))
         self.skip_intervals = merge(self.skip_intervals, state.get("skip_data_intervals", []))
-        saved_samples = state.get("train_samples", self.data_plan.num_samples[0])
-        if saved_samples != self.data_plan.num_samples[0] and self.topo.global_rank == 0:
-            print(f"warning: the training dataset is built for {self.data_plan.num_samples[0]} samples (--max_steps x "
+        saved_samples = state.get("train_samples", self.train_samples)
+        if saved_samples != self.train_samples and self.topo.global_rank == 0:
+            print(f"warning: the training dataset is built for {self.train_samples} samples (--max_steps x "
                   f"global batch) but the checkpoint's run used {saved_samples}; the sample order after this step "
                   "follows the new size (as in PaddleNLP), not the original run's", file=sys.stderr)
 
@@ -216,7 +228,7 @@ class Pretrainer:
         trainer_state = {"step": self.step, "consumed_samples": self.consumed_samples, "seed": self.args.data.seed,
                          "lr_scheduler": self.schedule.state_dict(), "max_steps": self.args.optim.max_steps,
                          "global_batch_size": self.batches.global_batch, "args": self.args.flat(),
-                         "train_samples": self.data_plan.num_samples[0],
+                         "train_samples": self.train_samples,
                          "skip_data_intervals": [list(pair) for pair in self.skip_intervals],
                          "loss_scaler": precision.scaler_state(self.scaler)}
         self.pending_save = save_checkpoint(
@@ -245,14 +257,24 @@ class Pretrainer:
 
     def batch_tensors(self, dataset, indices):
         """(inputs, labels) of the samples at `indices`: each sample's first and last seq_length ids
-        (under context parallelism this rank's chunks of them)."""
+        (under context parallelism this rank's chunks of them); packed fine-tuning rows give their
+        inputs as (ids, positions inside each sample). Under the loss per optimizer step the step's
+        supervised tokens are counted here, before the split."""
         if dataset is None:
             return None, None
-        rows = np.stack([dataset[int(i)] for i in indices])
-        inputs, labels = rows[:, :-1], rows[:, 1:]
+        if isinstance(dataset, SFTRows):
+            inputs, labels, positions = dataset.batch(indices)
+        else:
+            rows = np.stack([dataset[int(i)] for i in indices])
+            inputs, labels, positions = rows[:, :-1], rows[:, 1:], None
+        self.supervised_tokens = int((labels != IGNORE_INDEX).sum())
         if self.topo.ring is not None:
-            inputs, labels = (split_sequence(x, self.topo.ring.degree, self.topo.ring.rank) for x in (inputs, labels))
-        return paddle.to_tensor(inputs), paddle.to_tensor(labels)
+            inputs, labels, positions = (None if x is None else split_sequence(x, self.topo.ring.degree,
+                                                                                self.topo.ring.rank)
+                                         for x in (inputs, labels, positions))
+        inputs = paddle.to_tensor(inputs) if positions is None else (paddle.to_tensor(inputs),
+                                                                     paddle.to_tensor(positions))
+        return inputs, paddle.to_tensor(labels)
 
     def skip_one_step(self) -> dict:
         """Advance step, data position and schedule past a skipped step's global batch, unread."""
@@ -297,9 +319,13 @@ class Pretrainer:
         indices = self.sampler.replica_batch(self.consumed_samples, self.topo.data_replica_index,
                                              self.topo.data_replica_count)
         inputs, labels = self.batch_tensors(self.train_data, indices)
+        if self.args.optim.calculate_per_token_loss and labels is not None:  # the stages that compute the loss
+            self.execution.step_loss.set_step(replicas_sum(self.supervised_tokens, self.topo),
+                                              self.batches.accumulate_steps, self.topo.data_replica_count)
         lr = self.schedule.last_lr  # the rate this update applies (after a resume: the saved one)
         loss = train_step(self.model, self.optimizer, self.criterion, inputs, labels, self.topo,
                           self.batches.accumulate_steps, self.compute_dtype, self.scaler, self._updated)
+        self.execution.step_loss.clear()  # evaluation takes each batch's mean
         updated = precision.optimizer_ran(self.scaler)
         if updated:  # as PaddleNLP: an fp16 step skipped for overflow does not advance the schedule
             self.schedule.step()
@@ -317,7 +343,7 @@ class Pretrainer:
     def evaluate(self) -> float:
         """Mean loss over the first `eval_iters` global batches of the valid split (the same
         samples at every evaluation, so the curve compares like with like)."""
-        valid = SequentialBatches(self.data_plan.num_samples[1], self.batches.global_batch)
+        valid = SequentialBatches(self.valid_samples, self.batches.global_batch)
         losses = []
         for it in range(self.args.output.eval_iters):
             indices = valid.replica_batch(it * self.batches.global_batch, self.topo.data_replica_index,
@@ -339,11 +365,12 @@ class Pretrainer:
                   f"after {self.step}, which this run trains again", file=sys.stderr)
         bar = training_bar(max_steps, self.step) if is_writer and not out.disable_progress_bar else None
         started, history = time.perf_counter(), []
+        evaluates = out.do_eval and (self.sft_plan is None or bool(self.sft_plan.eval_paths))
         stop = min(max_steps, self.step + out.exit_after_steps) if out.exit_after_steps else max_steps
         while self.step < stop:
             record = self.skip_one_step() if skipped(self.step + 1, self.skip_intervals) else self.train_one_step()
             last = self.step == stop
-            if out.do_eval and ((out.eval_steps and self.step % out.eval_steps == 0) or last):
+            if evaluates and ((out.eval_steps and self.step % out.eval_steps == 0) or last):
                 record["eval_loss"] = self.evaluate()
             record["elapsed_s"] = time.perf_counter() - started
             history.append(record)
