@@ -122,7 +122,9 @@ def run_experts_over_tp(rows: paddle.Tensor, counts: list[int], experts: nn.Laye
     by_expert = paddle.to_tensor(expert_order(every, stride))
     outputs, idle = run_experts(paddle.gather(gathered, by_expert)[:, :narrow], every.sum(axis=0).tolist(), experts,
                                 expert_partial_sum)
-    summed = paddle.zeros_like(gathered)
+    # with no row on any tp rank, a zero still made of the gathered rows: the rows' gradient must reach the
+    # exchange that brought them (an empty one, but its backward is a collective the expert group's other ranks run)
+    summed = paddle.zeros_like(gathered) if outputs is not None else gathered * 0.0
     if outputs is not None:
         summed = paddle.scatter(summed, by_expert, _widened(outputs, width))
     if shared is not None:
