@@ -48,6 +48,12 @@ def load_single_card_state(model, full_state: Mapping[str, np.ndarray], axes: Ma
     _assign_slices(model, axes, topo, lookup)
 
 
+def assign_single_card(model, arrays: Mapping[str, np.ndarray], axes: Mapping[str, int | None],
+                       topo: Topology) -> None:
+    """Set the parameters `arrays` names (single-card tensors) to this rank's tp slices of them."""
+    _assign_slices(model, axes, topo, lambda name, _shape: arrays[name], arrays.keys())
+
+
 def init_single_card_weights(model, plan: ModelPlan, topo: Topology, seed: int, std: float,
                              names: Collection[str] | None = None) -> None:
     """Initialise every parameter (of `names`, when given: those a pretrained folder does not hold) as

@@ -13,6 +13,7 @@ from functools import cached_property
 from modeling.blocks.decoder import LayerActivations
 from modeling.causal_lm import CausalLM, Skeleton
 from modeling.execution import Execution
+from modeling.lora import LoRA, with_adapters
 from modeling.pipeline import CausalLMPipe
 from modeling.placement import ModelPlan, check_divisible, check_shared
 from modeling.transformers_adapter import TransformersAdapter
@@ -51,8 +52,9 @@ class ModelFamily:
         return types.new_class(name, (base,), {}, lambda ns: ns.update(namespace))
 
     def tensor_plan(self, config) -> ModelPlan:
-        return ModelPlan(self.model_type, self.architecture, config.num_hidden_layers, self.skeleton.tensors(config),
-                         self.skeleton.tied_names(config))
+        """Every tensor the config's model holds: the skeleton's, and the LoRA adapters it declares (`modeling.lora`)."""
+        return ModelPlan(self.model_type, self.architecture, config.num_hidden_layers,
+                         with_adapters(self.skeleton.tensors(config), LoRA.of(config)), self.skeleton.tied_names(config))
 
     def check_tensor_parallel(self, config, tp: int) -> None:
         """Fail before any weight is built when the vocabulary or a unit TP splits (heads, MLP width)

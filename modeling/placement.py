@@ -34,6 +34,7 @@ VOCAB_ROWS = 0  # an embedding's rows (vocabulary entries) split over tp
 VECTOR_SPLIT = 0  # a column-parallel linear's bias
 FIRST, LAST, FIRST_AND_LAST = "first", "last", "first_and_last"  # stages of tensors outside the decoder layers
 NORMAL, ZEROS, ONES = "normal", "zeros", "ones"  # how a parameter starts (matrices N(0, initializer_range))
+KAIMING_UNIFORM = "kaiming_uniform"  # LoRA's A: U(-1/sqrt(in), 1/sqrt(in)) over its [in, r], as PEFT draws it
 A_LOG = "a_log"  # log of U(0.01, 16) per head: a recurrent mixer's decay rate A (transformers' Gated DeltaNet)
 # A replicated parameter whose gradient each tp rank holds only a part of, summed over tp after backward:
 ALWAYS = "always"  # q/k norms: each rank sees only its heads
@@ -118,6 +119,7 @@ class TensorPlan:
     init: str | float = NORMAL  # a number: every element starts at it
     tp_partial_grad: str | None = None
     buffer: bool = False  # a persistent buffer (saved, loaded, resharded), not a parameter: no gradient, no optimizer
+    adaptable: bool = False  # a projection LoRA may adapt (not a router, a head or the sparse-attention indexer)
 
     def placed(self, **axes) -> TensorPlan:
         """This tensor with its placement on the given axes set (`stage=`, `expert=`)."""
@@ -208,6 +210,9 @@ def initial_values(init: str | float, shape, rng: np.random.Generator, std: floa
         return np.full(shape, init, np.float32)
     if init == NORMAL:
         return rng.normal(0.0, std, size=shape).astype(np.float32)
+    if init == KAIMING_UNIFORM:
+        bound = 1.0 / np.sqrt(shape[0])
+        return rng.uniform(-bound, bound, size=shape).astype(np.float32)
     if init == A_LOG:
         return np.log(rng.uniform(0.01, 16.0, size=shape)).astype(np.float32)
     return (np.ones if init == ONES else np.zeros)(shape, np.float32)

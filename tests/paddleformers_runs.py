@@ -13,7 +13,7 @@ Commands: `train ROOT ROWS STEPS SAVE_STEPS FORMAT HYPER` (a seeded model saved 
 on ROWS, checkpoints every SAVE_STEPS in FORMAT, `losses.json` and `state-<step>.npz` after each save),
 `resume ROOT CHECKPOINT ROWS STEPS HYPER` (ROOT/start's model resumed from the flex CHECKPOINT into
 ROOT/resumed_run, `resumed.json`),
-`logits FOLDER IDS OUT`."""
+`logits FOLDER IDS OUT`, `lora START OUT IDS HYPER` (its LoRA on START's model, saved to OUT with its logits)."""
 
 from __future__ import annotations
 
@@ -144,6 +144,27 @@ def logits(folder: Path, ids: np.ndarray) -> np.ndarray:
         return model(paddle.to_tensor(ids), return_dict=True).logits.numpy()
 
 
+def lora(start: Path, out: Path, ids: np.ndarray, hyper: dict) -> None:
+    """PaddleFormers' LoRA (its LoRAModel, `hyper`: its LoRAConfig fields) on the model saved in `start`, its B
+    drawn from N(0, 0.02) (it starts at zero), saved as PaddleFormers saves adapters into `out`, its logits on `ids`
+    in `out/logits.npy`."""
+    paddle = _environment()
+    from paddleformers.peft import LoRAConfig, LoRAModel
+    from paddleformers.transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(start))
+    config.fuse_rms_norm = False
+    model = LoRAModel(AutoModelForCausalLM.from_pretrained(str(start), config=config), LoRAConfig(**hyper))
+    paddle.seed(7)
+    for name, param in model.named_parameters():
+        if name.endswith("lora_B"):
+            param.set_value(paddle.normal(0.0, 0.02, param.shape))
+    model.save_pretrained(str(out))
+    model.eval()
+    with paddle.no_grad():
+        np.save(out / "logits.npy", model(paddle.to_tensor(ids), return_dict=True).logits.numpy())
+
+
 if __name__ == "__main__":
     command, *rest = sys.argv[1:]
     if command == "train":
@@ -155,5 +176,8 @@ if __name__ == "__main__":
     elif command == "logits":
         folder, ids, out = rest
         np.save(out, logits(Path(folder), np.load(ids)))
+    elif command == "lora":
+        start, out, ids, hyper = rest
+        lora(Path(start), Path(out), np.load(ids), json.loads(hyper))
     else:
         raise SystemExit(f"unknown command {command}")

@@ -16,7 +16,7 @@ from pathlib import Path
 from checkpoint.shards import EXPORT_DTYPES
 from paddle_pp.interop.pickled import ALLOW_UNSAFE_PICKLE_HELP
 from paddle_pp.interop.transformers import export_hf, import_hf
-from paddle_pp.runtime.errors import UserError
+from paddle_pp.runtime.errors import report_written
 from paddle_pp.training.report import tensor_progress
 
 
@@ -32,17 +32,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.direction == "import" and args.dtype != "float32":
         parser.error("--dtype applies to export; import keeps the folder's weights as float32")
     total = sum(p.stat().st_size for p in args.source.glob("model*.safetensors"))
-    try:
+
+    def write() -> Path:
         with tensor_progress(total, args.direction) as on_tensor:
             max_shard_bytes = int(args.max_shard_gb * (1 << 30))
-            out = export_hf(args.source, args.target, max_shard_bytes, on_tensor, args.dtype) \
+            return export_hf(args.source, args.target, max_shard_bytes, on_tensor, args.dtype) \
                 if args.direction == "export" else import_hf(args.source, args.target, max_shard_bytes, on_tensor,
                                                                   args.allow_unsafe_pickle)
-    except (UserError, FileNotFoundError) as err:
-        print(f"convert_hf.py: error: {err}", file=sys.stderr)
-        return 1
-    print(f"wrote {out}")
-    return 0
+
+    return report_written("convert_hf.py", write)
 
 
 if __name__ == "__main__":

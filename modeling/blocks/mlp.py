@@ -17,6 +17,7 @@ from modeling import tp_gradients
 from modeling.autocast import full_precision
 from modeling.blocks.parts import Block, ColumnLinear, Declared, Leaf, Part, RowLinear
 from modeling.execution import Execution
+from modeling.lora import partial_linear
 from modeling.placement import ALWAYS, REPLICATED, Placement, TensorPlan
 from modeling.sequence_parallel import gather_tokens
 
@@ -94,10 +95,9 @@ class GatedMLPLayer(Block):
     def partial_sum(self, rows):
         """This tp rank's share of the MLP on `rows` every tp rank holds, without the collectives of its
         split projections: its share of the intermediate, then its partial sum of the output (the output
-        bias left out: added once the partial sums are). What experts under SP run."""
+        bias left out: added once the partial sums are). What experts under SP run, LoRA adapters included."""
         gate, up, down = (getattr(self, name) for name in self.declared.names)
-        return F.linear(self.gated(F.linear(rows, gate.weight, gate.bias), F.linear(rows, up.weight, up.bias)),
-                        down.weight)
+        return partial_linear(down, self.gated(partial_linear(gate, rows), partial_linear(up, rows)), bias=False)
 
 
 GatedMLP.layer = GatedMLPLayer
@@ -227,7 +227,7 @@ class PlainMLPLayer(Block):
     def partial_sum(self, rows):
         """As `GatedMLPLayer.partial_sum`."""
         up, down = (getattr(self, name) for name in self.declared.names)
-        return F.linear(self.activate(F.linear(rows, up.weight, up.bias)), down.weight)
+        return partial_linear(down, self.activate(partial_linear(up, rows)), bias=False)
 
 
 PlainMLP.layer = PlainMLPLayer

@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import paddle
 import paddle.nn.functional as F
+from paddle import nn
 from paddle.distributed.fleet.utils import sequence_parallel_utils as sp_utils
 
 from modeling import tp_gradients
@@ -155,6 +156,15 @@ class SparseMoE(Block):
                 down = getattr(expert, expert.declared.names[-1])
                 if down.bias is not None:
                     sp_utils.mark_as_sequence_parallel_parameter(down.bias)
+
+    def partial_projections(self) -> list[nn.Layer]:
+        """The projections this block runs as partial sums (`run_experts_over_tp`, under SP): its experts' and
+        its shared expert's (their LoRA adapters add their terms there, without collectives)."""
+        if not self.sequence_first:
+            return []
+        shared = [getattr(self, self.declared.names[1])] if self.declared.shared is not None else []
+        return [getattr(expert, name) for expert in [*self.experts.children(), *shared]
+                for name in expert.declared.names]
 
     @property
     def router_layer(self):

@@ -133,7 +133,7 @@ class ColumnLinear(Leaf):
 
     def tensors(self) -> dict[str, TensorPlan]:
         weight = {"weight": TensorPlan((self.in_features, self.out_features), Placement(COLUMN, tp_units=self.heads),
-                                       linear=True)}
+                                       linear=True, adaptable=True)}
         return weight | ({"bias": TensorPlan((self.out_features,), Placement(VECTOR_SPLIT, tp_units=self.heads),
                                              init=ZEROS)} if self.bias else {})
 
@@ -154,7 +154,8 @@ class RowLinear(Leaf):
     bias: bool = False
 
     def tensors(self) -> dict[str, TensorPlan]:
-        weight = {"weight": TensorPlan((self.in_features, self.out_features), Placement(ROW), linear=True)}
+        weight = {"weight": TensorPlan((self.in_features, self.out_features), Placement(ROW), linear=True,
+                                       adaptable=True)}
         return weight | ({"bias": TensorPlan((self.out_features,), Placement(REPLICATED), init=ZEROS,
                                              tp_partial_grad=UNDER_SEQUENCE_PARALLEL)} if self.bias else {})
 
@@ -267,7 +268,7 @@ class WholeLinear(Leaf):
     def tensors(self) -> dict[str, TensorPlan]:
         partial = None if self.computed_whole else UNDER_SEQUENCE_PARALLEL
         weight = TensorPlan((self.in_features, self.out_features), Placement(REPLICATED), linear=True,
-                            tp_partial_grad=partial)
+                            tp_partial_grad=partial, adaptable=not self.computed_whole)
         return {"weight": weight} | ({"bias": TensorPlan((self.out_features,), Placement(REPLICATED), init=ZEROS,
                                                          tp_partial_grad=partial)} if self.bias else {})
 

@@ -97,7 +97,9 @@ def open_pretrained(folder: Path, weights: bool = True, allow_unsafe_pickle: boo
         return _multimodal(folder, raw, kind, weights, fresh_prediction_layers)
     if _is_unified(folder):
         unified = UnifiedReader(folder, MODEL)
-        config = {"model_type": raw.get("model_type"), **_config_fields(raw)}
+        # a LoRA run's checkpoint keeps its adapters' settings beside the model's fields
+        config = {"model_type": raw.get("model_type"), **_config_fields(raw),
+                  **({"lora": raw["lora"]} if raw.get("lora") else {})}
         shapes = {name: meta["shape"] for name, meta in unified.tensors.items()}
         return _checked(folder, UNIFIED, config, shapes, _by_axis(unified.read), Stored)
     model_family, config, fused = _our_config(folder, raw)

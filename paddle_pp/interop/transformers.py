@@ -97,16 +97,19 @@ class StoredTensors:
 
 def export_stored(folder: Path, target: Path, locate: Callable[[str, TensorPlan], Stored], folder_config: dict,
                   fmt: str, max_shard_bytes: int, on_tensor: Callable[[str, int], None] | None, dtype: str,
-                  copies: dict[str, str] | None = None, carried: Carried | None = None) -> Path:
+                  copies: dict[str, str] | None = None, carried: Carried | None = None, plan: ModelPlan | None = None,
+                  read: Callable[[str], np.ndarray] | None = None) -> Path:
     """A folder of the tensors `locate` says where to store (names, transposes, fused tensors) and their
     `copies`, built from a unified checkpoint one stored tensor at a time, with `folder_config` as its
-    config.json; with `carried`, the checkpoint's file of them beside, as it is."""
+    config.json; with `carried`, the checkpoint's file of them beside, as it is. `plan` and `read`: the
+    tensors written and how each is read (default: the checkpoint's, as saved; a LoRA merge passes its own)."""
     folder = Path(folder)
-    stored = StoredTensors(plan_of(config_from_dict(json.loads((folder / CONFIG_FILE).read_text()))), locate, copies)
-    unified = UnifiedReader(folder, MODEL)
+    stored = StoredTensors(plan or plan_of(config_from_dict(json.loads((folder / CONFIG_FILE).read_text()))),
+                           locate, copies)
+    read = read or UnifiedReader(folder, MODEL).read
     with new_folder(target) as partial:
         weight_map = write_model_shards(stored.groups, stored.shape,
-                                        lambda name: stored.make(name, unified.read, on_tensor), partial,
+                                        lambda name: stored.make(name, read, on_tensor), partial,
                                         max_shard_bytes, fmt, dtype)
         if carried is not None:
             shutil.copyfile(folder / CARRIED_TENSORS, partial / CARRIED_TENSORS)
@@ -137,6 +140,9 @@ def export_hf(folder: Path, target: Path, max_shard_bytes: int = 5 << 30,
     model as that folder, with the parts it carried."""
     require_our_layout(read_index(folder, MODEL), Path(folder))
     saved = json.loads((Path(folder) / CONFIG_FILE).read_text())
+    if saved.get("lora"):
+        raise CheckpointError(f"{folder} holds LoRA adapters beside its frozen weights: write them as a PEFT folder "
+                              "(tools/lora.py peft) or merged into a transformers folder (tools/lora.py merge)")
     adapter, config = _transformers_family(saved, Path(folder)).transformers, config_from_dict(saved)
     carried = carried_in(folder)
     return export_stored(folder, target, hf_locator(config, carried), hf_config(config, dtype, carried), "pt",

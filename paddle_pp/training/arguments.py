@@ -77,6 +77,21 @@ class ModelArguments:
                                            "spans the packed sample (Megatron's name; what PaddleFormers trains "
                                            "with use_global_causal_attn: true); implied by "
                                            "--no-use_global_causal_attn")
+    lora: bool = flag(False, "train LoRA adapters beside the frozen model's projections (PaddleNLP's name; only the "
+                             "adapters are trained and in the optimizer)")
+    lora_rank: int = flag(8, "with --lora: the adapters' rank r")
+    lora_alpha: float = flag(-1.0, "with --lora: alpha, the update scaled by alpha / r (alpha / sqrt(r) with --rslora); "
+                                   "-1: 2 x r, what PaddleFormers trains whatever its recipe says")
+    lora_dropout: float = flag(0.0, "with --lora: dropout on each adapter's input")
+    lora_target_modules: str = flag("all-linear", "with --lora: the adapted projections, comma-separated: module names "
+                                                  "(PEFT's target_modules: q_proj,v_proj), regular expressions over "
+                                                  "whole paths (PaddleFormers': .*layers\\.1\\..*q_proj), or "
+                                                  "all-linear (every projection but routers and the head)")
+    rslora: bool = flag(False, "with --lora: rank-stabilised scale alpha / sqrt(r)")
+    lora_plus_scale: float = flag(1.0, "with --lora: LoRA+, B's learning rate this many times A's")
+    lora_path: str = flag("", "with --lora: start the adapters from a PEFT (adapter_config.json) or PaddleFormers "
+                              "(lora_config.json) adapter folder of this model (its rank, alpha and rsLoRA must be the "
+                              "flags')")
     use_fused_rope: bool = flag(False, "Paddle's fused rotary kernel (GPU only; elsewhere the reference op, noted)")
     use_fused_rms_norm: bool = flag(False, "Paddle's fused RMSNorm kernel (GPU only; elsewhere the reference op, "
                                            "noted)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from modeling.config import ModelConfigError
+from modeling.lora import LoRA
 from modeling.registry import config_from_dict, family
 from modeling.transformers_adapter import model_fields
 from paddle_pp.data.tokenizer import load_text_tokenizer, tokenizer_files
@@ -66,8 +67,11 @@ def model_config(args: ModelArguments, max_seq_length: int, tokenizer_vocab: int
         values |= {field: _flag_value(args, flag, args.hidden_size, args.num_attention_heads)
                    for flag, field in SHAPE_FLAGS.items()
                    if field in fields and (flag != "tie_word_embeddings" or flag in given)}
-        return _checked(config_from_dict(values), max_seq_length)
+        return _checked(config_from_dict(values | adapters_of(args)), max_seq_length)
     values = dict(pretrained.config)
+    if values.get("lora") and not args.lora:
+        raise ModelSourceError(f"{pretrained.folder} holds LoRA adapters (config.json's lora): resume it with --lora "
+                               "and its settings, or merge them into the weights first (tools/lora.py merge)")
     if "model_type" in given and family(args.model_type).model_type != values["model_type"]:
         raise ModelSourceError(f"--model_type {args.model_type} contradicts {pretrained.folder}/config.json "
                                f"(model_type {values['model_type']!r}); drop the flag")
@@ -89,8 +93,20 @@ def model_config(args: ModelArguments, max_seq_length: int, tokenizer_vocab: int
             f"the tokenizer has {tokenizer_vocab} tokens but {pretrained.folder}'s embedding has "
             f"{values['vocab_size']} rows (vocab_size): its ids would index past the embedding; use the model's own tokenizer "
             f"(drop --tokenizer_dir) or one of at most {values['vocab_size']} tokens")
-    return _checked(config_from_dict(values | {"initializer_range": args.initializer_range}), max_seq_length,
-                    pretrained.folder)
+    return _checked(config_from_dict(values | {"initializer_range": args.initializer_range} | adapters_of(args)),
+                    max_seq_length, pretrained.folder)
+
+
+def adapters_of(args: ModelArguments) -> dict:
+    """The config field of the LoRA the flags ask for, as config.json keeps it ({}: no --lora)."""
+    if not args.lora:
+        return {}
+    if args.lora_rank < 1 or not 0.0 <= args.lora_dropout < 1.0 or args.lora_plus_scale <= 0:
+        raise ModelSourceError(f"--lora_rank {args.lora_rank}, --lora_dropout {args.lora_dropout}, --lora_plus_scale "
+                               f"{args.lora_plus_scale}: the rank is at least 1, dropout in [0, 1), the ratio positive")
+    targets = tuple(t.strip() for t in args.lora_target_modules.split(",") if t.strip())
+    alpha = 2.0 * args.lora_rank if args.lora_alpha == -1.0 else args.lora_alpha
+    return {"lora": LoRA(args.lora_rank, alpha, targets, args.lora_dropout, args.rslora, args.lora_plus_scale).to_dict()}
 
 
 def check_dropout(args: ModelArguments, config) -> None:

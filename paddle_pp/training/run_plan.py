@@ -31,7 +31,8 @@ from dataclasses import dataclass, replace
 from modeling.attention_core import CORES, DenseCost, Heads
 from modeling.execution import Execution, choose_execution
 from modeling.indexer_training import IndexerTraining
-from modeling.registry import check_context_parts, core_notes, validate_layout
+from modeling.lora import LoRA, adapted_paths
+from modeling.registry import check_context_parts, core_notes, plan_of, validate_layout
 from paddle_pp.planning.memory import Workload
 from paddle_pp.planning.schedules import check_schedule_model, resolve_schedule
 from paddle_pp.runtime.errors import UserError
@@ -229,6 +230,32 @@ def fine_tuning(args: PretrainArguments, config, execution: Execution) -> tuple[
     return replace(execution, documents=(), within_documents=True), notes
 
 
+def check_lora(args: ModelArguments, config, layout: Layout) -> None:
+    """LoRA's adapters against the model and the layout: some projection must be adapted, dropout's masks must
+    agree across the tp ranks that share an input, and the sparse-attention layers' absorbed kv_b_proj (used as a
+    weight, not called) and their dense warm-up (which trains the indexers alone) take no adapters."""
+    lora = LoRA.of(config)
+    if lora is None:
+        return
+    adapted = adapted_paths(plan_of(config))
+    if not adapted:
+        raise TrainingConfigError(f"--lora_target_modules {args.lora_target_modules!r} names no projection of "
+                                  f"{config.model_type} (module names such as q_proj, regular expressions over whole "
+                                  "paths, or all-linear)")
+    if lora.dropout and layout.tp > 1:
+        raise TrainingConfigError(f"--lora_dropout {lora.dropout} with --tensor_parallel_degree {layout.tp}: each tp "
+                                  "rank would draw its own mask on an input they share (not modelled); use "
+                                  "--lora_dropout 0")
+    if has_indexers(config):
+        absorbed = sorted(path for path in adapted if path.endswith("kv_b_proj"))
+        if absorbed or args.indexer_dense_warmup_steps:
+            raise TrainingConfigError(
+                f"--lora on {config.model_type}: " + (f"{absorbed[0]} is used as a weight by the sparse attention "
+                                                      "(not modelled); leave kv_b_proj out of --lora_target_modules"
+                                                      if absorbed else "--indexer_dense_warmup_steps trains the "
+                                                      "indexers alone; drop one of the two"))
+
+
 def plan_run(args: PretrainArguments, config, end_of_document: int | None, world_size: int | None = None,
              device: str | None = None) -> RunPlan:
     """The run `args` asks for with the model `config` on `world_size` ranks of `device` (None: as
@@ -246,6 +273,7 @@ def plan_run(args: PretrainArguments, config, end_of_document: int | None, world
                                   "each layer without the fp16 loss scale (not implemented); train with --bf16")
     validate_layout(config, layout)
     check_indexer_training(model, config, layout)
+    check_lora(model, config, layout)
     check_context_parts(config, layout, data.max_seq_length)
     dense_cost = dense_cost_of(config, layout, batches.micro_batch, batches.accumulate_steps, data.max_seq_length,
                                model.recompute)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -19,9 +20,10 @@ from checkpoint.commit import clear_interrupted_saves, latest_checkpoint, unclai
 from checkpoint.load import check_compatible, load_checkpoint
 from checkpoint.optimizer_state import ensure_states
 from checkpoint.save import PendingSave, save_checkpoint
-from checkpoint.single_card_state import init_single_card_weights
+from checkpoint.single_card_state import assign_single_card, init_single_card_weights
 from modeling.blocks.indexer import is_indexer_parameter
 from modeling.context_parallel import split_sequence
+from modeling.lora import is_adapter
 from modeling.loss import IGNORE_INDEX
 from modeling.registry import build_causal_lm, plan_of
 from paddle_pp.data.sampler import SequentialBatches
@@ -29,6 +31,7 @@ from paddle_pp.data.sft import SFTRows, build_sft, plan_sft
 from paddle_pp.data.source import build_data, dataset_sizes, plan_data
 from paddle_pp.data.tokenizer import load_text_tokenizer
 from paddle_pp.interop.carried import CARRIED_DIR, carried_in
+from paddle_pp.interop.lora_adapters import adapter_arrays, check_adapter_folder
 from paddle_pp.interop.pretrained import load_pretrained, open_pretrained
 from paddle_pp.interop.transformers_layout import TransformersWeights, checkpoint_config, load_resumed
 from paddle_pp.runtime.fleet_wrappers import wrap_for_layout
@@ -54,12 +57,12 @@ from paddle_pp.training.step import eval_loss, replicas_sum, train_step
 
 
 def _build_optimizer(model, args: OptimizerArguments, schedule: WarmupCosine, clip: ReportingGlobalNormClip):
-    """AdamW decaying matrices only. Stage3 hands the optimizer each large matrix as a flat slice
+    """AdamW over the trained weights (under LoRA the adapters only), decaying matrices only. Stage3 hands the optimizer each large matrix as a flat slice
     named "slice@<name>", so the decay rule looks through that prefix (matching names as given, as
     PaddleNLP does, would silently stop decaying every sliced matrix)."""
     matrices = {p.name for p in model.parameters() if len(p.shape) >= 2}
     return paddle.optimizer.AdamW(
-        learning_rate=schedule, parameters=model.parameters(), beta1=args.adam_beta1, beta2=args.adam_beta2,
+        learning_rate=schedule, parameters=[p for p in model.parameters() if not p.stop_gradient], beta1=args.adam_beta1, beta2=args.adam_beta2,
         epsilon=args.adam_epsilon, weight_decay=args.weight_decay, grad_clip=clip,
         apply_decay_param_fun=lambda name: name.removeprefix(SLICE_PREFIX) in matrices)
 
@@ -113,6 +116,8 @@ class Pretrainer:
         if launched_rank() == 0:
             for note in (*self.run_plan.notes, *(self.pretrained.notes if self.pretrained else ())):
                 print(f"note: {note}", file=sys.stderr)
+        if args.model.lora_path:
+            check_adapter_folder(Path(args.model.lora_path), self.config)
         if self.resume_dir is not None:
             check_compatible(self.resume_dir, self.config, self.layout, checkpoint_config(self.resume_dir))
         # a multimodal folder's parts that do not train, carried into every checkpoint (from the folder, or the resumed one)
@@ -155,15 +160,21 @@ class Pretrainer:
         raw = build_causal_lm(self.config, self.topo, self.execution)
         self.plan = plan_of(self.config)
         self.axes = self.plan.tp_axes(self.layout.tp)
+        adapters = tuple(name for name in self.plan if is_adapter(name))
         if self.resume_dir is None and self.pretrained is not None and args.model.continue_training:
-            load_pretrained(self.pretrained, raw, self.axes, self.topo)
-            if self.pretrained.fresh:  # counted by its config, absent from the folder: drawn as a run from flags would
-                init_single_card_weights(raw, self.plan, self.topo, args.data.seed, args.model.initializer_range,
-                                         self.pretrained.fresh)
+            fresh = (*self.pretrained.fresh, *adapters)
+            load_pretrained(replace(self.pretrained, fresh=fresh), raw, self.axes, self.topo)
+            if fresh:  # counted by its config, absent from the folder: drawn as a run from flags would
+                init_single_card_weights(raw, self.plan, self.topo, args.data.seed, args.model.initializer_range, fresh)
         elif self.resume_dir is None:
             init_single_card_weights(raw, self.plan, self.topo, args.data.seed, args.model.initializer_range)
         else:  # weights before the wrappers take the model (stage3 slices what it finds), states after
             resumed = load_resumed(self.resume_dir, raw, self.axes, self.topo)
+        if args.model.lora_path and self.resume_dir is None:
+            assign_single_card(raw, adapter_arrays(Path(args.model.lora_path), self.config)[1], self.axes, self.topo)
+        if adapters:  # LoRA: the model's own weights stay as they are
+            for name, param in raw.named_parameters():
+                param.stop_gradient = not is_adapter(name)
         self.criterion = getattr(raw, "criterion", None)
         self.clip = ReportingGlobalNormClip(optim.max_grad_norm)
         optimizer = _build_optimizer(raw, optim, self.schedule, self.clip)
@@ -319,9 +330,7 @@ class Pretrainer:
         indices = self.sampler.replica_batch(self.consumed_samples, self.topo.data_replica_index,
                                              self.topo.data_replica_count)
         inputs, labels = self.batch_tensors(self.train_data, indices)
-        if self.args.optim.calculate_per_token_loss and labels is not None:  # the stages that compute the loss
-            self.execution.step_loss.set_step(replicas_sum(self.supervised_tokens, self.topo),
-                                              self.batches.accumulate_steps, self.topo.data_replica_count)
+        self._weigh_tokens(labels, self.batches.accumulate_steps)
         lr = self.schedule.last_lr  # the rate this update applies (after a resume: the saved one)
         loss = train_step(self.model, self.optimizer, self.criterion, inputs, labels, self.topo,
                           self.batches.accumulate_steps, self.compute_dtype, self.scaler, self._updated)
@@ -340,16 +349,27 @@ class Pretrainer:
                   **indexer_metrics(self.execution.indexers, self.config, self.topo)}
         return record if updated else {**record, "update_skipped": True}
 
+    def _weigh_tokens(self, labels, micro_batches: int) -> None:
+        """Under the loss per step, each supervised token's weight in the global batch about to run, on the
+        ranks that compute the loss (`micro_batches`: how many losses the schedule divides by)."""
+        if self.args.optim.calculate_per_token_loss and labels is not None:
+            self.execution.step_loss.set_step(replicas_sum(self.supervised_tokens, self.topo), micro_batches,
+                                              self.topo.data_replica_count)
+
     def evaluate(self) -> float:
         """Mean loss over the first `eval_iters` global batches of the valid split (the same
-        samples at every evaluation, so the curve compares like with like)."""
+        samples at every evaluation, so the curve compares like with like); under the loss per step,
+        each global batch's loss per supervised token."""
         valid = SequentialBatches(self.valid_samples, self.batches.global_batch)
         losses = []
         for it in range(self.args.output.eval_iters):
             indices = valid.replica_batch(it * self.batches.global_batch, self.topo.data_replica_index,
                                           self.topo.data_replica_count)
             inputs, labels = self.batch_tensors(self.valid_data, indices)
+            # the pipeline divides each micro-batch's loss by their count; one card computes its rows at once
+            self._weigh_tokens(labels, self.batches.accumulate_steps if self.layout.pp > 1 else 1)
             losses.append(eval_loss(self.model, self.criterion, inputs, labels, self.topo, self.compute_dtype))
+            self.execution.step_loss.clear()
         return float(np.mean(losses))
 
     def train(self) -> list[dict]:
