@@ -107,20 +107,32 @@ def adapter_plans(weight: TensorPlan, rank: int) -> tuple[TensorPlan, TensorPlan
             TensorPlan((rank, fan_out), b_place, init=ZEROS, tp_partial_grad=b_partial))
 
 
-# How an adapter's update runs beside each kind of projection: the collective on its input (the base layer's own
-# covers only its own branch), the one on x A, the adapter tensors whose gradient each tp rank computes only a part
-# of, and those split over tp (their axis)
+@dataclass(frozen=True)
+class AdapterKind:
+    """How an adapter's update runs beside one kind of projection: the collective on its input (the base
+    layer's own covers only its own branch), the one on x A, the adapter tensors whose gradient each tp rank
+    computes only a part of, and those split over tp (name -> axis)."""
+
+    on_input: str | None = None  # "identity"
+    on_low: str | None = None  # "identity", "all_reduce", "reduce_scatter"
+    partial: tuple[str, ...] = ()
+    split: tuple[tuple[str, int], ...] = ()
+
+
 KINDS = {
-    "whole": (None, None, (), {}),
-    "column": (None, "identity", (), {LORA_B: 1}),
-    "column_gathered": (None, None, (LORA_A,), {LORA_B: 1}),  # SP: the block gathered x and reduce-scatters dx
-    "row": (None, "all_reduce", (), {LORA_A: 0}),
-    "row_scattered": (None, "reduce_scatter", (LORA_B,), {LORA_A: 0}),  # SP: the output's positions scattered
-    "shared": ("identity", None, (LORA_A, LORA_B), {}),  # whole on every rank, each using its heads
-    "shared_gathered": (None, None, (LORA_A, LORA_B), {}),
+    "whole": AdapterKind(),
+    "column": AdapterKind(on_low="identity", split=((LORA_B, 1),)),
+    # SP: the block gathered x and reduce-scatters its gradient
+    "column_gathered": AdapterKind(partial=(LORA_A,), split=((LORA_B, 1),)),
+    "row": AdapterKind(on_low="all_reduce", split=((LORA_A, 0),)),
+    # SP: the output's positions scattered
+    "row_scattered": AdapterKind(on_low="reduce_scatter", partial=(LORA_B,), split=((LORA_A, 0),)),
+    # whole on every rank, each using its heads
+    "shared": AdapterKind(on_input="identity", partial=(LORA_A, LORA_B)),
+    "shared_gathered": AdapterKind(partial=(LORA_A, LORA_B)),
     # an expert's projections under SP: partial sums on rows every tp rank holds (`SparseMoE.partial_projections`)
-    "column_partial": (None, None, (LORA_A,), {LORA_B: 1}),
-    "row_partial": (None, None, (LORA_B,), {LORA_A: 0}),
+    "column_partial": AdapterKind(partial=(LORA_A,), split=((LORA_B, 1),)),
+    "row_partial": AdapterKind(partial=(LORA_B,), split=((LORA_A, 0),)),
 }
 
 
@@ -145,7 +157,7 @@ class Adapter:
 
     def __init__(self, lora: LoRA, run: Execution, kind: str):
         self.scale, self.dropout, self.group, self.kind = lora.scale, lora.dropout, run.tp_group, kind
-        self.on_input, self.on_low, self.partial, self.split = KINDS[kind]
+        self.how = KINDS[kind]
 
     def __call__(self, layer: nn.Layer, inputs: tuple, output: paddle.Tensor) -> paddle.Tensor:
         return output + self.term(layer, inputs[0])
@@ -153,14 +165,14 @@ class Adapter:
     def term(self, layer: nn.Layer, x: paddle.Tensor) -> paddle.Tensor:
         if self.dropout and layer.training:
             x = F.dropout(x, self.dropout)
-        if self.on_input == "identity":
+        if self.how.on_input == "identity":
             x = paddle.distributed.collective._c_identity(x, group=self.group)
         low = paddle.matmul(x, layer.lora_A)
-        if self.on_low == "identity":
+        if self.how.on_low == "identity":
             low = paddle.distributed.collective._c_identity(low, group=self.group)
-        elif self.on_low == "all_reduce":
+        elif self.how.on_low == "all_reduce":
             low = mp_ops._mp_allreduce(low, group=self.group, use_calc_stream=True, use_model_parallel=True)
-        elif self.on_low == "reduce_scatter":
+        elif self.how.on_low == "reduce_scatter":
             low = sp_utils.ReduceScatterOp.apply(low)
         return paddle.scale(paddle.matmul(low, layer.lora_B), self.scale)
 
@@ -169,11 +181,12 @@ class Adapter:
         clip sums its square over tp); a gradient each rank computes a part of is summed at the update."""
         if is_expert(weight):  # reduced over the expert's replicas only, skipped by fleet's broadcasts
             setattr(param, EXPERT_MARK, True)
-        if name in self.split:
-            param.is_distributed, param.split_axis = weight.is_distributed, self.split[name]
+        split = dict(self.how.split)
+        if name in split:
+            param.is_distributed, param.split_axis = weight.is_distributed, split[name]
         if self.kind.startswith("shared"):
             setattr(param, PARTIAL_OVER_HEADS, True)
-        elif name in self.partial or (self.kind == "whole" and sp_utils.is_sequence_parallel_parameter(weight)):
+        elif name in self.how.partial or (self.kind == "whole" and sp_utils.is_sequence_parallel_parameter(weight)):
             sp_utils.mark_as_sequence_parallel_parameter(param)
 
 

@@ -148,8 +148,8 @@ def test_paddleformers_offline_recipe_reads_with_its_meaning(tmp_path, capsys):
 @pytest.mark.parametrize("text, changes, words", [
     (FULL_OFFLINE_DATA + ONLINE_DATA, {}, "train_dataset_type, train_dataset_path"),
     (FULL_OFFLINE_DATA, {"dataset_type": "iterable"}, "tools/preprocess_data.py"),
-    (FULL_OFFLINE_DATA, {"stage": "SFT"}, "stage='SFT'"),
-    (FULL_OFFLINE_DATA, {"fine_tuning": "LoRA"}, "set fine_tuning: full"),
+    (FULL_OFFLINE_DATA, {"stage": "DPO"}, "stage='DPO'"),
+    (FULL_OFFLINE_DATA, {"fine_tuning": "qlora"}, "fine_tuning='qlora' (full or LoRA)"),
     (FULL_OFFLINE_DATA, {"fp16_opt_level": "O1"}, "fp16_opt_level='O1'"),
     (FULL_OFFLINE_DATA.replace("fp16_opt_level: O2\n", ""), {}, "fp16_opt_level left to PaddleFormers' default O1"),
     (FULL_OFFLINE_DATA, {"tensor_parallel_degree": 2}, "tensor_model_parallel_size and tensor_parallel_degree"),
@@ -160,7 +160,7 @@ def test_paddleformers_offline_recipe_reads_with_its_meaning(tmp_path, capsys):
     (FULL_OFFLINE_DATA, {"a_new_field": 1}, "a_new_field=1 (a field paddle-pp does not know"),
     (FULL_OFFLINE_DATA, {"min_lr": 1e-6}, "linear schedule decays to 0 and never reads min_lr"),
     (FULL_OFFLINE_DATA, {"best_unbalanced_scheduler": True}, "VPPFhenBInBalancedMemory is not wired"),
-], ids=["online_data", "iterable", "sft", "lora", "o1", "o1_by_default", "two_spellings", "selective", "sep",
+], ids=["online_data", "iterable", "dpo", "qlora", "o1", "o1_by_default", "two_spellings", "selective", "sep",
         "attention", "eval_iters", "unknown", "min_lr_linear", "best_unbalanced"])
 def test_what_a_paddleformers_recipe_asks_and_this_trainer_does_not_do_is_refused_by_name(tmp_path, capsys, text,
                                                                                        changes, words):
@@ -169,6 +169,82 @@ def test_what_a_paddleformers_recipe_asks_and_this_trainer_does_not_do_is_refuse
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert re.search(re.escape(words), err) and "PaddleFormers recipe" in err and "Traceback" not in err
+
+
+# examples/config/sft/lora.yaml (PaddleFormers 34f1ec2) as written but for the template (its default, custom, is
+# PaddleFormers' Python templates: refused, below) and a finite max_steps (its -1 runs epochs)
+LORA_SFT = """
+train_dataset_type: erniekit
+eval_dataset_type: erniekit
+train_dataset_path: ./tests/fixtures/dummy/sft/train.jsonl
+train_dataset_prob: "1.0"
+eval_dataset_path: ./tests/fixtures/dummy/sft/eval.jsonl
+eval_dataset_prob: "1.0"
+max_seq_len: 8192
+packing: false
+mix_strategy: concat
+template_backend: jinja
+model_name_or_path: Qwen/Qwen3-Next-80B-A3B-Instruct
+attn_impl: flashmask
+lora: true
+lora_rank: 8
+stage: SFT
+fine_tuning: lora
+seed: 23
+do_train: true
+do_eval: true
+per_device_eval_batch_size: 1
+per_device_train_batch_size: 1
+num_train_epochs: 1
+max_steps: 100
+eval_steps: 100
+evaluation_strategy: steps
+save_steps: 100
+save_strategy: steps
+logging_steps: 1
+gradient_accumulation_steps: 4
+logging_dir: ./vdl_log
+output_dir: ./checkpoints/qwen3-sft-lora
+disable_tqdm: true
+eval_accumulation_steps: 16
+warmup_steps: 20
+learning_rate: 1.0e-4
+tensor_parallel_degree: 1
+pipeline_parallel_degree: 1
+pipeline_parallel_config: enable_dynamic_shape enable_clear_every_step_cache
+sharding: stage2
+recompute: true
+bf16: true
+fp16_opt_level: O2
+unified_checkpoint: true
+"""
+
+
+def test_a_paddleformers_sft_recipe_reads_as_chat_fine_tuning_with_lora(tmp_path):
+    """stage SFT: its chat sources, packing and sequence length as ours, LoRA of rank 8 at alpha 2r (what
+    PaddleFormers trains), the loss per optimizer step; packing true packs."""
+    args = _parse(tmp_path, LORA_SFT)
+    data, model = args.data, args.model
+    assert data.train_dataset_path == "./tests/fixtures/dummy/sft/train.jsonl" and data.train_dataset_prob == "1.0"
+    assert data.eval_dataset_path == "./tests/fixtures/dummy/sft/eval.jsonl" and data.max_seq_length == 8192
+    assert not data.packing and data.truncation_strategy == "delete"
+    assert model.lora and model.lora_rank == 8 and model.lora_alpha == -1.0 and not model.rslora
+    assert args.optim.calculate_per_token_loss and args.layout.sharding == "stage2"
+    assert _parse(tmp_path, LORA_SFT, packing=True, truncation_strategy="left").data.packing
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"template_backend": "custom", "template": "qwen3"}, "template_backend='custom'"),
+    ({"split_multi_turn": True}, "split_multi_turn=True"),
+    ({"eval_dataset_prob": "0.3,0.7"}, "eval_dataset_prob='0.3,0.7'"),
+    ({"train_dataset_type": "pretrain"}, "train_dataset_type='pretrain'"),
+    ({"fine_tuning": "full", "max_prompt_len": 1024}, "max_prompt_len=1024"),
+])
+def test_what_a_paddleformers_sft_recipe_asks_and_is_not_modelled_is_refused(tmp_path, capsys, changes, words):
+    with pytest.raises(SystemExit):
+        _parse(tmp_path, LORA_SFT, **changes)
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err
 
 
 def _per_document_loss(folder, samples: np.ndarray, end: int) -> float:

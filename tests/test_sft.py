@@ -225,13 +225,24 @@ def test_a_packed_row_trains_as_its_samples_one_at_a_time(tokenizers, tmp_path):
 
 @pytest.mark.parametrize("flags, message", [
     (["--packing"], "--packing packs fine-tuning samples"),
-    (["--train_dataset_path", "x.jsonl", "--no-use_global_causal_attn"], "keeps each sample to itself"),
     (["--train_dataset_path", "x.jsonl", "--do_eval"], "needs --eval_dataset_path"),
 ])
 def test_fine_tuning_flags_that_cannot_combine_are_refused_in_the_plan(flags, message):
     config = config_from_dict(CONFIG | {"vocab_size": 64})
     with pytest.raises(TrainingConfigError, match=message):
         fine_tuning(parse_args(flags), config, Execution())
+
+
+def test_packed_rows_keep_samples_apart_unless_only_positions_restart():
+    """Packed samples are apart by the data's positions (no end-of-sequence token marks them); PaddleFormers'
+    use_global_causal_attn: true (--reset_position_ids) lets attention span the row, positions still restarting."""
+    config = config_from_dict(CONFIG | {"vocab_size": 64})
+    for flags, within in (([], True), (["--reset_position_ids"], False)):
+        execution, notes = fine_tuning(parse_args(["--train_dataset_path", "x.jsonl", "--packing", *flags]), config,
+                                       Execution())
+        assert execution.documents == () and execution.within_documents is within and notes
+    unpacked, _ = fine_tuning(parse_args(["--train_dataset_path", "x.jsonl"]), config, Execution())
+    assert unpacked.documents is None
 
 
 def test_the_loss_per_step_refuses_prediction_layers_by_name():

@@ -9,7 +9,10 @@ What differs from a PaddleNLP recipe, each read with PaddleFormers' meaning:
 - data: `max_seq_len`; offline data as `dataset_type: pretrain` with `input_dir` weight/prefix pairs
   and `split` (the indexed files and the sampling PaddleNLP's pretraining also reads); PaddleFormers'
   online jsonl datasets are refused with the command that prepares them;
-- `stage: PT` with `fine_tuning: full` (the defaults SFT and LoRA are other training, refused);
+- `stage: PT`, or `stage: SFT` on chat data (`train_dataset_path` / `train_dataset_prob`, `packing`,
+  `truncation_strategy`, `template_backend: jinja`: the model's own chat template; its Python `custom`
+  templates refused), with the loss per optimizer step; `fine_tuning: full`, or `LoRA` (its default:
+  `lora_rank`, `lora_alpha`, `rslora`, `lora_plus_scale` as our flags of those names);
 - attention per document unless `use_global_causal_attn` (default false); positions restart at every
   document either way, as PaddleFormers' collator restarts them (true: `--reset_position_ids`);
   `_attn_implementation` picks the core (flashmask and sdpa: flash where it applies, eager: dense);
@@ -60,12 +63,31 @@ PADDLEFORMERS_NO_EFFECT = {
                      "pp_delay_scale_loss", "dp_allreduce_avg_in_gradinent_scale", "gradient_sync_after_accumulate",
                      "moe_token_dispatcher_type"), _COMMUNICATION),
     **dict.fromkeys(("packing", "mix_strategy", "num_samples_each_epoch"), _ONLINE_ONLY),
+    **dict.fromkeys(("greedy_intokens", "binpacking", "buffer_size", "packing_interval", "dataset_output_dir",
+                     "make_offline_data", "packed_idx_cache_dir", "share_folder"),
+                    "where SFT samples are drawn and packed: paddle-pp's seeded order, first fit over windows of 512"),
     **dict.fromkeys(("save_checkpoint_format", "load_checkpoint_format", "save_safetensors"),
                     "checkpoint file format: checkpoints here are unified safetensors folders (flex checkpoints "
                     "are neither written nor resumed; an output_dir holding one is refused rather than overwritten)"),
     **dict.fromkeys(("eval_accumulation_steps",), "evaluation bookkeeping"),
 }
 
+STAGES = ("PT", "SFT")
+CHAT_FORMS = ("erniekit", "messages")
+# SFT data fields modelled at one value (PaddleFormers' default): another is refused
+SFT_REFUSED = {
+    "max_prompt_len": (None, "prompts are not cut apart from their sample; --truncation_strategy cuts whole samples"),
+    "random_shuffle": (True, "samples are drawn in a seeded shuffled order"),
+    "split_multi_turn": (False, "a conversation is one sample, every assistant turn trained in it"),
+    "encode_one_turn": (True, "the conversation is rendered whole by its template, as transformers renders it"),
+    "use_template": (True, "samples are rendered by the model's chat template"),
+    "padding_free": (False, "rows are packed (packing) or padded"),
+    "truncate_packing": (True, "a sample longer than a row follows truncation_strategy"),
+    "mix_strategy": ("concat", "sources are mixed by train_dataset_prob"),
+    "eval_with_do_generation": (False, "evaluation is the loss"),
+    "new_special_tokens_path": (None, "the tokenizer is the model folder's"),
+    "custom_register_path": (None, "no PaddleFormers template or dataset registry is read"),
+}
 RECOMPUTE_FIELDS = ("recompute_granularity", "recompute_method", "recompute_num_layers")
 ATTENTION_IMPLEMENTATIONS = {"flashmask": True, "sdpa": True, "eager": False}  # -> use_flash_attention
 ONLINE_DATA = ("train_dataset_type", "train_dataset_path", "train_dataset_prob", "eval_dataset_type",
@@ -98,17 +120,20 @@ def _recompute(values: dict) -> tuple[dict[str, Any], list[str]]:
                 f"{layers!r} (only each decoder layer recomputed is modelled: full, uniform, 1)"]
 
 
-def _training(values: dict) -> list[str]:
-    refused = []
-    if values["stage"] != "PT":
-        refused.append(f"stage={values['stage']!r} (this trainer pretrains: stage PT)")
-    if str(values.get("fine_tuning", "LoRA")).lower() != "full":
-        refused.append(f"fine_tuning={values.get('fine_tuning', 'LoRA')!r} (PaddleFormers' default is LoRA; only "
-                       "full-parameter training is modelled: set fine_tuning: full)")
+def _training(values: dict) -> tuple[dict[str, Any], list[str]]:
+    """The stage (PT, or SFT on chat data) and `fine_tuning` (full, or LoRA, PaddleFormers' default)."""
+    flags, refused = {}, []
+    if values["stage"] not in STAGES:
+        refused.append(f"stage={values['stage']!r} (this trainer runs stage PT and SFT)")
+    tuning = str(values.get("fine_tuning", "LoRA")).lower()
+    if tuning == "lora":
+        flags["lora"] = True
+    elif tuning != "full":
+        refused.append(f"fine_tuning={values['fine_tuning']!r} (full or LoRA)")
     if (values.get("bf16") or values.get("fp16")) and "fp16_opt_level" not in values:  # a given one: REFUSED's rule
         refused.append("fp16_opt_level left to PaddleFormers' default O1 (only AMP O2 is modelled: set "
                        "fp16_opt_level: O2)")
-    return refused
+    return flags, refused
 
 
 def _schedule(values: dict) -> list[str]:
@@ -119,7 +144,32 @@ def _schedule(values: dict) -> list[str]:
     return []
 
 
+def _sft_data(values: dict) -> tuple[dict[str, Any], list[str]]:
+    """SFT's chat data: the sources (our flags of the same names), their forms, the template (the model's own
+    jinja template: PaddleFormers' Python `custom` templates are not modelled), packing, and the fields of its
+    data pipeline that change what is trained, refused when given otherwise than modelled."""
+    refused = []
+    if not values.get("train_dataset_path"):
+        refused.append("stage SFT without train_dataset_path (the chat data to fine-tune on)")
+    for name in ("train_dataset_type", "eval_dataset_type"):
+        if values.get(name, "erniekit") not in CHAT_FORMS:
+            refused.append(f"{name}={values[name]!r} (chat data is one of {', '.join(CHAT_FORMS)})")
+    if values.get("template_backend", "custom") != "jinja":
+        refused.append(f"template_backend={values.get('template_backend', 'custom')!r} (PaddleFormers' default: its "
+                       "Python templates, not modelled; set template_backend: jinja, the model folder's own chat "
+                       "template, rendered as transformers renders it)")
+    probs = [float(p) for p in str(values.get("eval_dataset_prob", "1.0")).split(",") if p.strip()]
+    if len(set(probs)) > 1:
+        refused.append(f"eval_dataset_prob={values['eval_dataset_prob']!r} (evaluation sources are mixed equally)")
+    refused += [f"{name}={values[name]!r} ({why})" for name, (modelled, why) in SFT_REFUSED.items()
+                if name in values and values[name] != modelled]
+    flags = {"packing": bool(values.get("packing", False)), "calculate_per_token_loss": True}
+    return flags, refused
+
+
 def _data(values: dict) -> list[str]:
+    if values["stage"] == "SFT":
+        return []  # `_sft_data`
     online = [name for name in ONLINE_DATA if name in values]
     if online:
         return [f"{', '.join(online)} (PaddleFormers' online datasets are not read here; {PREPARE_DATA})"]
@@ -133,7 +183,7 @@ def _data(values: dict) -> list[str]:
 
 def _attention(values: dict) -> tuple[dict[str, Any], list[str]]:
     flags, refused = {}, []
-    implementation = values.get("_attn_implementation", "flashmask")
+    implementation = values.get("_attn_implementation", values.get("attn_impl", "flashmask"))  # the newer name
     if implementation in ATTENTION_IMPLEMENTATIONS:
         flags["use_flash_attention"] = ATTENTION_IMPLEMENTATIONS[implementation]
     else:
@@ -163,12 +213,19 @@ def prepare(values: dict) -> tuple[dict[str, Any], set[str], list[str]]:
     recompute, recompute_refused = _recompute(values)
     attention, attention_refused = _attention(values)
     pipeline, pipeline_refused = _pipeline(values)
-    refused += (recompute_refused + attention_refused + pipeline_refused + _training(values) + _schedule(values)
-                + _data(values))
+    training, training_refused = _training(values)
+    sft, sft_refused = _sft_data(values) if values["stage"] == "SFT" else ({}, [])
+    refused += (recompute_refused + attention_refused + pipeline_refused + training_refused + sft_refused
+                + _schedule(values) + _data(values))
     consumed = {name for spellings in DEGREES.values() for name in spellings} | set(UNBUILT_DEGREES)
-    consumed |= {*RECOMPUTE_FIELDS, *ONLINE_DATA, "stage", "fine_tuning", "dataset_type", "_attn_implementation",
+    consumed |= {*RECOMPUTE_FIELDS, "stage", "fine_tuning", "dataset_type", "_attn_implementation", "attn_impl",
                  "use_global_causal_attn", "use_dualpipev", "best_unbalanced_scheduler"}
-    return degrees | recompute | attention | pipeline, consumed & set(values), refused
+    if values["stage"] == "SFT":  # read as our flags of the same names, or above
+        consumed |= {"train_dataset_type", "eval_dataset_type", "eval_dataset_prob", "template_backend", "template",
+                     "packing", *SFT_REFUSED}
+    else:
+        consumed |= set(ONLINE_DATA)
+    return degrees | recompute | attention | pipeline | training | sft, consumed & set(values), refused
 
 
 PADDLEFORMERS = Dialect(

@@ -62,7 +62,8 @@ COMMUNICATION_OPTIONS = {
     "pipeline_parallel_config": {"enable_delay_scale_loss", "enable_release_grads", "disable_partial_send_recv",
                                  "disable_batch_p2p_comm", "enable_sharding_comm_overlap", "enable_dp_comm_overlap",
                                  "disable_p2p_cache_shape", "enable_timer", "enable_overlap_p2p_comm",
-                                 "enable_clear_every_step_cache", "enable_offload_queue"},
+                                 "enable_clear_every_step_cache", "enable_offload_queue",
+                                 "enable_dynamic_shape"},  # shapes sent each step: rows here are one length
     "tensor_parallel_config": {"enable_delay_scale_loss", "enable_mp_async_allreduce", "enable_mp_skip_c_identity",
                                "enable_mp_fused_linear_param_grad_add", "enable_sp_async_reduce_scatter",
                                "sync_param", "sync_grad", "sync_moment", "enable_mp_allreduce_overlap"},

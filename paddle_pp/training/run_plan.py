@@ -202,7 +202,8 @@ def check_indexer_training(args: ModelArguments, config, layout: Layout) -> None
 
 def fine_tuning(args: PretrainArguments, config, execution: Execution) -> tuple[Execution, list[str]]:
     """Chat fine-tuning's data against the flags: packed rows keep their samples apart by the positions the
-    data gives (not by end-of-sequence tokens, which a chat sample holds at every turn's end), and the
+    data gives (not by end-of-sequence tokens, which a chat sample holds at every turn's end; attention
+    spans the row only with --reset_position_ids, PaddleFormers' use_global_causal_attn: true), and the
     loss per optimizer step weighs the next token's losses only."""
     data, optim, output = args.data, args.optim, args.output
     if optim.calculate_per_token_loss and config.mtp_depth:
@@ -214,20 +215,18 @@ def fine_tuning(args: PretrainArguments, config, execution: Execution) -> tuple[
             raise TrainingConfigError("--packing packs fine-tuning samples (--train_dataset_path); pretraining data "
                                       "are packed rows already")
         return execution, []
-    by_document = documents_flag(args.model)
-    if by_document:
-        raise TrainingConfigError(f"{by_document} with --train_dataset_path: a chat sample ends a turn with the "
-                                  "end-of-sequence token many times; use --packing, which keeps each sample to itself")
     if output.do_eval and "do_eval" in args.given and not data.eval_dataset_path:
         raise TrainingConfigError("--do_eval with --train_dataset_path needs --eval_dataset_path (chat data to "
                                   "evaluate on)")
     notes = [] if optim.calculate_per_token_loss else [
         "the loss is a mean per micro-batch (--no-calculate_per_token_loss): with prompts masked, tokens of short "
         "answers weigh more, and accumulation and the data degree change the gradients"]
-    if not data.packing:
+    if not data.packing:  # one sample a row, the padding after it: attention per document would change nothing
         return execution, notes
-    notes.append("packed fine-tuning rows: attention and positions restart at each sample")
-    return replace(execution, documents=(), within_documents=True), notes
+    within = not args.model.reset_position_ids  # the samples' ends are the data's, never end-of-sequence tokens
+    notes.append(f"packed fine-tuning rows: positions restart at each sample, attention "
+                 f"{'inside each sample' if within else 'across the row (--reset_position_ids)'}")
+    return replace(execution, documents=(), within_documents=within), notes
 
 
 def check_lora(args: ModelArguments, config, layout: Layout) -> None:

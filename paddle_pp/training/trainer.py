@@ -207,6 +207,7 @@ class Pretrainer:
                 rank0_first(self.topo, "data", lambda: build_data(self.data_plan)) if self.needs_data else (None, None))
         align_ranks(self.topo)  # only the stages reading data built it; the others wait in p2p
         self.sampler = SequentialBatches(self.train_samples, self.batches.global_batch)
+        self.supervised_tokens = 0  # the labels counted in the last global batch read (`batch_tensors`)
 
     def _resume_folder(self) -> Path | None:
         """The checkpoint to resume from (checked against the model once its config is known, still
