@@ -1,10 +1,11 @@
 """Fine-tuning costs, side by side in one run, fp32, one process:
 
 1. SFT with and without packing (ours): real (non-padding) tokens per second on a chat set of mixed lengths
-   (the test set's generator: 1-3 turns of 4-40 words, Qwen's template), SmolLM-135M's body (10 layers), rows
-   of 1,024 tokens, 8 a step. Without packing a row is one sample and padding, which the model computes too.
+   (the test set's generator: 1-3 turns of 4-40 words, Qwen's template), SmolLM-135M's width in 4 layers with
+   the chat tokenizer's 2,048-token vocabulary, rows of 512 tokens, 4 a step. Without packing a row is one
+   sample and padding, which the model computes too.
 2. LoRA (rank 16 on every projection) against full fine-tuning at SmolLM-135M's whole shape (30 layers,
-   hidden 576, 9 / 3 heads, vocabulary 49152, tied), 2,048 tokens a step (2 micro-batches of 4 x 256): step
+   hidden 576, 9 / 3 heads, vocabulary 49152, tied), 1,024 tokens a step (2 micro-batches of 2 x 256): step
    time (median after the first two steps), optimizer states (bytes), peak resident memory of the process;
    ours (`run_pretrain.py`, the shipped corpus) and PaddleFormers 1.2's own (its LlamaForCausalLM, its
    LoRAModel with the same rank and targets, its Trainer, random tokens), each round alternating the order.
@@ -36,7 +37,8 @@ FOLDER = REPO / ".venv" / "paddleformers"
 SMOLLM = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
               num_key_value_heads=3, vocab_size=49152)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-RANK, SEQ, MICRO, ACCUMULATION, SKIPPED = 16, 256, 4, 2, 2
+RANK, SEQ, MICRO, ACCUMULATION, SKIPPED = 16, 256, 2, 2, 2
+SFT_SEQ, SFT_ROWS = 512, 4
 
 PADDLEFORMERS_RUN = """
 import json, resource, sys, time
@@ -139,36 +141,36 @@ def packing(steps: int, work: Path) -> dict:
 
     tokenizer = chat_tokenizer("qwen", work / "tokenizer", CORPUS)
     data = write_jsonl(work / "chat.jsonl", jargon_chats(CORPUS, 600))
-    body = dict(SMOLLM, num_hidden_layers=10)
+    body = dict(SMOLLM, num_hidden_layers=4, vocab_size=load_text_tokenizer(tokenizer).vocab_size)
     folder = work / "body"
     folder.mkdir(exist_ok=True)
     (folder / "config.json").write_text(json.dumps({"model_type": "llama", **body, "tie_word_embeddings": True,
-                                                    "max_position_embeddings": 1024, "rms_norm_eps": 1e-5}))
+                                                    "max_position_embeddings": SFT_SEQ, "rms_norm_eps": 1e-5}))
     out = {}
     for packed in (False, True):
         run = work / f"sft_{'packed' if packed else 'padded'}"
         subprocess.run([sys.executable, str(REPO / "run_finetune.py"), "--model_name_or_path", str(folder),
                         "--no-continue_training", "--tokenizer_dir", str(tokenizer), "--train_dataset_path", str(data),
-                        "--max_seq_length", "1024", "--per_device_train_batch_size", "2",
-                        "--gradient_accumulation_steps", "4", "--max_steps", str(steps), "--warmup_steps", "1",
+                        "--max_seq_length", str(SFT_SEQ), "--per_device_train_batch_size", "2",
+                        "--gradient_accumulation_steps", str(SFT_ROWS // 2), "--max_steps", str(steps), "--warmup_steps", "1",
                         "--disable_progress_bar", "--output_dir", str(run), *(["--packing"] if packed else [])],
                        check=True, cwd=REPO, capture_output=True, timeout=7200)
-        plan = SFTPlan((data,), (1.0,), (), None, 1024, packed, "delete", 42, (8 * steps, 0))
+        plan = SFTPlan((data,), (1.0,), (), None, SFT_SEQ, packed, "delete", 42, (SFT_ROWS * steps, 0))
         rows = build_rows(plan, SampleEncoder(load_text_tokenizer(tokenizer)), 0, plan.train_paths, plan.train_probs,
-                          8 * steps).rows
+                          SFT_ROWS * steps).rows
         real = [sum(len(sample) for sample in row) for row in rows]
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         step = _median_step([r["elapsed_s"] for r in records if "loss" in r])
         out["packed" if packed else "padded"] = {"seconds_per_step": step, "real_tokens_per_row": statistics.mean(real),
-                                                 "real_tokens_per_second": 8 * statistics.mean(real) / step}
+                                                 "real_tokens_per_second": SFT_ROWS * statistics.mean(real) / step}
     out["packing_speedup"] = out["packed"]["real_tokens_per_second"] / out["padded"]["real_tokens_per_second"]
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
     report = {**machine(), "measured": time.strftime("%Y-%m-%d"), "shape": SMOLLM, "rank": RANK,
               "tokens_per_step": SEQ * MICRO * ACCUMULATION}

@@ -121,8 +121,8 @@ LAYOUTS = {  # name: (folder, ranks, flags, resumed from)
     "llama_resumed": ("llama3", 4, ("--sharding_parallel_degree", "2", "--sharding", "stage2",
                                     "--tensor_parallel_degree", "2"), "llama_single"),
     "moe_single": ("qwen3_moe", 1, (), None),
-    "moe_ep2_tp2": ("qwen3_moe", 4, ("--expert_parallel_degree", "2", "--tensor_parallel_degree", "2",
-                                     "--sequence_parallel"), None),
+    "moe_ep2_tp2_pp2": ("qwen3_moe", 8, ("--expert_parallel_degree", "2", "--tensor_parallel_degree", "2",
+                                         "--sequence_parallel") + TP2_PP2[2:], None),
     "moe_resumed": ("qwen3_moe", 4, ("--expert_parallel_degree", "2", "--pipeline_parallel_degree", "2"),
                     "moe_single"),
 }
@@ -148,9 +148,9 @@ def lora_runs(run_workers_module, folders, tmp_path_factory):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("kind, layout", [("llama", "tp2pp2"), ("moe", "ep2_tp2")])
+@pytest.mark.parametrize("kind, layout", [("llama", "tp2pp2"), ("moe", "ep2_tp2_pp2")])
 def test_lora_trains_on_the_single_card_curve(lora_runs, kind, layout):
-    """LLaMA under tp2 x pp2, Qwen3-MoE (adapters on every expert) under ep2 x tp2 + SP: 20 steps' losses, grad
+    """LLaMA under tp2 x pp2, Qwen3-MoE (adapters on every expert) under ep2 x tp2 x pp2 + SP: 20 steps' losses, grad
     norms and evaluations within 1e-4 of one card's, and the adapters of step 20; only adapters are trained (the
     base weights of the checkpoint are the folder's, bit for bit) and only they have optimizer states."""
     expected, reference = lora_runs(f"{kind}_single")
@@ -188,6 +188,28 @@ def test_a_lora_checkpoint_resumes_under_another_layout_on_the_curve(lora_runs, 
     resumed, _ = lora_runs(f"{kind}_resumed")
     assert resumed["resumed_exactly"] is True
     np.testing.assert_allclose(resumed["losses"], expected["losses"][10:14], rtol=RESUME_TOL)
+
+
+@pytest.mark.multiproc
+def test_the_planner_counts_gradients_and_states_of_the_adapters_only(lora_runs):
+    """`tools/reshard.py plan`'s memory model of a LoRA run: the weights of the whole model, gradients and Adam's
+    two moments of the adapters alone, as the trained checkpoint's optimizer holds them."""
+    from checkpoint.format import STATE_SEPARATOR
+    from modeling.registry import load_config
+    from paddle_pp.planning.memory import plan_layout
+
+    _, out = lora_runs("llama_single")
+    checkpoint = out / "checkpoint-20"
+    config = load_config(checkpoint)
+    (share,) = plan_layout(config, Layout.from_args(parse_args([]).layout, world_size=1, device="cpu"))
+    states = UnifiedReader(checkpoint, "optimizer")
+    moments = sum(int(np.prod(meta["shape"])) for name, meta in states.tensors.items()
+                  if name.split(STATE_SEPARATOR)[-1].startswith("moment"))
+    weights = sum(int(np.prod(meta["shape"])) for meta in UnifiedReader(checkpoint, "model").tensors.values())
+    adapters = sum(int(np.prod(meta["shape"])) for name, meta in UnifiedReader(checkpoint, "model").tensors.items()
+                   if "lora_" in name)
+    assert share.parameters == weights and share.grad_bytes == 4 * adapters
+    assert share.optimizer_bytes == 4 * moments == 8 * adapters
 
 
 IDS = np.random.default_rng(3).integers(0, 2048, size=(2, 16))

@@ -12,6 +12,7 @@ import numpy as np
 
 from modeling.attention_core.ring import ring_traffic_bytes
 from modeling.execution import Execution
+from modeling.lora import LoRA, is_adapter
 from modeling.placement import layer_stage
 from modeling.registry import check_context_parts, execution_for, family_of, plan_of, validate_layout
 from modeling.sequence_parallel import sequence_shards
@@ -104,7 +105,8 @@ def plan_layout(config, layout: Layout, compute_bytes: int = 4, workload: Worklo
     master weights when compute is narrower than fp32), as ZeRO partitions them over the sharding
     degree: states from stage1 (experts across sharding ranks over their replicas instead:
     `runtime.expert_sharding`), gradients from stage2, weights from stage3 (whose parameters under
-    `--stage3_segment_size`, the norm weights, stay whole: left out here); with a `workload`, the
+    `--stage3_segment_size`, the norm weights, stay whole: left out here); under LoRA gradients and states
+    of the adapters only, the base frozen; with a `workload`, the
     decoder layers' activations too (`decoder_activation_bytes`). Raises the layout's own errors
     when invalid."""
     validate_layout(config, layout)
@@ -114,21 +116,27 @@ def plan_layout(config, layout: Layout, compute_bytes: int = 4, workload: Worklo
     plan = plan_of(config)
     mesh = plan.mesh(layout.pp, layout.vpp, layout.ep, layout.tp, layout.dualpipev)
     counts = np.zeros([layout.pp, layout.tp], dtype=np.int64)
+    trained = np.zeros([layout.pp, layout.tp], dtype=np.int64)  # with gradients and states (under LoRA: adapters)
     experts = np.zeros([layout.pp, layout.tp], dtype=np.int64)  # of which experts across sharding ranks
+    lora = LoRA.of(config) is not None
     for stage in range(layout.pp):  # expert rank 0's share: every expert rank holds as many experts alike
         for name in plan.held_at(stage, 0, mesh):
-            if not plan[name].buffer:  # a router's correction bias: no grad, no states
-                counts[stage] += plan[name].local_numel(mesh)
-                if layout.experts_across_sharding and plan[name].placement.expert is not None:
-                    experts[stage] += plan[name].local_numel(mesh)
+            if plan[name].buffer:  # a router's correction bias: no grad, no states
+                continue
+            counts[stage] += plan[name].local_numel(mesh)
+            if lora and not is_adapter(name):  # LoRA's frozen base
+                continue
+            trained[stage] += plan[name].local_numel(mesh)
+            if layout.experts_across_sharding and plan[name].placement.expert is not None:
+                experts[stage] += plan[name].local_numel(mesh)
     state_bytes = ADAM_STATE_BYTES + (4 if compute_bytes < 4 else 0)
     shard = layout.sharding_degree
     replicas = layout.data_replicas * layout.cp // layout.ep  # what experts across sharding are sharded over
     grad_shards = shard if layout.group_sharded_level else 1  # stage2 and stage3
     weight_shards = shard if layout.sharding_stage == "stage3" else 1
     return [RankShare(stage, tp, int(n), -(-int(n) * compute_bytes // weight_shards),
-                      -(-int(n) * compute_bytes // grad_shards),
-                      -(-int(n - experts[stage, tp]) * state_bytes // shard)
+                      -(-int(trained[stage, tp]) * compute_bytes // grad_shards),
+                      -(-int(trained[stage, tp] - experts[stage, tp]) * state_bytes // shard)
                       - (-int(experts[stage, tp]) * state_bytes // replicas),
                       decoder_activation_bytes(config, layout, workload, stage, compute_bytes) if workload else 0)
             for (stage, tp), n in np.ndenumerate(counts)]
