@@ -249,6 +249,25 @@ def test_the_peft_folder_loads_in_peft_with_our_logits_and_our_merge_is_peft_mer
         export_hf(checkpoint, tmp_path / "refused")
 
 
+@pytest.mark.multiproc
+def test_a_run_starts_its_adapters_from_a_peft_folder(lora_runs, run_workers_module, folders, tmp_path):
+    """--lora_path of the trained LLaMA's PEFT folder: the run's adapters are those the folder came from, exactly
+    (one step at learning rate 0, saved)."""
+    _, out = lora_runs("llama_single")
+    export_peft(out / "checkpoint-20", tmp_path / "peft")
+    run_workers_module("pretrain_worker.py", 1, [
+        *FINETUNE, "--max_steps", "1", "--warmup_steps", "0", "--learning_rate", "0", "--min_learning_rate", "0",
+        "--save_steps", "1",
+        "--model_name_or_path", folders["llama3"], "--train_dataset_path", folders["data"], "--lora_path",
+        tmp_path / "peft", "--output_dir", tmp_path / "run"], tag="from_peft")
+    started, trained = (UnifiedReader(folder, "model") for folder in (tmp_path / "run" / "checkpoint-1",
+                                                                      out / "checkpoint-20"))
+    adapters = [name for name in trained.tensors if "lora_" in name]
+    assert len(adapters) == 56
+    for name in adapters:
+        np.testing.assert_array_equal(started.read(name), trained.read(name), err_msg=name)
+
+
 def test_a_paddleformers_lora_folder_gives_paddleformers_logits(tmp_path):
     """PaddleFormers 1.2's LoRAModel (q, v and down projections, rank 4, alpha 8, its B drawn non-zero) on its own
     LLaMA, saved as PaddleFormers saves adapters (lora_config.json + peft_model-*.safetensors): read by --lora_path's

@@ -60,9 +60,12 @@ def base_config(saved: dict):
 def _module(stored: Stored, path: str) -> str:
     """transformers' module of a projection from where it stores the weight (refused when the weight is part
     of a fused tensor: one adapter per module there)."""
-    if stored.fused or stored.stack is not None or stored.transposed is False or not stored.name.endswith(".weight"):
+    if stored.fused or stored.stack is not None or not stored.name.endswith(".weight"):
         raise AdapterError(f"{path}: transformers stores this projection's weight inside {stored.name} with "
                            "others; a PEFT adapter of that module is not one of ours (not modelled)")
+    if not stored.transposed:
+        raise AdapterError(f"{path}: transformers stores this weight [in, out] (a Conv1D, GPT-2's); PEFT's "
+                           "fan_in_fan_out adapters are not written (not modelled)")
     return stored.name.removesuffix(".weight")
 
 

@@ -57,12 +57,14 @@ from paddle_pp.training.step import eval_loss, replicas_sum, train_step
 
 
 def _build_optimizer(model, args: OptimizerArguments, schedule: WarmupCosine, clip: ReportingGlobalNormClip):
-    """AdamW over the trained weights (under LoRA the adapters only), decaying matrices only. Stage3 hands the optimizer each large matrix as a flat slice
-    named "slice@<name>", so the decay rule looks through that prefix (matching names as given, as
-    PaddleNLP does, would silently stop decaying every sliced matrix)."""
+    """AdamW over the trained weights (under LoRA the adapters only), decaying matrices only. Stage3
+    hands the optimizer each large matrix as a flat slice named "slice@<name>", so the decay rule looks
+    through that prefix (matching names as given, as PaddleNLP does, would silently stop decaying every
+    sliced matrix)."""
     matrices = {p.name for p in model.parameters() if len(p.shape) >= 2}
+    trained = [p for p in model.parameters() if not p.stop_gradient]
     return paddle.optimizer.AdamW(
-        learning_rate=schedule, parameters=[p for p in model.parameters() if not p.stop_gradient], beta1=args.adam_beta1, beta2=args.adam_beta2,
+        learning_rate=schedule, parameters=trained, beta1=args.adam_beta1, beta2=args.adam_beta2,
         epsilon=args.adam_epsilon, weight_decay=args.weight_decay, grad_clip=clip,
         apply_decay_param_fun=lambda name: name.removeprefix(SLICE_PREFIX) in matrices)
 
@@ -118,6 +120,9 @@ class Pretrainer:
                 print(f"note: {note}", file=sys.stderr)
         if args.model.lora_path:
             check_adapter_folder(Path(args.model.lora_path), self.config)
+            if self.resume_dir is not None and launched_rank() == 0:
+                print(f"note: --lora_path {args.model.lora_path} is not read: the adapters resume from "
+                      f"{self.resume_dir}", file=sys.stderr)
         if self.resume_dir is not None:
             check_compatible(self.resume_dir, self.config, self.layout, checkpoint_config(self.resume_dir))
         # a multimodal folder's parts that do not train, carried into every checkpoint (from the folder, or the resumed one)
@@ -170,11 +175,8 @@ class Pretrainer:
             init_single_card_weights(raw, self.plan, self.topo, args.data.seed, args.model.initializer_range)
         else:  # weights before the wrappers take the model (stage3 slices what it finds), states after
             resumed = load_resumed(self.resume_dir, raw, self.axes, self.topo)
-        if args.model.lora_path and self.resume_dir is None:
-            assign_single_card(raw, adapter_arrays(Path(args.model.lora_path), self.config)[1], self.axes, self.topo)
-        if adapters:  # LoRA: the model's own weights stay as they are
-            for name, param in raw.named_parameters():
-                param.stop_gradient = not is_adapter(name)
+        if adapters:
+            self._start_adapters(raw)
         self.criterion = getattr(raw, "criterion", None)
         self.clip = ReportingGlobalNormClip(optim.max_grad_norm)
         optimizer = _build_optimizer(raw, optim, self.schedule, self.clip)
@@ -195,10 +197,20 @@ class Pretrainer:
             self._resume(state=resumed)
         self.pending_save: PendingSave | None = None
 
+    def _start_adapters(self, raw) -> None:
+        """LoRA: the adapters from --lora_path on a fresh start (a resume has its checkpoint's), and the model's
+        own weights frozen, before the optimizer and the wrappers take the trained ones."""
+        if self.args.model.lora_path and self.resume_dir is None:
+            assign_single_card(raw, adapter_arrays(Path(self.args.model.lora_path), self.config)[1], self.axes,
+                               self.topo)
+        for name, param in raw.named_parameters():
+            param.stop_gradient = not is_adapter(name)
+
     def _load_data(self) -> None:
         """The stages that read data build it (rank 0 first: it writes the index files); all align."""
         if self.sft_plan is not None:  # no files written: each reading rank renders the same rows
-            self.train_data, self.valid_data = build_sft(self.sft_plan, self.tokenizer) if self.needs_data else (None, None)
+            self.train_data, self.valid_data = (build_sft(self.sft_plan, self.tokenizer) if self.needs_data
+                                                else (None, None))
             if self.train_data is not None and self.topo.global_rank == 0:
                 for note in (*self.train_data.notes, *(self.valid_data.notes if self.valid_data else ())):
                     print(f"note: {note}", file=sys.stderr)
