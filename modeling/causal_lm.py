@@ -20,7 +20,7 @@ from modeling.blocks.embedding import LMHead, embed, head_logits
 from modeling.blocks.parts import Embedding, Part, VocabEmbedding
 from modeling.documents import state, unpack
 from modeling.execution import Execution
-from modeling.lora import attach_adapters
+from modeling.lora import LoRA, attach_adapters
 from modeling.loss import CausalLMCriterion
 from modeling.placement import FIRST, FIRST_AND_LAST, LAST, TensorPlan, tensor_parallel_mappings
 
@@ -111,7 +111,9 @@ class CausalLM(CausalLMPretrainedModel):
         self.family.check_tensor_parallel(config, run.tp)
         for path, part, _ in self.family.skeleton.parts(config):
             attach(self, path, part.build(config, run))
-        attach_adapters(self, config, run, self.family.tensor_plan(config))
+        lora = LoRA.of(config)
+        if lora is not None:
+            attach_adapters(self, lora, run, self.family.tensor_plan(config))
         self.criterion = CausalLMCriterion(run, config.mtp_loss_weight)
         self.apply(self._init_weights)
 

@@ -203,13 +203,11 @@ def adapted_paths(tensors) -> frozenset[str]:
     return frozenset(name.removesuffix(f".{LORA_A}") for name in tensors if name.endswith(f".{LORA_A}"))
 
 
-def attach_adapters(model: nn.Layer, config, run: Execution, tensors, single_name=lambda name: name) -> None:
+def attach_adapters(model: nn.Layer, lora: LoRA, run: Execution, tensors, single_name=lambda name: name) -> None:
     """Give each projection the model's plan `tensors` adapts its A and B (this rank's pieces, to be filled by
     the weights' initialisation or a load) and its hook; `single_name` maps a parameter's name in `model`
     to its single-card name (the pipeline's prefixes)."""
-    lora, adapted = LoRA.of(config), adapted_paths(tensors)
-    if lora is None:
-        return
+    adapted = adapted_paths(tensors)
     partial = {id(projection) for block in model.sublayers() if hasattr(block, "partial_projections")
                for projection in block.partial_projections()}
     for key, layer in list(model.named_sublayers()):

@@ -65,7 +65,8 @@ class CausalLMCriterion(nn.Layer):
                 token_loss = F.cross_entropy(logits, labels.unsqueeze(-1), reduction="none",
                                              ignore_index=IGNORE_INDEX)
             counted = (labels != IGNORE_INDEX).astype("float32").unsqueeze(-1)
+            summed = (token_loss * counted).sum()
             if self.step_loss.per_token is not None:  # every supervised token of the step weighs the same
-                return (token_loss * counted).sum() * self.step_loss.per_token
+                return summed * self.step_loss.per_token
             count = counted.sum() if self.ring is None else self.ring.all_reduce(counted.sum())
-            return (token_loss * counted).sum() / count.clip(min=1.0)
+            return summed / count.clip(min=1.0)

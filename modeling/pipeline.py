@@ -25,7 +25,7 @@ from modeling.blocks.parts import Leaf
 from modeling.causal_lm import CausalLMPretrainedModel
 from modeling.documents import state, unpack
 from modeling.execution import Execution
-from modeling.lora import attach_adapters
+from modeling.lora import LoRA, attach_adapters
 from modeling.loss import CausalLMCriterion
 from modeling.placement import FIRST, FIRST_AND_LAST, chunk_starts, pipeline_chunks
 from paddle_pp.runtime.errors import UserError
@@ -167,10 +167,12 @@ class CausalLMPipe(PipelinePretrainedModel, PipelineLayer):
             self.add_sequential_layer(LayerDesc(HeadLayer, config=config, run=run, hidden_size=head.hidden_size,
                                                 vocab_size=head.vocab_size), skeleton.head)
         self._build_stages(CausalLMCriterion(run, config.mtp_loss_weight))
-        self._set_pipeline_name_mapping()  # the stage's single-card names, before adapters join them
-        single_names = dict(self._pp_to_single_mapping)
-        attach_adapters(self, config, run, self.family.tensor_plan(config), single_names.__getitem__)
-        self._single_to_pp_mapping = None  # found again with the adapters on first use
+        lora = LoRA.of(config)
+        if lora is not None:
+            self._set_pipeline_name_mapping()  # the stage's single-card names, before adapters join them
+            single_names = dict(self._pp_to_single_mapping)
+            attach_adapters(self, lora, run, self.family.tensor_plan(config), single_names.__getitem__)
+            self._single_to_pp_mapping = None  # found again with the adapters on first use
 
     def _build_stages(self, loss_fn: nn.Layer) -> None:
         """Cut the registered layers into this rank's stage(s), initialise them and tie shared weights.

@@ -163,7 +163,7 @@ class SFTRows:
 
 def build_rows(plan: SFTPlan, encoder: SampleEncoder, pad_id: int, paths: tuple[Path, ...], probs: tuple[float, ...],
                wanted: int) -> SFTRows:
-    """`wanted` rows (at least one pass over every source) drawn from `paths` by `probs`."""
+    """`wanted` rows (at least one) of samples drawn from `paths` by `probs`."""
     sources, notes = [], []
     for path in paths:
         read = read_samples(path, encoder)

@@ -57,9 +57,10 @@ def base_config(saved: dict):
     return config_from_dict({key: value for key, value in saved.items() if key != "lora"})
 
 
-def _module(stored: Stored, path: str) -> str:
-    """transformers' module of a projection from where it stores the weight (refused when the weight is part
-    of a fused tensor: one adapter per module there)."""
+def _module(path: str, plan, locate: Callable[[str, TensorPlan], Stored]) -> str:
+    """transformers' module of the projection at our `path`, from where `locate` stores its weight (refused
+    when the weight is part of a fused tensor, one adapter per module there, or stored [in, out])."""
+    stored = locate(f"{path}.weight", plan[f"{path}.weight"])
     if stored.fused or stored.stack is not None or not stored.name.endswith(".weight"):
         raise AdapterError(f"{path}: transformers stores this projection's weight inside {stored.name} with "
                            "others; a PEFT adapter of that module is not one of ours (not modelled)")
@@ -78,7 +79,7 @@ def export_peft(folder: Path, target: Path, dtype: str = "float32", base_model: 
     unified = UnifiedReader(folder, MODEL)
     modules, tensors = [], {}
     for path in sorted(adapted_paths(plan)):
-        module = _module(locate(f"{path}.weight", plan[f"{path}.weight"]), path)
+        module = _module(path, plan, locate)
         modules.append(module)
         for ours in (LORA_A, LORA_B):
             tensors[f"{PEFT_PREFIX}{module}.{ours}.weight"] = unified.read(f"{path}.{ours}").T.astype(dtype)
@@ -124,26 +125,28 @@ def export_merged(folder: Path, target: Path, max_shard_bytes: int = 5 << 30,
 def adapter_arrays(folder: Path, config) -> tuple[LoRA, dict[str, np.ndarray]]:
     """(the adapters' settings, our single-card adapter tensors) of a PEFT or PaddleFormers adapter folder for
     a model of `config` (its `lora` giving the projections this run adapts): what --lora_path starts from."""
-    from safetensors.numpy import load_file
-
     folder = Path(folder)
     plan = plan_of(config)
     wanted = sorted(adapted_paths(plan))
-    lora = adapter_settings(folder)
-    if (folder / PEFT_CONFIG).is_file():
-        stored = load_file(str(folder / PEFT_WEIGHTS))
-        locate = hf_locator(base_config(config.to_dict()))
-        arrays = {}
-        for path in wanted:
-            module = _module(locate(f"{path}.weight", plan[f"{path}.weight"]), path)
-            for ours in (LORA_A, LORA_B):
-                key = f"{PEFT_PREFIX}{module}.{ours}.weight"
-                if key not in stored:
-                    raise AdapterError(f"{folder / PEFT_WEIGHTS} has no {key}, which this run's --lora_target_modules "
-                                       "adapt; adapt the modules the folder holds")
-                arrays[f"{path}.{ours}"] = stored[key].T
-        return lora, arrays
-    return lora, _paddleformers(folder, config, plan, wanted)
+    read = _peft if (folder / PEFT_CONFIG).is_file() else _paddleformers
+    return adapter_settings(folder), read(folder, config, plan, wanted)
+
+
+def _peft(folder: Path, config, plan, wanted: list[str]) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    stored = load_file(str(folder / PEFT_WEIGHTS))
+    locate = hf_locator(base_config(config.to_dict()))
+    arrays = {}
+    for path in wanted:
+        module = _module(path, plan, locate)
+        for ours in (LORA_A, LORA_B):
+            key = f"{PEFT_PREFIX}{module}.{ours}.weight"
+            if key not in stored:
+                raise AdapterError(f"{folder / PEFT_WEIGHTS} has no {key}, which this run's --lora_target_modules "
+                                   "adapt; adapt the modules the folder holds")
+            arrays[f"{path}.{ours}"] = stored[key].T
+    return arrays
 
 
 def adapter_settings(folder: Path) -> LoRA:

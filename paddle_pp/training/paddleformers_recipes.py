@@ -167,18 +167,19 @@ def _sft_data(values: dict) -> tuple[dict[str, Any], list[str]]:
     return flags, refused
 
 
-def _data(values: dict) -> list[str]:
+def _data(values: dict) -> tuple[dict[str, Any], list[str]]:
+    """The data of the stage: SFT's chat data (`_sft_data`), or PT's offline pretraining data."""
     if values["stage"] == "SFT":
-        return []  # `_sft_data`
+        return _sft_data(values)
     online = [name for name in ONLINE_DATA if name in values]
     if online:
-        return [f"{', '.join(online)} (PaddleFormers' online datasets are not read here; {PREPARE_DATA})"]
+        return {}, [f"{', '.join(online)} (PaddleFormers' online datasets are not read here; {PREPARE_DATA})"]
     if values.get("dataset_type", "iterable") != "pretrain":
-        return [f"dataset_type={values.get('dataset_type', 'iterable')!r} (only offline pretraining data is read: "
-                f"{PREPARE_DATA})"]
+        return {}, [f"dataset_type={values.get('dataset_type', 'iterable')!r} (only offline pretraining data is "
+                    f"read: {PREPARE_DATA})"]
     if values.get("do_eval") and int(values.get("eval_iters", -1)) <= 0:
-        return ["do_eval without eval_iters (PaddleFormers sizes its validation set by eval_iters; set it)"]
-    return []
+        return {}, ["do_eval without eval_iters (PaddleFormers sizes its validation set by eval_iters; set it)"]
+    return {}, []
 
 
 def _attention(values: dict) -> tuple[dict[str, Any], list[str]]:
@@ -214,9 +215,9 @@ def prepare(values: dict) -> tuple[dict[str, Any], set[str], list[str]]:
     attention, attention_refused = _attention(values)
     pipeline, pipeline_refused = _pipeline(values)
     training, training_refused = _training(values)
-    sft, sft_refused = _sft_data(values) if values["stage"] == "SFT" else ({}, [])
-    refused += (recompute_refused + attention_refused + pipeline_refused + training_refused + sft_refused
-                + _schedule(values) + _data(values))
+    data, data_refused = _data(values)
+    refused += (recompute_refused + attention_refused + pipeline_refused + training_refused + data_refused
+                + _schedule(values))
     consumed = {name for spellings in DEGREES.values() for name in spellings} | set(UNBUILT_DEGREES)
     consumed |= {*RECOMPUTE_FIELDS, "stage", "fine_tuning", "dataset_type", "_attn_implementation", "attn_impl",
                  "use_global_causal_attn", "use_dualpipev", "best_unbalanced_scheduler"}
@@ -225,7 +226,7 @@ def prepare(values: dict) -> tuple[dict[str, Any], set[str], list[str]]:
                      "packing", *SFT_REFUSED}
     else:
         consumed |= set(ONLINE_DATA)
-    return degrees | recompute | attention | pipeline | training | sft, consumed & set(values), refused
+    return degrees | recompute | attention | pipeline | training | data, consumed & set(values), refused
 
 
 PADDLEFORMERS = Dialect(

@@ -109,19 +109,14 @@ def warmup_steps(args: OptimizerArguments, given: frozenset[str]) -> int:
     return steps
 
 
-def documents_flag(args: ModelArguments) -> str | None:
-    """The flag that asks for documents ended by the end-of-sequence token (None: neither)."""
-    return ("--no-use_global_causal_attn" if not args.use_global_causal_attn
-            else "--reset_position_ids" if args.reset_position_ids else None)
-
-
 def run_execution(args: ModelArguments, layout: Layout, compute_dtype: str | None, head_dim: int,
                   end_of_document: int | None, dense_cost: DenseCost | None = None) -> tuple[Execution, list[str]]:
     """The run's attention core, recompute, fused kernels and document boundaries (the data's
     `end_of_document` token under --no-use_global_causal_attn) from the model flags
     (`choose_execution`; `dense_cost`: what the dense core would keep, for the CPU's choice), and
     notes on what was asked for and not taken on this device."""
-    by_document = documents_flag(args)
+    by_document = ("--no-use_global_causal_attn" if not args.use_global_causal_attn
+                   else "--reset_position_ids" if args.reset_position_ids else None)
     if by_document is not None and end_of_document is None:
         raise TrainingConfigError(
             f"{by_document}: the tokenizer has no end-of-sequence token to find where documents end; "

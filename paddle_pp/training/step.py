@@ -25,26 +25,32 @@ def replica_slice(batch_size: int, topo: Topology) -> slice:
     return slice(topo.data_replica_index * local, (topo.data_replica_index + 1) * local)
 
 
+def _data_groups(topo: Topology) -> list[tuple[object, int]]:
+    """(group, size) of the dp and sharding groups with more than one rank (a group of one is never looked
+    up: a single card may run without fleet)."""
+    return [(getattr(topo, group), size) for group, size in (("dp_group", topo.layout.dp),
+                                                              ("sharding_group", topo.layout.sharding_degree))
+            if size > 1]
+
+
 def mean_over_replicas(value: paddle.Tensor, topo: Topology) -> float:
     """Average a replica-local scalar over dp and sharding ranks, so every rank reports the global
     value; under context parallelism each cp rank's loss is its part of its replica's, summed first."""
     value = value.detach().astype("float32").reshape([])
     if topo.ring is not None:
         value = topo.ring.all_reduce(value)
-    for group, size in (("dp_group", topo.layout.dp), ("sharding_group", topo.layout.sharding_degree)):
-        if size > 1:  # a group of one is never looked up: a single card may run without fleet
-            value = value.clone()
-            dist.all_reduce(value, group=getattr(topo, group))
-            value = value / size
+    for group, size in _data_groups(topo):
+        value = value.clone()
+        dist.all_reduce(value, group=group)
+        value = value / size
     return float(value)
 
 
 def replicas_sum(count: int, topo: Topology) -> int:
     """A replica-local count summed over the dp and sharding ranks (one all-reduce per group)."""
     total = paddle.to_tensor([count], dtype="int64")
-    for group, size in (("dp_group", topo.layout.dp), ("sharding_group", topo.layout.sharding_degree)):
-        if size > 1:
-            dist.all_reduce(total, group=getattr(topo, group))
+    for group, _ in _data_groups(topo):
+        dist.all_reduce(total, group=group)
     return int(total.item())
 
 
