@@ -18,8 +18,9 @@ TRAINER_STATE_FILE = "trainer_state.json"
 TRAINER_STATE_PICKLE = "trainer_state.bin"  # PaddleFormers' (a pickled TrainerState)
 TOKENIZER_FILE = "tokenizer.model"  # a SentencePiece model (the shipped tokenizer, and LLaMA folders')
 # Files a tokenizer folder may hold: checkpoints, exports and conversions carry them all.
+# the tokenizer and what renders its chats (transformers saves a folder's chat template as chat_template.jinja)
 TOKENIZER_FILE_PATTERNS = ("tokenizer*", "vocab*", "merges.txt", "special_tokens_map.json", "added_tokens.json",
-                           "spiece.model", "sentencepiece*.model")
+                           "spiece.model", "sentencepiece*.model", "chat_template.jinja")
 LATEST_FILE = "latest"
 CHECKPOINT_PREFIX = "checkpoint-"
 STATE_SEPARATOR = "/"  # optimizer keys are "<parameter name>/<state name>"

@@ -43,7 +43,7 @@ from paddle_pp.runtime.topology import Topology, gather_objects
 
 ARCHITECTURE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                        "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
-                       "tie_word_embeddings")
+                       "tie_word_embeddings", "lora")  # a LoRA run's adapters are tensors of its checkpoint
 
 
 def check_compatible(folder: Path, config, layout: Layout, saved: dict | None = None) -> None:

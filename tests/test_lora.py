@@ -82,12 +82,13 @@ def test_a_built_model_holds_its_planned_adapters_and_starts_as_the_base():
 @pytest.mark.parametrize("flags, message", [
     (["--lora", "--lora_target_modules", "c_fc"], "names no projection"),
     (["--lora", "--lora_dropout", "0.1", "--tensor_parallel_degree", "2"], "its own mask"),
+    (["--lora", "--save_to_hf"], "no place for the adapters"),
 ])
 def test_lora_flags_that_cannot_run_are_refused_in_the_plan(flags, message):
     args = parse_args(flags)
     config = model_config(args.model, 32, 64)
     with pytest.raises(TrainingConfigError, match=message):
-        check_lora(args.model, config, Layout.from_args(args.layout, world_size=2, device="cpu"))
+        check_lora(args, config, Layout.from_args(args.layout, world_size=2, device="cpu"))
 
 
 # The launches: transformers' LLaMA 3 and Qwen3-MoE folders (4 layers), adapters of rank 4 on every projection
@@ -301,16 +302,30 @@ def test_a_paddleformers_lora_folder_gives_paddleformers_logits(tmp_path):
         adapter_arrays(tmp_path / "lora", wrong)
 
 
-def test_a_lora_checkpoint_as_a_start_needs_its_settings(tmp_path, folders):
-    """A folder holding adapters is not silently trained without them."""
-    (tmp_path / "ckpt").mkdir()
-    saved = json.loads((folders["llama3"] / "config.json").read_text())
+@pytest.mark.multiproc
+def test_a_lora_checkpoint_starts_or_resumes_only_with_its_adapters(lora_runs, run_workers_module, folders, tmp_path):
+    """The trained LLaMA's checkpoint: as --model_name_or_path without --lora or with another rank it is refused
+    (its adapters would be dropped or started again), with its settings the run starts from its adapters exactly
+    (one step at learning rate 0); resuming it without --lora is refused before any process group, by name."""
+    from checkpoint.load import check_compatible
+
+    _, out = lora_runs("llama_single")
+    checkpoint = out / "checkpoint-20"
+    pretrained = open_pretrained(checkpoint)
+    for flags in ([], [*LORA[:2], "8", *LORA[3:]]):
+        args = parse_args(["--model_name_or_path", str(checkpoint), *flags])
+        with pytest.raises(ModelSourceError, match="holds LoRA adapters"):
+            model_config(args.model, 64, 2048, pretrained, args.given)
     args = parse_args(["--model_name_or_path", str(folders["llama3"])])
-
-    class Folder:
-        config = saved | {"lora": LoRA(4, 8.0).to_dict()}
-        folder = tmp_path / "ckpt"
-        fresh = ()
-
-    with pytest.raises(ModelSourceError, match="holds LoRA adapters"):
-        model_config(args.model, 32, 2048, Folder(), args.given)
+    with pytest.raises(CheckpointError, match="lora is"):
+        check_compatible(checkpoint, model_config(args.model, 64, 2048, open_pretrained(folders["llama3"]),
+                                                  args.given), Layout.from_args(args.layout, 1, "cpu"))
+    run_workers_module("pretrain_worker.py", 1, [
+        *FINETUNE, "--max_steps", "1", "--warmup_steps", "0", "--learning_rate", "0", "--min_learning_rate", "0",
+        "--save_steps", "1", "--model_name_or_path", checkpoint, "--train_dataset_path", folders["data"],
+        "--output_dir", tmp_path / "run"], tag="from_lora_checkpoint")
+    started, trained = (UnifiedReader(folder, "model") for folder in (tmp_path / "run" / "checkpoint-1", checkpoint))
+    adapters = [name for name in trained.tensors if "lora_" in name]
+    assert len(adapters) == 56
+    for name in adapters:
+        np.testing.assert_array_equal(started.read(name), trained.read(name), err_msg=name)

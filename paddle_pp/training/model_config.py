@@ -69,9 +69,11 @@ def model_config(args: ModelArguments, max_seq_length: int, tokenizer_vocab: int
                    if field in fields and (flag != "tie_word_embeddings" or flag in given)}
         return _checked(config_from_dict(values | adapters_of(args)), max_seq_length)
     values = dict(pretrained.config)
-    if values.get("lora") and not args.lora:
-        raise ModelSourceError(f"{pretrained.folder} holds LoRA adapters (config.json's lora): resume it with --lora "
-                               "and its settings, or merge them into the weights first (tools/lora.py merge)")
+    if values.get("lora") and values["lora"] != adapters_of(args).get("lora"):
+        raise ModelSourceError(f"{pretrained.folder} holds LoRA adapters {values['lora']} (config.json's lora) and the "
+                               f"flags ask for {adapters_of(args).get('lora')}: start from it with --lora and its "
+                               "settings (its adapters are read), or merge them into the weights first "
+                               "(tools/lora.py merge)")
     if "model_type" in given and family(args.model_type).model_type != values["model_type"]:
         raise ModelSourceError(f"--model_type {args.model_type} contradicts {pretrained.folder}/config.json "
                                f"(model_type {values['model_type']!r}); drop the flag")

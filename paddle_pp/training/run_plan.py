@@ -224,13 +224,20 @@ def fine_tuning(args: PretrainArguments, config, execution: Execution) -> tuple[
     return replace(execution, documents=(), within_documents=within), notes
 
 
-def check_lora(args: ModelArguments, config, layout: Layout) -> None:
-    """LoRA's adapters against the model and the layout: some projection must be adapted, dropout's masks must
-    agree across the tp ranks that share an input, and the sparse-attention layers' absorbed kv_b_proj (used as a
-    weight, not called) and their dense warm-up (which trains the indexers alone) take no adapters."""
+def check_lora(args: PretrainArguments, config, layout: Layout) -> None:
+    """LoRA's adapters against the model, the layout and the saves: some projection must be adapted, dropout's
+    masks must agree across the tp ranks that share an input, the sparse-attention layers' absorbed kv_b_proj
+    (used as a weight, not called) and their dense warm-up (which trains the indexers alone) take no adapters,
+    and checkpoints in transformers' layout have no place for them."""
     lora = LoRA.of(config)
     if lora is None:
         return
+    if args.checkpoint.save_to_hf:
+        raise TrainingConfigError("--save_to_hf with --lora: a checkpoint whose weights are a transformers folder has "
+                                  "no place for the adapters (transformers would load the base alone, and the folder "
+                                  "would not resume); save unified checkpoints and write the adapters with "
+                                  "tools/lora.py peft (or merged: tools/lora.py merge)")
+    args = args.model
     adapted = adapted_paths(plan_of(config))
     if not adapted:
         raise TrainingConfigError(f"--lora_target_modules {args.lora_target_modules!r} names no projection of "
@@ -267,7 +274,7 @@ def plan_run(args: PretrainArguments, config, end_of_document: int | None, world
                                   "each layer without the fp16 loss scale (not implemented); train with --bf16")
     validate_layout(config, layout)
     check_indexer_training(model, config, layout)
-    check_lora(model, config, layout)
+    check_lora(args, config, layout)
     check_context_parts(config, layout, data.max_seq_length)
     dense_cost = dense_cost_of(config, layout, batches.micro_batch, batches.accumulate_steps, data.max_seq_length,
                                model.recompute)

@@ -167,7 +167,8 @@ class Pretrainer:
         self.axes = self.plan.tp_axes(self.layout.tp)
         adapters = tuple(name for name in self.plan if is_adapter(name))
         if self.resume_dir is None and self.pretrained is not None and args.model.continue_training:
-            fresh = (*self.pretrained.fresh, *adapters)
+            # adapters start fresh, unless the folder is a LoRA run's with these settings (`model_config`)
+            fresh = (*self.pretrained.fresh, *(() if self.pretrained.config.get("lora") else adapters))
             load_pretrained(replace(self.pretrained, fresh=fresh), raw, self.axes, self.topo)
             if fresh:  # counted by its config, absent from the folder: drawn as a run from flags would
                 init_single_card_weights(raw, self.plan, self.topo, args.data.seed, args.model.initializer_range, fresh)
